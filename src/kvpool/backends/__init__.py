@@ -1,0 +1,5 @@
+"""Storage backends: one protocol (`base.Backend`), one adapter per store."""
+
+from kvpool.backends.base import Backend, create_backend
+
+__all__ = ["Backend", "create_backend"]

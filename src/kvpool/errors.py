@@ -1,0 +1,71 @@
+"""Error codes and exceptions shared by every layer of kvpool.
+
+Codes reuse Mooncake Store's names and numbers so that a log line or the spec's
+troubleshooting section reads the same whichever backend produced it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.IntEnum):
+    """Mooncake-compatible result codes (0 is success, everything else is negative)."""
+
+    OK = 0
+    INTERNAL_ERROR = -1
+    BUFFER_OVERFLOW = -10
+    SEGMENT_NOT_FOUND = -101
+    NO_AVAILABLE_HANDLE = -200
+    INVALID_KEY = -400
+    INVALID_PARAMS = -600
+    OBJECT_NOT_FOUND = -704
+    OBJECT_ALREADY_EXISTS = -705
+    OBJECT_HAS_LEASE = -706
+    LEASE_EXPIRED = -707
+    CHECKSUM_MISMATCH = -801
+    RPC_FAIL = -900
+    RPC_TIMEOUT = -901
+    UNAVAILABLE_IN_CURRENT_STATUS = -1000
+
+
+class KVPoolError(Exception):
+    """Base of every kvpool exception; carries a Mooncake-compatible code."""
+
+    code: ErrorCode = ErrorCode.INTERNAL_ERROR
+
+    def __init__(self, message: str, code: ErrorCode | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+    def __str__(self) -> str:
+        return f"[{self.code.name} {int(self.code)}] {super().__str__()}"
+
+
+class ConfigError(KVPoolError):
+    """A configuration value is invalid; raised at start-up, never mid-request.
+
+    The message names the key, the value that was given and what is expected.
+    """
+
+    code = ErrorCode.INVALID_PARAMS
+
+    def __init__(self, key: str, value: object, expected: str) -> None:
+        self.key = key
+        self.value = value
+        self.expected = expected
+        super().__init__(f"{key}={value!r} is invalid: {expected}")
+
+
+class StoreError(KVPoolError):
+    """A store operation failed with the given code (for one key or a whole call)."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message, code)
+
+
+class BackendUnavailable(KVPoolError):
+    """The backend's service cannot be reached; callers treat it as a miss."""
+
+    code = ErrorCode.RPC_FAIL

@@ -1,0 +1,97 @@
+"""Pool keys: which bytes a key names, and a fingerprint of what makes those bytes compatible.
+
+A key names one block (`block_size` tokens) of one KV-cache group, for all layers held by one
+TP shard and PP stage:
+
+    {model}@{layout}@tp{shard}/{shards}@pp{pp_rank}/{pp_size}@g{group}@{block_hash_hex}
+
+The block hash is vLLM's chained prefix hash, so it already covers LoRA, multimodal inputs and
+`cache_salt`. The layout fingerprint makes an instance with another dtype, block size, head
+split or layer count miss instead of loading bytes it would misread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+
+# Keys are ASCII and bounded so every backend (Yuanrong: 1024 bytes) can store them unchanged.
+_MODEL_NAME_MAX = 96
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutInfo:
+    """What must match for two instances' KV bytes to be interchangeable."""
+
+    dtype: str
+    block_size: int
+    block_shape: tuple[int, ...]  # one layer's block, block dimension removed
+    num_layers_total: int  # of the whole model, so every PP stage computes the same fingerprint
+    cache_layout: str  # e.g. the attention backend name
+
+    def fingerprint(self) -> str:
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def model_key_name(model: str) -> str:
+    """A short, key-safe name for the model: its real path for local models, else its name."""
+    if os.path.isdir(model):
+        model = os.path.realpath(model)
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model.strip("/"))
+    if len(safe) > _MODEL_NAME_MAX:
+        digest = hashlib.sha256(model.encode()).hexdigest()[:16]
+        safe = safe[-(_MODEL_NAME_MAX - 17):] + "-" + digest
+    return safe
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyScheme:
+    """Builds pool keys for one instance's parallel layout.
+
+    `kv_shards` is the number of distinct KV-head slices across TP ranks: equal to the TP size
+    when every rank holds different heads, smaller when ranks replicate heads (KV heads < TP, or
+    MLA where all ranks hold the same latent cache). Ranks of one shard share a key and only the
+    first of them writes it.
+    """
+
+    model: str
+    layout: str
+    tp_rank: int = 0
+    tp_size: int = 1
+    kv_shards: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    group: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tp_size % self.kv_shards:
+            raise ValueError(f"tp_size={self.tp_size} is not a multiple of kv_shards={self.kv_shards}")
+
+    @property
+    def shard(self) -> int:
+        return self.tp_rank // (self.tp_size // self.kv_shards)
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this rank writes its shard's keys (the first TP rank of each shard does)."""
+        return self.tp_rank % (self.tp_size // self.kv_shards) == 0
+
+    def key(self, block_hash: bytes, shard: int | None = None, pp_rank: int | None = None) -> str:
+        s = self.shard if shard is None else shard
+        p = self.pp_rank if pp_rank is None else pp_rank
+        return (
+            f"{self.model}@{self.layout}@tp{s}/{self.kv_shards}@pp{p}/{self.pp_size}"
+            f"@g{self.group}@{block_hash.hex()}"
+        )
+
+    def keys(self, block_hashes: Sequence[bytes]) -> list[str]:
+        """This rank's keys for the given blocks."""
+        return [self.key(h) for h in block_hashes]
+
+    def all_rank_keys(self, block_hash: bytes) -> list[str]:
+        """The keys of every shard and PP stage for one block: a block is a hit only if all exist."""
+        return [self.key(block_hash, s, p) for p in range(self.pp_size) for s in range(self.kv_shards)]

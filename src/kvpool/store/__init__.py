@@ -1,0 +1,22 @@
+"""The pool engine: offset allocator, SSD tier and Mooncake-master semantics.
+
+Plain Python + numpy on purpose: the same code runs in-process (``local``
+backend) and inside the host-shared daemon, neither of which may import vLLM or
+torch.
+"""
+
+from kvpool.store.allocator import OffsetAllocator
+from kvpool.store.disk import DiskPolicy, DiskTier, validate_offload_path
+from kvpool.store.engine import Allocation, EngineConfig, Lease, PoolEngine, ReapReport
+
+__all__ = [
+    "Allocation",
+    "DiskPolicy",
+    "DiskTier",
+    "EngineConfig",
+    "Lease",
+    "OffsetAllocator",
+    "PoolEngine",
+    "ReapReport",
+    "validate_offload_path",
+]

@@ -1,0 +1,395 @@
+"""SSD tier: one checksummed file per object under a validated directory.
+
+File layout (little-endian)::
+
+    magic b"KVPL" | version u16 | reserved u16 | key_len u32 | payload_len u64 | crc32 u32
+    key (utf-8, key_len bytes)
+    payload (payload_len bytes)
+
+The file name is the sha256 hex of the key, in a subdirectory named by its first
+two hex characters (keeps directories small when there are millions of objects).
+The key is stored in the header too so a restart can rebuild the index by reading
+headers only, and so a hash collision or a misplaced file is detected.
+
+Invariants:
+
+* a file under its final name is complete: writes go to a temp file in the same
+  directory and are renamed with ``os.replace`` (atomic on POSIX). We do not
+  fsync: after a power loss a file may be short or zeroed, and the length and
+  crc32 checks turn that into a miss instead of data;
+* ``get`` never returns bytes whose crc32 does not match; such a file is deleted
+  and counted in ``checksum_failures``;
+* ``used_bytes`` (file sizes, headers included, plus in-flight writes) never
+  exceeds ``quota_bytes``.
+
+Thread-safe: one internal lock guards the index; file reads and writes happen
+outside it (an unlinked file stays readable through an open descriptor).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import itertools
+import logging
+import os
+import struct
+import threading
+import zlib
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, NoReturn
+
+from kvpool.errors import ConfigError, ErrorCode, StoreError
+
+logger = logging.getLogger(__name__)
+
+DiskPolicy = Literal["none", "fifo", "lru"]
+# Anything exporting the buffer protocol (bytes, memoryview, numpy array); Python
+# 3.11 has no static type for that (collections.abc.Buffer arrived in 3.12).
+Buffer = Any
+
+MAGIC = b"KVPL"
+VERSION = 1
+_HEADER = struct.Struct("<4sHHIQI")
+HEADER_SIZE = _HEADER.size
+_TMP_MARK = ".tmp."
+_POLICIES = ("none", "fifo", "lru")
+
+
+def validate_offload_path(path: str) -> None:
+    """Check the SSD offload directory, raising ``ConfigError`` naming what to fix.
+
+    Rules: absolute, no ``..`` component, no symlink anywhere in it (the resolved
+    path must equal the written one, so the pool can never be redirected
+    elsewhere by a link), exists, is a directory, writable.
+    """
+
+    def fail(expected: str) -> None:
+        raise ConfigError(key="ssd_offload_path", value=path, expected=expected)
+
+    if not isinstance(path, str) or not path:
+        fail("a non-empty absolute directory path, e.g. /mnt/nvme/kvpool")
+    if not os.path.isabs(path):
+        fail("an absolute path (starting with '/'), e.g. /mnt/nvme/kvpool")
+    if ".." in path.split("/"):
+        fail("a path without '..' components; write the resolved directory instead")
+    normalized = os.path.normpath(path)
+    if os.path.realpath(path) != normalized:
+        fail(
+            f"a path without symlinks (it resolves to {os.path.realpath(path)!r}); "
+            f"use the resolved path"
+        )
+    if not os.path.exists(path):
+        fail("an existing directory; create it first (mkdir -p) with the serving user as owner")
+    if not os.path.isdir(path):
+        fail("a directory, not a file")
+    if not os.access(path, os.W_OK | os.X_OK):
+        fail("a directory writable by the serving user; fix its owner or mode")
+
+
+def _as_bytes_views(data: Buffer | Sequence[Buffer]) -> list[memoryview]:
+    """Flatten one buffer or a list of buffers into byte-format memoryviews."""
+    if isinstance(data, (list, tuple)):
+        items: Iterable[object] = data
+    else:
+        items = (data,)
+    views = []
+    for item in items:
+        view = memoryview(item)  # type: ignore[arg-type]
+        if not view.c_contiguous:
+            raise StoreError(
+                ErrorCode.INVALID_PARAMS,
+                "disk put got a non-contiguous buffer: pass contiguous arrays/bytes",
+            )
+        views.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
+    return views
+
+
+class DiskTier:
+    """Byte-quota'd store of immutable objects, one file each, surviving restarts.
+
+    ``policy``: ``none`` rejects a write that would pass the quota
+    (NO_AVAILABLE_HANDLE); ``fifo`` evicts the oldest-written files; ``lru`` the
+    least recently read (recency is in-memory only: after a restart the order
+    starts from file modification times, i.e. write order).
+
+    One DiskTier per directory: two processes sharing a path would each keep
+    their own index and quota.
+    """
+
+    def __init__(self, path: str, quota_bytes: int, policy: DiskPolicy = "none") -> None:
+        validate_offload_path(path)
+        if policy not in _POLICIES:
+            raise ConfigError(key="ssd_eviction_policy", value=policy, expected="one of none, fifo, lru")
+        if not isinstance(quota_bytes, int) or quota_bytes <= 0:
+            raise ConfigError(
+                key="ssd_quota_bytes", value=quota_bytes, expected="a positive int of bytes"
+            )
+        self.path = os.path.normpath(path)
+        self.quota_bytes = quota_bytes
+        self.policy: DiskPolicy = policy
+        self._lock = threading.Lock()
+        # key -> file size; order is eviction order (oldest/least recent first).
+        self._index: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._inflight: dict[str, int] = {}  # key -> reserved bytes while its file is written
+        self._used = 0
+        self._tmp_counter = itertools.count()
+        self.checksum_failures = 0
+        self.evictions = 0
+        self.removed_at_scan = 0
+        self._scan()
+
+    # ---- public API -------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used
+
+    @property
+    def count(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    @staticmethod
+    def entry_size(key: str, payload_len: int) -> int:
+        """Bytes a file for ``key`` with ``payload_len`` payload bytes takes (counted against the quota)."""
+        return HEADER_SIZE + len(key.encode("utf-8")) + payload_len
+
+    def contains(self, key: str) -> bool:
+        """Index lookup only (no I/O); a corrupt file is still 'contained' until read."""
+        with self._lock:
+            return key in self._index
+
+    def keys(self) -> list[str]:
+        """Stored keys in eviction order (first = next victim)."""
+        with self._lock:
+            return list(self._index)
+
+    def put(self, key: str, data: Buffer | Sequence[Buffer]) -> ErrorCode:
+        """Store ``data`` (one buffer or a list written back-to-back) under ``key``.
+
+        Objects are immutable: a key already stored (or being stored) is a no-op OK.
+        """
+        views = _as_bytes_views(data)
+        key_bytes = key.encode("utf-8")
+        payload_len = sum(v.nbytes for v in views)
+        size = HEADER_SIZE + len(key_bytes) + payload_len
+        if size > self.quota_bytes:
+            logger.warning(
+                "disk tier: key=%r needs %d bytes, more than the whole quota %d; "
+                "raise the SSD quota to store objects this large",
+                key, size, self.quota_bytes,
+            )
+            return ErrorCode.NO_AVAILABLE_HANDLE
+        with self._lock:
+            if key in self._index or key in self._inflight:
+                return ErrorCode.OK
+            if self._used + size > self.quota_bytes:
+                if self.policy == "none":
+                    return ErrorCode.NO_AVAILABLE_HANDLE
+                self._evict_locked(self._used + size - self.quota_bytes)
+                if self._used + size > self.quota_bytes:
+                    # Only in-flight writes are left to blame; they cannot be evicted.
+                    return ErrorCode.NO_AVAILABLE_HANDLE
+            self._inflight[key] = size
+            self._used += size
+
+        final = self._file_path(key)
+        tmp = f"{final}{_TMP_MARK}{os.getpid()}.{next(self._tmp_counter)}"
+        try:
+            crc = 0
+            for v in views:
+                crc = zlib.crc32(v, crc)
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(_HEADER.pack(MAGIC, VERSION, 0, len(key_bytes), payload_len, crc))
+                f.write(key_bytes)
+                for v in views:
+                    f.write(v)
+            with self._lock:
+                os.replace(tmp, final)
+                del self._inflight[key]
+                self._index[key] = size
+            return ErrorCode.OK
+        except OSError as exc:
+            logger.warning("disk tier: writing key=%r to %s failed: %s", key, final, exc)
+            with self._lock:
+                if self._inflight.pop(key, None) is not None:
+                    self._used -= size
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return ErrorCode.INTERNAL_ERROR
+
+    def get(self, key: str) -> bytes:
+        """Return the payload of ``key``.
+
+        Raises StoreError(OBJECT_NOT_FOUND) when absent, StoreError(CHECKSUM_MISMATCH)
+        when the file is corrupt or truncated (the file is deleted: it can never
+        become valid, and leaving it would fail every later read too).
+        """
+        with self._lock:
+            if key not in self._index:
+                raise StoreError(ErrorCode.OBJECT_NOT_FOUND, f"key={key!r} is not on the disk tier")
+            if self.policy == "lru":
+                self._index.move_to_end(key)
+        file_path = self._file_path(key)
+        try:
+            with open(file_path, "rb") as f:
+                # Read the parts separately so the payload is not copied a second
+                # time by slicing one big buffer (objects are often megabytes).
+                head = f.read(HEADER_SIZE)
+                parsed = _HEADER.unpack(head) if len(head) == HEADER_SIZE else None
+                key_bytes = f.read(parsed[3]) if parsed else b""
+                payload = f.read(parsed[4]) if parsed else b""
+                trailing = f.read(1)
+        except FileNotFoundError:
+            # Evicted or removed between the index check and the open.
+            with self._lock:
+                self._drop_locked(key, unlink=False)
+            raise StoreError(ErrorCode.OBJECT_NOT_FOUND, f"key={key!r} is not on the disk tier") from None
+        problem = self._check_file(parsed, key_bytes, payload, trailing, key)
+        if problem is not None:
+            self._corrupt(key, file_path, problem)
+        return payload
+
+    def remove(self, key: str) -> ErrorCode:
+        """Delete ``key``'s file; OBJECT_NOT_FOUND if it is not stored."""
+        with self._lock:
+            if key not in self._index:
+                return ErrorCode.OBJECT_NOT_FOUND
+            self._drop_locked(key, unlink=True)
+            return ErrorCode.OK
+
+    # ---- internals ----------------------------------------------------------
+
+    def _file_path(self, key: str) -> str:
+        digest = hashlib.sha256(key.encode("utf-8")).hexdigest()
+        return os.path.join(self.path, digest[:2], digest)
+
+    @staticmethod
+    def _check_file(
+        parsed: tuple[Any, ...] | None, key_bytes: bytes, payload: bytes, trailing: bytes, key: str
+    ) -> str | None:
+        """Return why the file read for ``key`` is invalid, or None if it is valid."""
+        if parsed is None:
+            return "truncated header"
+        magic, version, _, key_len, payload_len, crc = parsed
+        if magic != MAGIC or version != VERSION:
+            return f"bad magic/version {magic!r}/{version}"
+        if len(key_bytes) != key_len or len(payload) != payload_len:
+            return f"payload has {len(payload)} of {payload_len} bytes (truncated)"
+        if trailing:
+            return "trailing bytes after the payload"
+        if key_bytes != key.encode("utf-8"):
+            return "stored key differs from the requested key"
+        if zlib.crc32(payload) != crc:
+            return "crc32 mismatch"
+        return None
+
+    def _corrupt(self, key: str, file_path: str, problem: str) -> NoReturn:
+        logger.warning(
+            "disk tier: key=%r file %s is corrupt (%s); deleted it and reporting a miss",
+            key, file_path, problem,
+        )
+        with self._lock:
+            self.checksum_failures += 1
+            self._drop_locked(key, unlink=True)
+        raise StoreError(
+            ErrorCode.CHECKSUM_MISMATCH,
+            f"key={key!r}: disk copy at {file_path} is corrupt ({problem}); it was deleted, "
+            f"the object must be recomputed",
+        )
+
+    def _drop_locked(self, key: str, unlink: bool) -> None:
+        size = self._index.pop(key, None)
+        if size is None:
+            return
+        self._used -= size
+        if unlink:
+            try:
+                os.unlink(self._file_path(key))
+            except FileNotFoundError:
+                pass
+
+    def _evict_locked(self, need: int) -> None:
+        freed = 0
+        while freed < need and self._index:
+            victim = next(iter(self._index))
+            freed += self._index[victim]
+            self._drop_locked(victim, unlink=True)
+            self.evictions += 1
+
+    def _scan(self) -> None:
+        """Rebuild the index from files a previous process left, reading headers only.
+
+        Only names this tier creates are touched (2-hex dirs holding 64-hex files
+        and their temp files); anything else in the directory is left alone.
+        """
+        found: list[tuple[float, str, int]] = []
+        hexdigits = set("0123456789abcdef")
+        for shard in os.scandir(self.path):
+            if not (shard.is_dir(follow_symlinks=False) and len(shard.name) == 2 and set(shard.name) <= hexdigits):
+                continue
+            for entry in os.scandir(shard.path):
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                name = entry.name
+                if _TMP_MARK in name and len(name) > 64 and set(name[:64]) <= hexdigits:
+                    # A write the previous process never renamed: never complete.
+                    self._unlink_quietly(entry.path)
+                    continue
+                if len(name) != 64 or not set(name) <= hexdigits or not name.startswith(shard.name):
+                    continue
+                key, problem = self._read_header(entry.path, name)
+                if key is None:
+                    logger.warning("disk tier: removing %s at start-up: %s", entry.path, problem)
+                    self.removed_at_scan += 1
+                    self._unlink_quietly(entry.path)
+                    continue
+                st = entry.stat(follow_symlinks=False)
+                found.append((st.st_mtime, key, st.st_size))
+        found.sort()
+        for _, key, size in found:
+            self._index[key] = size
+            self._used += size
+        if self._used > self.quota_bytes:
+            # The quota shrank since the previous run; honour it now rather than never.
+            logger.warning(
+                "disk tier: %d bytes on disk exceed quota %d at start-up; evicting oldest",
+                self._used, self.quota_bytes,
+            )
+            self._evict_locked(self._used - self.quota_bytes)
+
+    @staticmethod
+    def _read_header(file_path: str, name: str) -> tuple[str | None, str]:
+        try:
+            size = os.path.getsize(file_path)
+            with open(file_path, "rb") as f:
+                head = f.read(HEADER_SIZE)
+                if len(head) < HEADER_SIZE:
+                    return None, "truncated header"
+                magic, version, _, key_len, payload_len, _ = _HEADER.unpack(head)
+                if magic != MAGIC or version != VERSION:
+                    return None, f"bad magic/version {magic!r}/{version}"
+                if size != HEADER_SIZE + key_len + payload_len:
+                    return None, f"size {size} != header-declared {HEADER_SIZE + key_len + payload_len}"
+                key_bytes = f.read(key_len)
+        except OSError as exc:
+            return None, f"unreadable: {exc}"
+        try:
+            key = key_bytes.decode("utf-8")
+        except UnicodeDecodeError:
+            return None, "key is not utf-8"
+        if hashlib.sha256(key_bytes).hexdigest() != name:
+            return None, "file name does not match the stored key"
+        return key, ""
+
+    @staticmethod
+    def _unlink_quietly(file_path: str) -> None:
+        try:
+            os.unlink(file_path)
+        except OSError:
+            pass

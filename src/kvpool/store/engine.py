@@ -1,0 +1,846 @@
+"""The pool engine: Mooncake-master semantics over a caller-supplied byte arena.
+
+Everything the engine hands out is an offset into the arena, never a Python
+object, because the daemon's clients map the same arena from POSIX shared memory
+and copy with their own pointers. The in-process ``put``/``get_into`` helpers
+are the same two-phase protocol a remote client follows, done locally.
+
+Invariants (tests/store/test_properties.py checks them under random operation
+sequences):
+
+* memory used (allocator reserved bytes) never exceeds capacity, and live
+  ranges never overlap;
+* readers never see an uncommitted object: ``acquire``/``exists`` only look at
+  committed objects, the spill buffer and the disk tier;
+* an object holding an unexpired lease (or pinned by the disk writer) is never
+  evicted or removed, so its bytes do not change under a reader;
+* a read whose lease expired, or whose object was replaced (different
+  generation), is reported LEASE_EXPIRED by ``validate`` rather than trusted;
+* with a disk tier, an object evicted from memory is already on disk or is
+  spilled there (readers find it in the spill buffer meanwhile), so eviction
+  moves data down a tier instead of losing it (unless the disk refuses it).
+
+Concurrency: one ``threading.Lock`` guards all metadata. Bulk byte copies and
+disk I/O happen outside it; leases/pins/pending allocations are what keep the
+copied ranges stable meanwhile. Lock order is engine lock -> disk tier lock; the
+disk tier never calls back into the engine.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvpool.errors import ConfigError, ErrorCode, StoreError
+from kvpool.store.allocator import OffsetAllocator
+from kvpool.store.disk import DiskTier
+
+logger = logging.getLogger(__name__)
+
+# Anything exporting the buffer protocol as contiguous bytes: 1-D uint8 numpy
+# arrays, memoryviews, bytes/bytearray. Python 3.11 has no static type for it.
+Buffer = Any
+
+_STAT_NAMES = (
+    "puts",
+    "gets",
+    "hits",
+    "disk_hits",
+    "misses",
+    "evictions",
+    "promotions",
+    "allocation_failures",
+    "lease_expired",
+    "disk_write_errors",
+    "reclaimed_allocations",
+    "reaped_clients",
+)
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings; names follow the spec's mooncake_master flags.
+
+    ``disk_write_through``: every committed object is also queued for the disk
+    tier, so eviction is a cheap drop and a restart finds everything; without it
+    the disk tier only receives objects at eviction (spill) time.
+    ``reap_interval_s``: how often a background thread calls ``reap``; 0 turns
+    the thread off (tests with an injected clock call ``reap`` themselves).
+    """
+
+    memory_size: int
+    eviction_high_watermark_ratio: float = 0.9
+    eviction_ratio: float = 0.1
+    default_kv_lease_ttl_ms: int = 5000
+    client_ttl_s: float = 10.0
+    put_timeout_s: float = 30.0
+    disk: DiskTier | None = None
+    disk_write_through: bool = True
+    alignment: int = 64
+    reap_interval_s: float = 1.0
+    disk_queue_size: int = 1024
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first invalid field, its value and what is expected."""
+
+        def positive(name: str, value: object, kind: type | tuple[type, ...]) -> None:
+            if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:  # type: ignore[operator]
+                raise ConfigError(key=name, value=value, expected="a positive number")
+
+        positive("memory_size", self.memory_size, int)
+        if self.memory_size < self.alignment:
+            raise ConfigError(
+                key="memory_size",
+                value=self.memory_size,
+                expected=f"at least alignment={self.alignment} bytes (e.g. 4GB)",
+            )
+        for name in ("eviction_high_watermark_ratio", "eviction_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ConfigError(key=name, value=value, expected="a ratio in (0, 1], e.g. 0.9 / 0.1")
+        positive("default_kv_lease_ttl", self.default_kv_lease_ttl_ms, int)
+        positive("client_ttl", self.client_ttl_s, (int, float))
+        positive("put_timeout_s", self.put_timeout_s, (int, float))
+        positive("alignment", self.alignment, int)
+        positive("disk_queue_size", self.disk_queue_size, int)
+        if isinstance(self.reap_interval_s, bool) or not isinstance(self.reap_interval_s, (int, float)) \
+                or self.reap_interval_s < 0:
+            raise ConfigError(
+                key="reap_interval_s", value=self.reap_interval_s, expected="seconds >= 0 (0 disables)"
+            )
+        if self.disk is not None and not isinstance(self.disk, DiskTier):
+            raise ConfigError(key="disk", value=self.disk, expected="a DiskTier or None")
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """A reserved, not yet visible range: write ``size`` bytes at ``offset`` then ``commit(handle)``."""
+
+    handle: int
+    key: str
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A read lease on ``key``: its bytes at ``arena[offset:offset+size]`` stay put until ``expires_at``.
+
+    When an object was found only on disk and could not be promoted into memory
+    (no room even after eviction), the engine returns the bytes themselves in
+    ``data`` with ``offset == -1`` and ``generation == 0``: the reader still gets
+    its hit, and nothing in the arena had to be disturbed for it.
+    """
+
+    key: str
+    offset: int
+    size: int
+    generation: int
+    expires_at: float
+    lease_id: int = 0
+    data: bytes | None = None
+
+
+@dataclass(frozen=True)
+class ReapReport:
+    """What one ``reap`` call dropped."""
+
+    clients: int
+    leases: int
+    allocations: int
+
+
+@dataclass
+class _Object:
+    key: str
+    offset: int
+    size: int
+    generation: int
+    # lease id -> (client id, expires_at); lookup leases have ids too, just unreturned.
+    leases: dict[int, tuple[str, float]] = field(default_factory=dict)
+    pins: int = 0  # the disk writer's internal leases; they never expire
+    on_disk: bool = False
+
+
+@dataclass
+class _Pending:
+    handle: int
+    key: str
+    offset: int
+    size: int
+    client_id: str
+    created_at: float
+    generation: int
+
+
+def _as_u8(buf: Buffer, writable: bool = False) -> np.ndarray:
+    """View ``buf`` as a 1-D uint8 array without copying; raises ValueError/TypeError if impossible."""
+    if isinstance(buf, np.ndarray) and buf.ndim == 1 and buf.dtype == np.uint8:
+        arr = buf
+    else:
+        view = memoryview(buf)
+        if not view.c_contiguous:
+            raise ValueError("buffer is not contiguous")
+        arr = np.frombuffer(view.cast("B"), dtype=np.uint8)
+    if not arr.flags.c_contiguous:
+        raise ValueError("buffer is not contiguous")
+    if writable and not arr.flags.writeable:
+        raise ValueError("buffer is read-only")
+    return arr
+
+
+class PoolEngine:
+    """Mooncake-master-like object pool over one arena (see the module docstring for invariants).
+
+    Thread-safe. ``clock`` (monotonic seconds) is injectable so tests can move
+    time for lease expiry, client TTLs and put timeouts.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        arena: memoryview | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        config.validate()
+        self.config = config
+        self._clock = clock
+        if arena is None:
+            # np.zeros maps zero pages lazily, so a large pool costs nothing until used.
+            self._arena = np.zeros(config.memory_size, dtype=np.uint8)
+        else:
+            try:
+                arr = _as_u8(arena, writable=True)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(
+                    key="arena", value=type(arena).__name__,
+                    expected=f"a writable contiguous byte buffer ({exc})",
+                ) from None
+            if arr.size < config.memory_size:
+                raise ConfigError(
+                    key="memory_size", value=config.memory_size,
+                    expected=f"at most the arena's {arr.size} bytes; map a larger arena or lower it",
+                )
+            self._arena = arr[: config.memory_size]
+        self._alloc = OffsetAllocator(config.memory_size, config.alignment)
+        self._high_bytes = config.eviction_high_watermark_ratio * self._alloc.capacity
+        self._ttl_s = config.default_kv_lease_ttl_ms / 1000.0
+        self._disk = config.disk
+
+        self._lock = threading.Lock()
+        self._unpinned = threading.Condition(self._lock)  # signalled when the disk writer unpins
+        self._objects: dict[str, _Object] = {}
+        self._lru: collections.OrderedDict[str, None] = collections.OrderedDict()  # committed, oldest first
+        self._pending: dict[int, _Pending] = {}
+        self._pending_keys: dict[str, int] = {}
+        # Evicted objects on their way to disk; readers are served from here meanwhile.
+        self._spill: dict[str, bytes] = {}
+        self._clients: dict[str, float] = {}
+        self._handles = itertools.count(1)
+        self._generations = itertools.count(1)
+        self._lease_ids = itertools.count(1)
+        self._stats = dict.fromkeys(_STAT_NAMES, 0)
+        self._closed = False
+
+        self._stop = threading.Event()
+        self._queue: queue.Queue[str | None] | None = None
+        self._writer: threading.Thread | None = None
+        if self._disk is not None and config.disk_write_through:
+            self._queue = queue.Queue(maxsize=config.disk_queue_size)
+            self._writer = threading.Thread(target=self._writer_loop, name="kvpool-disk-writer", daemon=True)
+            self._writer.start()
+        self._reaper: threading.Thread | None = None
+        if config.reap_interval_s > 0:
+            self._reaper = threading.Thread(target=self._reaper_loop, name="kvpool-reaper", daemon=True)
+            self._reaper.start()
+
+    # ---- arena ----------------------------------------------------------------
+
+    @property
+    def arena(self) -> memoryview:
+        """The managed arena (``memory_size`` bytes) that offsets refer to."""
+        return memoryview(self._arena)
+
+    @property
+    def capacity(self) -> int:
+        """Usable bytes (memory_size rounded down to the alignment)."""
+        return self._alloc.capacity
+
+    def reserved_size(self, size: int) -> int:
+        """Arena bytes an object of ``size`` occupies (rounded up to the alignment, min one unit)."""
+        return self._alloc.reserved_size(size)
+
+    # ---- two-phase put --------------------------------------------------------
+
+    def allocate(self, client_id: str, key: str, size: int) -> Allocation | ErrorCode:
+        """Reserve ``size`` bytes for ``key``; the caller writes them, then commits.
+
+        OBJECT_ALREADY_EXISTS when ``key`` is committed in memory or being written
+        (a key that is only on disk may be put again: that re-promotes it).
+        NO_AVAILABLE_HANDLE when it cannot fit even after eviction; eviction never
+        touches leased, pinned or uncommitted objects.
+        """
+        if not isinstance(key, str) or not key:
+            return ErrorCode.INVALID_KEY
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            return ErrorCode.INVALID_PARAMS
+        now = self._clock()
+        with self._lock:
+            self._touch_client(client_id, now)
+            result, spills = self._allocate_locked(client_id, key, size, now)
+        self._write_spills(spills)
+        return result
+
+    def commit(self, handle: int) -> ErrorCode:
+        """Make an allocation visible to readers.
+
+        OBJECT_NOT_FOUND when the handle is unknown: never issued, already
+        committed/aborted, or reclaimed by ``reap`` (writer silent past
+        client_ttl_s, or not committed within put_timeout_s) - the bytes were
+        not stored and the put must be retried.
+        """
+        now = self._clock()
+        with self._lock:
+            pending = self._pending.get(handle)
+            if pending is None:
+                logger.warning(
+                    "commit(handle=%r): unknown handle (already committed/aborted, or reclaimed "
+                    "after put_timeout_s=%s / client_ttl_s=%s); retry the put",
+                    handle, self.config.put_timeout_s, self.config.client_ttl_s,
+                )
+                return ErrorCode.OBJECT_NOT_FOUND
+            self._touch_client(pending.client_id, now)
+            self._commit_locked(pending)
+            return ErrorCode.OK
+
+    def abort(self, handle: int) -> ErrorCode:
+        """Give back an allocation without publishing it (OBJECT_NOT_FOUND if the handle is unknown)."""
+        with self._lock:
+            pending = self._pending.pop(handle, None)
+            if pending is None:
+                return ErrorCode.OBJECT_NOT_FOUND
+            del self._pending_keys[pending.key]
+            self._alloc.free(pending.offset)
+            return ErrorCode.OK
+
+    # ---- reads ------------------------------------------------------------------
+
+    def acquire(self, client_id: str, key: str) -> Lease | ErrorCode:
+        """Grant a read lease on ``key`` (refreshes its LRU position).
+
+        Falls back to the spill buffer and then the disk tier; a disk hit is
+        checksum-verified and promoted into memory when it fits (possibly
+        evicting colder objects), else returned in ``Lease.data``.
+        OBJECT_NOT_FOUND when absent everywhere, CHECKSUM_MISMATCH when the disk
+        copy is corrupt (the disk tier deletes it).
+        """
+        if not isinstance(key, str) or not key:
+            return ErrorCode.INVALID_KEY
+        now = self._clock()
+        with self._lock:
+            self._touch_client(client_id, now)
+            lease = self._lease_locked(client_id, key, now)
+            if lease is not None:
+                self._stats["hits"] += 1
+                return lease
+            data = self._spill.get(key)
+        if data is None:
+            if self._disk is None:
+                with self._lock:
+                    self._stats["misses"] += 1
+                return ErrorCode.OBJECT_NOT_FOUND
+            try:
+                data = self._disk.get(key)
+            except StoreError as exc:
+                with self._lock:
+                    self._stats["misses"] += 1
+                return exc.code
+        return self._promote(client_id, key, data)
+
+    def release(self, lease: Lease) -> None:
+        """End a read lease early so the object becomes evictable again. Idempotent."""
+        if not lease.lease_id:
+            return
+        with self._lock:
+            obj = self._objects.get(lease.key)
+            if obj is not None and obj.generation == lease.generation:
+                obj.leases.pop(lease.lease_id, None)
+
+    def validate(self, lease: Lease) -> ErrorCode:
+        """After copying out, tell whether the copied bytes were stable (OK) or not (LEASE_EXPIRED).
+
+        LEASE_EXPIRED when now > expires_at, when the object was evicted/removed
+        or replaced by a newer generation, or when ``reap`` dropped the lease.
+        """
+        now = self._clock()
+        expired = now > lease.expires_at
+        if not expired and lease.data is None:
+            with self._lock:
+                obj = self._objects.get(lease.key)
+                expired = (
+                    obj is None
+                    or obj.generation != lease.generation
+                    or (lease.lease_id != 0 and lease.lease_id not in obj.leases)
+                )
+        if expired:
+            with self._lock:
+                self._stats["lease_expired"] += 1
+            return ErrorCode.LEASE_EXPIRED
+        return ErrorCode.OK
+
+    def exists(self, keys: Sequence[str], client_id: str | None = None, lease: bool = False) -> list[bool]:
+        """Per key: is it in memory, the spill buffer or on disk.
+
+        ``lease=True`` grants each in-memory hit a lookup lease of
+        default_kv_lease_ttl_ms so it is not evicted before the reader comes
+        (disk-only hits need none: nothing evicts them from memory).
+        """
+        now = self._clock()
+        found: list[bool] = []
+        with self._lock:
+            if client_id:
+                self._touch_client(client_id, now)
+            for key in keys:
+                obj = self._objects.get(key)
+                if obj is not None:
+                    found.append(True)
+                    if lease:
+                        self._add_lease_locked(obj, client_id or "", now)
+                else:
+                    found.append(
+                        key in self._spill or (self._disk is not None and self._disk.contains(key))
+                    )
+        return found
+
+    # ---- in-process convenience (the `local` backend) -------------------------
+
+    def put(self, client_id: str, key: str, buffers: Sequence[Buffer]) -> ErrorCode:
+        """Store the concatenation of ``buffers`` under ``key`` (allocate, copy, commit).
+
+        A key already stored or being written is a no-op OK: objects are
+        immutable, so the other copy has the same bytes.
+        """
+        try:
+            sources = [_as_u8(b) for b in buffers]
+        except (TypeError, ValueError) as exc:
+            logger.warning("put(key=%r): bad buffer (%s); pass contiguous uint8 arrays", key, exc)
+            return ErrorCode.INVALID_PARAMS
+        result = self.allocate(client_id, key, sum(s.size for s in sources))
+        if result is ErrorCode.OBJECT_ALREADY_EXISTS:
+            return ErrorCode.OK
+        if isinstance(result, ErrorCode):
+            return result
+        try:
+            pos = result.offset
+            for src in sources:
+                self._arena[pos : pos + src.size] = src
+                pos += src.size
+        except BaseException:
+            self.abort(result.handle)
+            raise
+        return self.commit(result.handle)
+
+    def get_into(self, client_id: str, key: str, buffers: Sequence[Buffer]) -> ErrorCode:
+        """Copy ``key``'s bytes back-to-back into ``buffers`` (writable, sizes summing to the object size).
+
+        INVALID_PARAMS when the sizes do not add up; LEASE_EXPIRED when the copy
+        may be torn (the buffers then hold garbage and must be treated as a miss).
+        """
+        try:
+            outs = [_as_u8(b, writable=True) for b in buffers]
+        except (TypeError, ValueError) as exc:
+            logger.warning("get_into(key=%r): bad buffer (%s); pass writable contiguous uint8 arrays", key, exc)
+            return ErrorCode.INVALID_PARAMS
+        lease = self.acquire(client_id, key)
+        if isinstance(lease, ErrorCode):
+            return lease
+        try:
+            total = sum(o.size for o in outs)
+            if total != lease.size:
+                logger.warning(
+                    "get_into(key=%r): buffers hold %d bytes but the object has %d; "
+                    "pass buffers whose sizes add up to the stored size",
+                    key, total, lease.size,
+                )
+                return ErrorCode.INVALID_PARAMS
+            if lease.data is not None:
+                src = np.frombuffer(lease.data, dtype=np.uint8)
+            else:
+                src = self._arena[lease.offset : lease.offset + lease.size]
+            pos = 0
+            for out in outs:
+                out[:] = src[pos : pos + out.size]
+                pos += out.size
+            rc = self.validate(lease)
+            if rc is ErrorCode.OK:
+                with self._lock:
+                    self._stats["gets"] += 1
+            return rc
+        finally:
+            self.release(lease)
+
+    def batch_put(
+        self, client_id: str, keys: Sequence[str], values: Sequence[Sequence[Buffer]]
+    ) -> list[ErrorCode]:
+        """``put`` per key; one failing key does not stop the others."""
+        if len(keys) != len(values):
+            return [ErrorCode.INVALID_PARAMS] * len(keys)
+        return [self.put(client_id, k, v) for k, v in zip(keys, values)]
+
+    def batch_get_into(
+        self, client_id: str, keys: Sequence[str], buffers: Sequence[Sequence[Buffer]]
+    ) -> list[ErrorCode]:
+        """``get_into`` per key."""
+        if len(keys) != len(buffers):
+            return [ErrorCode.INVALID_PARAMS] * len(keys)
+        return [self.get_into(client_id, k, b) for k, b in zip(keys, buffers)]
+
+    def batch_exists(
+        self, keys: Sequence[str], client_id: str | None = None, lease: bool = False
+    ) -> list[bool]:
+        """Same as ``exists`` (named for symmetry with the other batch calls)."""
+        return self.exists(keys, client_id, lease)
+
+    # ---- management -------------------------------------------------------------
+
+    def remove(self, key: str) -> ErrorCode:
+        """Delete ``key`` from memory and disk; OBJECT_HAS_LEASE if a reader holds an unexpired lease.
+
+        The disk writer's pin is not a lease the caller can see or wait out, so
+        remove waits for it (one file write) instead of failing spuriously.
+        """
+        now = self._clock()
+        found = False
+        with self._lock:
+            while True:
+                obj = self._objects.get(key)
+                if obj is None:
+                    break
+                if self._is_leased(obj, now):
+                    return ErrorCode.OBJECT_HAS_LEASE
+                if obj.pins:
+                    self._unpinned.wait()
+                    continue  # re-check: the object may have changed meanwhile
+                self._drop_locked(obj)
+                found = True
+                break
+            if self._spill.pop(key, None) is not None:
+                found = True
+        # A spill of this key already being written may still land on disk after
+        # this; objects are immutable so that only resurrects identical bytes.
+        if self._disk is not None and self._disk.remove(key) is ErrorCode.OK:
+            found = True
+        return ErrorCode.OK if found else ErrorCode.OBJECT_NOT_FOUND
+
+    def ping(self, client_id: str) -> ErrorCode:
+        """Heartbeat; every other call with a client_id counts as one too."""
+        if not client_id:
+            return ErrorCode.INVALID_PARAMS
+        with self._lock:
+            self._touch_client(client_id, self._clock())
+        return ErrorCode.OK
+
+    def reap(self, now: float | None = None) -> ReapReport:
+        """Drop clients silent for client_ttl_s (their leases and unfinished allocations),
+        allocations older than put_timeout_s, and expired leases."""
+        if now is None:
+            now = self._clock()
+        cfg = self.config
+        with self._lock:
+            dead = {c for c, seen in self._clients.items() if now - seen > cfg.client_ttl_s}
+            for client in dead:
+                del self._clients[client]
+                logger.warning("client %r silent for > client_ttl_s=%ss; dropping its leases and puts",
+                               client, cfg.client_ttl_s)
+            dropped_leases = 0
+            for obj in self._objects.values():
+                if not obj.leases:
+                    continue
+                stale = [lid for lid, (c, exp) in obj.leases.items() if c in dead or exp < now]
+                for lid in stale:
+                    del obj.leases[lid]
+                dropped_leases += len(stale)
+            reclaimed = 0
+            for handle, pending in list(self._pending.items()):
+                too_old = now - pending.created_at > cfg.put_timeout_s
+                if pending.client_id in dead or too_old:
+                    logger.warning(
+                        "reclaiming uncommitted allocation of key=%r (%d bytes, client %r): %s",
+                        pending.key, pending.size, pending.client_id,
+                        f"not committed within put_timeout_s={cfg.put_timeout_s}" if too_old
+                        else "its client stopped pinging",
+                    )
+                    del self._pending[handle]
+                    del self._pending_keys[pending.key]
+                    self._alloc.free(pending.offset)
+                    reclaimed += 1
+            self._stats["reclaimed_allocations"] += reclaimed
+            self._stats["reaped_clients"] += len(dead)
+        return ReapReport(clients=len(dead), leases=dropped_leases, allocations=reclaimed)
+
+    def stats(self) -> dict[str, int | float]:
+        """Counters and gauges for /stats and /metrics."""
+        with self._lock:
+            out: dict[str, int | float] = dict(self._stats)
+            out.update(
+                memory_used=self._alloc.used,
+                memory_capacity=self._alloc.capacity,
+                memory_largest_free=self._alloc.largest_free(),
+                object_count=len(self._objects),
+                pending_allocations=len(self._pending),
+                spilling=len(self._spill),
+                clients=len(self._clients),
+            )
+        disk = self._disk
+        out.update(
+            disk_used=disk.used_bytes if disk else 0,
+            disk_count=disk.count if disk else 0,
+            disk_quota=disk.quota_bytes if disk else 0,
+            disk_evictions=disk.evictions if disk else 0,
+            checksum_failures=disk.checksum_failures if disk else 0,
+            disk_queue=self._queue.qsize() if self._queue else 0,
+        )
+        return out
+
+    def close(self) -> None:
+        """Stop background threads and flush the disk write-through queue.
+
+        With write-through, objects the bounded queue had no room for are written
+        now too, so a restarted engine on the same path finds every committed
+        object. Idempotent.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        if self._writer is not None and self._queue is not None:
+            self._queue.put(None)  # FIFO: everything queued before it is written first
+            self._writer.join()
+            with self._lock:
+                unsaved = [k for k, o in self._objects.items() if not o.on_disk]
+            for key in unsaved:
+                self._persist(key)
+        if self._reaper is not None:
+            self._reaper.join()
+
+    def __enter__(self) -> PoolEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals (callers hold self._lock unless the name says otherwise) -----
+
+    def _touch_client(self, client_id: str, now: float) -> None:
+        if client_id:
+            self._clients[client_id] = now
+
+    def _is_leased(self, obj: _Object, now: float) -> bool:
+        return any(exp >= now for _, exp in obj.leases.values())
+
+    def _is_held(self, obj: _Object, now: float) -> bool:
+        """Not evictable: leased by a reader or pinned by the disk writer."""
+        return obj.pins > 0 or self._is_leased(obj, now)
+
+    def _add_lease_locked(self, obj: _Object, client_id: str, now: float) -> tuple[int, float]:
+        if len(obj.leases) >= 16:
+            # Lookup leases are never released explicitly; prune here so a hot key's
+            # dict does not grow between reaps.
+            for lid in [lid for lid, (_, exp) in obj.leases.items() if exp < now]:
+                del obj.leases[lid]
+        lease_id = next(self._lease_ids)
+        expires_at = now + self._ttl_s
+        obj.leases[lease_id] = (client_id, expires_at)
+        return lease_id, expires_at
+
+    def _lease_locked(self, client_id: str, key: str, now: float) -> Lease | None:
+        obj = self._objects.get(key)
+        if obj is None:
+            return None
+        lease_id, expires_at = self._add_lease_locked(obj, client_id, now)
+        self._lru.move_to_end(key)
+        return Lease(key, obj.offset, obj.size, obj.generation, expires_at, lease_id)
+
+    def _allocate_locked(
+        self, client_id: str, key: str, size: int, now: float
+    ) -> tuple[Allocation | ErrorCode, list[tuple[str, bytes]]]:
+        if key in self._objects or key in self._pending_keys:
+            return ErrorCode.OBJECT_ALREADY_EXISTS, []
+        spills = self._make_room_locked(size, now)
+        offset = self._alloc.allocate(size)
+        if offset is None:
+            self._stats["allocation_failures"] += 1
+            logger.debug(
+                "allocate(key=%r, size=%d): no room (used %d of %d, largest free %d); "
+                "raise memory_size or lease less",
+                key, size, self._alloc.used, self._alloc.capacity, self._alloc.largest_free(),
+            )
+            return ErrorCode.NO_AVAILABLE_HANDLE, spills
+        pending = _Pending(next(self._handles), key, offset, size, client_id, now, next(self._generations))
+        self._pending[pending.handle] = pending
+        self._pending_keys[key] = pending.handle
+        return Allocation(pending.handle, key, offset, size), spills
+
+    def _make_room_locked(self, size: int, now: float) -> list[tuple[str, bytes]]:
+        """Evict LRU objects so ``size`` fits; return spills to write to disk after unlocking.
+
+        Past the high watermark, evict eviction_ratio of the objects (at least one)
+        and keep going until the request fits; below it, evict only if
+        fragmentation leaves no contiguous range. When even evicting every
+        evictable object could not make room, evict nothing: emptying the cache
+        for a put that fails anyway would only cost hits.
+        """
+        need = self._alloc.reserved_size(size)
+        if need > self._alloc.capacity:
+            return []
+        over = self._alloc.used + need > self._high_bytes
+        if not over and self._alloc.largest_free() >= need:
+            return []
+        candidates = [self._objects[k] for k in self._lru if not self._is_held(self._objects[k], now)]
+        reclaimable = sum(self._alloc.reserved_size(o.size) for o in candidates)
+        if self._alloc.used - reclaimable + need > self._alloc.capacity:
+            return []
+        target = max(1, math.ceil(self.config.eviction_ratio * len(self._lru))) if over else 0
+        spills: list[tuple[str, bytes]] = []
+        for evicted, obj in enumerate(candidates):
+            if evicted >= target and self._alloc.largest_free() >= need:
+                break
+            spill = self._drop_locked(obj, spill=True)
+            if spill is not None:
+                spills.append(spill)
+            self._stats["evictions"] += 1
+        return spills
+
+    def _drop_locked(self, obj: _Object, spill: bool = False) -> tuple[str, bytes] | None:
+        """Remove ``obj`` from memory; when spilling and it is not on disk yet, keep a copy for the disk."""
+        del self._objects[obj.key]
+        del self._lru[obj.key]
+        out = None
+        if spill and self._disk is not None and not obj.on_disk:
+            data = self._arena[obj.offset : obj.offset + obj.size].tobytes()
+            self._spill[obj.key] = data
+            out = (obj.key, data)
+        self._alloc.free(obj.offset)
+        return out
+
+    def _commit_locked(self, pending: _Pending) -> _Object:
+        del self._pending[pending.handle]
+        del self._pending_keys[pending.key]
+        obj = _Object(pending.key, pending.offset, pending.size, pending.generation)
+        self._objects[obj.key] = obj
+        self._lru[obj.key] = None
+        self._stats["puts"] += 1
+        if self._disk is not None:
+            obj.on_disk = self._disk.contains(obj.key)
+            if not obj.on_disk and self._queue is not None and not self._closed:
+                try:
+                    self._queue.put_nowait(obj.key)
+                except queue.Full:
+                    # Not lost: an object not on disk is spilled when evicted, and
+                    # close() writes the rest.
+                    pass
+        return obj
+
+    def _promote(self, client_id: str, key: str, data: bytes) -> Lease | ErrorCode:
+        """Lease ``data`` found below memory, copying it into the arena when it fits (call unlocked)."""
+        now = self._clock()
+        spills: list[tuple[str, bytes]] = []
+        with self._lock:
+            lease = self._lease_locked(client_id, key, now)  # another reader may have promoted it
+            if lease is not None:
+                self._stats["hits"] += 1
+                return lease
+            self._stats["disk_hits"] += 1
+            result, spills = self._allocate_locked("", key, len(data), now)
+            if isinstance(result, Allocation):
+                # Copied under the lock: the range is not published yet, and a
+                # promotion must not be reclaimed or raced by a second promoter.
+                self._arena[result.offset : result.offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                self._commit_locked(self._pending[result.handle])
+                self._stats["promotions"] += 1
+                lease = self._lease_locked(client_id, key, now)
+            else:
+                lease = Lease(key, -1, len(data), 0, now + self._ttl_s, 0, data)
+        self._write_spills(spills)
+        assert lease is not None
+        return lease
+
+    def _write_spills(self, spills: list[tuple[str, bytes]]) -> None:
+        """Write evicted objects to the disk tier (call unlocked: this is disk I/O)."""
+        if not spills or self._disk is None:
+            return
+        for key, data in spills:
+            rc = self._disk.put(key, data)
+            with self._lock:
+                if rc is not ErrorCode.OK:
+                    self._stats["disk_write_errors"] += 1
+                    logger.warning("evicted key=%r could not be written to the disk tier (%s); it is lost",
+                                   key, rc.name)
+                if self._spill.get(key) is data:
+                    del self._spill[key]
+
+    def _persist(self, key: str) -> None:
+        """Write one committed object to disk while pinned (call unlocked)."""
+        assert self._disk is not None
+        with self._lock:
+            obj = self._objects.get(key)
+            if obj is None or obj.on_disk:
+                return
+            obj.pins += 1
+            view = self._arena[obj.offset : obj.offset + obj.size]
+        rc = ErrorCode.INTERNAL_ERROR
+        try:
+            rc = self._disk.put(key, view)
+        finally:
+            with self._lock:
+                obj.pins -= 1
+                if not obj.pins:
+                    self._unpinned.notify_all()
+                if rc is ErrorCode.OK:
+                    obj.on_disk = True
+                else:
+                    self._stats["disk_write_errors"] += 1
+
+    def _writer_loop(self) -> None:
+        assert self._queue is not None
+        while True:
+            key = self._queue.get()
+            if key is None:
+                return
+            try:
+                self._persist(key)
+            except Exception:  # the writer must survive one bad object
+                logger.exception("disk writer: persisting key=%r failed", key)
+
+    def _reaper_loop(self) -> None:
+        while not self._stop.wait(self.config.reap_interval_s):
+            try:
+                self.reap()
+            except Exception:
+                logger.exception("reaper: reap() failed")
+
+    # ---- test/introspection hooks ----------------------------------------------
+
+    def _debug_snapshot(self) -> dict[str, Any]:
+        """Consistent copy of internal state for invariant checks in tests."""
+        with self._lock:
+            return {
+                "objects": {k: dataclasses.replace(o, leases=dict(o.leases)) for k, o in self._objects.items()},
+                "pending": {h: dataclasses.replace(p) for h, p in self._pending.items()},
+                "live_ranges": self._alloc.live_ranges(),
+                "used": self._alloc.used,
+                "capacity": self._alloc.capacity,
+                "lru": list(self._lru),
+            }

@@ -1,0 +1,113 @@
+"""`KVPoolConnector`: vLLM's KV connector facade, delegating to the scheduler or worker side.
+
+vLLM builds the connector twice, once per role; each instance creates only its own half.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvpool.config import load_config
+from kvpool.vllm.metadata import KVPoolMetadata
+from kvpool.vllm.stats import KVPoolStats
+
+
+class KVPoolConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self.config = load_config(ktc.kv_connector_extra_config, ktc.kv_role)
+        self._scheduler = None
+        self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from kvpool.vllm.scheduler import PoolScheduler
+
+            self._scheduler = PoolScheduler(vllm_config, self.config, kv_cache_config)
+        else:
+            from kvpool.vllm.worker import PoolWorker
+
+            self._worker = PoolWorker(vllm_config, self.config, kv_cache_config)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A pool is a cache: a save dropped by preemption is only a future miss.
+        return False
+
+    # ---- worker side ----
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def _meta(self) -> KVPoolMetadata | None:
+        meta = self._connector_metadata
+        return meta if isinstance(meta, KVPoolMetadata) else None
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        if (meta := self._meta()) is not None:
+            self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads finish in start_load_kv (sync) or before the request is scheduled (async).
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        # Whole blocks of all layers are saved after the forward pass, in wait_for_save.
+        return
+
+    def wait_for_save(self) -> None:
+        if (meta := self._meta()) is not None:
+            self._worker.wait_for_save(meta)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, KVPoolMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.get_finished(self._meta())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVPoolStats | None:
+        return self._worker.get_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPoolStats:
+        return KVPoolStats.from_data(data)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # ---- scheduler side ----
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def has_pending_block_frees(self) -> bool:
+        return self._scheduler.has_pending_block_frees()
+
+
+# The spec's connector name, so its configs work unchanged with kv_connector_module_path too.
+AscendStoreConnector = KVPoolConnector

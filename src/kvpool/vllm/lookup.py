@@ -1,0 +1,123 @@
+"""The lookup channel between vLLM's scheduler process and worker rank 0.
+
+The scheduler asks "how many leading blocks of these hashes are pooled?"; worker rank 0 owns
+a backend client and answers. The channel is a ZMQ REQ/REP pair over an IPC socket whose name
+contains `lookup_rpc_port`, so two instances on one host need different values. A flock on a
+file beside the socket detects a clash at start-up (ZMQ would silently steal the socket) and is
+released by the kernel if the owner dies, so a crashed instance never blocks its successor.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+
+import msgspec
+import zmq
+
+from kvpool.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# A lookup that does not answer in time is a miss: a stuck worker must never stall scheduling.
+LOOKUP_TIMEOUT_MS = 2000
+
+
+def lookup_socket_path(lookup_rpc_port: int, dp_rank: int = 0) -> str:
+    base = os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
+    return os.path.join(base, f"kvpool_lookup_{lookup_rpc_port}_dp{dp_rank}.sock")
+
+
+class LookupServer:
+    """Answers lookups on a daemon thread in worker rank 0."""
+
+    def __init__(self, lookup_rpc_port: int, dp_rank: int, count_hits: Callable[[Sequence[bytes]], int]) -> None:
+        self.path = lookup_socket_path(lookup_rpc_port, dp_rank)
+        self._lock_fd = os.open(self.path + ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise ConfigError(
+                "lookup_rpc_port", lookup_rpc_port,
+                f"a value no other running vLLM instance on this host uses ({self.path} is taken); "
+                "give each instance its own lookup_rpc_port",
+            ) from None
+        self._count_hits = count_hits
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.REP)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(f"ipc://{self.path}")
+        os.chmod(self.path, 0o600)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kvpool-lookup", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(200):
+                continue
+            try:
+                hashes = msgspec.msgpack.decode(self._sock.recv(), type=list[bytes])
+                hits = self._count_hits(hashes)
+            except Exception:  # a bad request or a backend error is a miss, never a dead server
+                logger.exception("kvpool lookup failed; answering 0 hits")
+                hits = 0
+            self._sock.send(msgspec.msgpack.encode(hits))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._sock.close()
+        self._ctx.term()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        os.close(self._lock_fd)
+
+
+class LookupClient:
+    """Scheduler-side client. Any failure (timeout, no server yet) is reported as 0 hits."""
+
+    def __init__(self, lookup_rpc_port: int, dp_rank: int = 0) -> None:
+        self.path = lookup_socket_path(lookup_rpc_port, dp_rank)
+        self._ctx = zmq.Context()
+        self._sock: zmq.Socket | None = None
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            s = self._ctx.socket(zmq.REQ)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.RCVTIMEO, LOOKUP_TIMEOUT_MS)
+            s.setsockopt(zmq.SNDTIMEO, LOOKUP_TIMEOUT_MS)
+            s.connect(f"ipc://{self.path}")
+            self._sock = s
+        return self._sock
+
+    def lookup(self, block_hashes: Sequence[bytes]) -> int:
+        """Number of leading blocks pooled for every rank; 0 on any error."""
+        if not block_hashes:
+            return 0
+        try:
+            sock = self._socket()
+            sock.send(msgspec.msgpack.encode(list(block_hashes)))
+            return int(msgspec.msgpack.decode(sock.recv()))
+        except zmq.ZMQError as e:
+            # A REQ socket that missed its reply is stuck in the wrong state: start a new one.
+            logger.warning("kvpool lookup on %s failed (%s); treating as a miss", self.path, e)
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+            return 0
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        self._ctx.term()

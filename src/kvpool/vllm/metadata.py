@@ -1,0 +1,26 @@
+"""What the scheduler tells the workers each step: blocks to load, blocks to save, frees to hold."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclasses.dataclass
+class BlockTask:
+    """Copy the blocks `block_hashes[i]` <-> vLLM block `block_ids[i]` for one request."""
+
+    req_id: str
+    block_hashes: list[bytes]
+    block_ids: list[int]
+    is_async: bool = False  # loads only: run on the transfer thread, report via get_finished
+
+
+@dataclasses.dataclass
+class KVPoolMetadata(KVConnectorMetadata):
+    loads: list[BlockTask] = dataclasses.field(default_factory=list)
+    saves: list[BlockTask] = dataclasses.field(default_factory=list)
+    # Finished requests whose blocks vLLM keeps until this worker reports their IO done.
+    finished_with_io: list[str] = dataclasses.field(default_factory=list)
+    preempted: list[str] = dataclasses.field(default_factory=list)

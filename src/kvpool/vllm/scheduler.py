@@ -1,0 +1,169 @@
+"""Scheduler side of the connector: how much of a prompt the pool holds, and per-step plans.
+
+Invariants:
+- A load covers whole pooled blocks after those vLLM already computed locally, and never the
+  whole prompt: when every block hits, one token is given back so vLLM computes logits.
+- Only full prompt blocks are saved, each once per request; blocks loaded from the pool are
+  not saved again. The worker also skips keys already pooled (another request may have won).
+- A request with IO sent to the workers is not freed until the workers report it done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+from kvpool.config import KVPoolConfig
+from kvpool.errors import ConfigError
+from kvpool.vllm.lookup import LookupClient
+from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
+
+logger = logging.getLogger(__name__)
+
+_NON_CRYPTO_HASHES = ("xxhash", "xxhash_cbor")
+
+
+@dataclasses.dataclass
+class _LoadPlan:
+    start_block: int
+    end_block: int
+
+
+@dataclasses.dataclass
+class _RequestState:
+    request: object  # vllm.v1.request.Request; its block_hashes grow as tokens are added
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    saved_upto: int = 0  # blocks [0, saved_upto) are pooled or queued for saving
+    has_io: bool = False
+
+
+def check_hash_seed(hash_algo: str) -> None:
+    """Refuse a configuration whose block hashes would differ between processes.
+
+    vLLM seeds its chained block hash from PYTHONHASHSEED when set; otherwise sha256-family
+    hashes use a fixed seed (shareable) but xxhash ones a random per-process seed, which would
+    make every key of this instance unique to it: no other instance, and no restart, would hit.
+    """
+    if hash_algo in _NON_CRYPTO_HASHES and os.environ.get("PYTHONHASHSEED") is None:
+        raise ConfigError(
+            "prefix_caching_hash_algo", hash_algo,
+            "sha256 (the default), or set PYTHONHASHSEED to the same value on every instance: "
+            "xxhash block hashes are randomly seeded per process otherwise",
+        )
+
+
+class PoolScheduler:
+    def __init__(self, vllm_config, config: KVPoolConfig, kv_cache_config) -> None:
+        self.config = config
+        self.block_size = vllm_config.cache_config.block_size
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise ConfigError(
+                "kv_cache_groups", len(groups),
+                "one KV cache group (hybrid attention models are not supported by kvpool yet)",
+            )
+        if groups[0].kv_cache_spec.block_size != self.block_size:
+            raise ConfigError("block_size", groups[0].kv_cache_spec.block_size,
+                              f"the cache block size {self.block_size}")
+        check_hash_seed(vllm_config.cache_config.prefix_caching_hash_algo)
+        dp_rank = vllm_config.parallel_config.data_parallel_rank
+        self._client = LookupClient(config.lookup_rpc_port, dp_rank) if config.loads else None
+        self._plans: dict[str, _LoadPlan] = {}
+        self._requests: dict[str, _RequestState] = {}
+        self._pending_loads: list[BlockTask] = []
+        self._finished_with_io: list[str] = []
+        self._awaiting_free: set[str] = set()
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        if self._client is None:
+            return 0, False
+        hashes = request.block_hashes
+        start = num_computed_tokens // self.block_size
+        if len(hashes) <= start:
+            return 0, False
+        hit_blocks = start + self._client.lookup(hashes[start:])
+        # Full hit: give one token back, so vLLM has a token to compute logits from.
+        hit_tokens = min(hit_blocks * self.block_size, request.num_tokens - 1)
+        if hit_tokens <= num_computed_tokens:
+            return 0, False
+        self._plans[request.request_id] = _LoadPlan(start, hit_blocks)
+        return hit_tokens - num_computed_tokens, self.config.load_async
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        state = self._requests.setdefault(request.request_id, _RequestState(request))
+        plan = self._plans.pop(request.request_id, None)
+        if plan is None or num_external_tokens == 0:
+            return
+        # Another connector (MultiConnector) or vLLM may grant fewer tokens than we offered.
+        end = min(plan.end_block, -(-(plan.start_block * self.block_size + num_external_tokens) // self.block_size))
+        block_ids = blocks.get_block_ids()[0]
+        self._pending_loads.append(BlockTask(
+            req_id=request.request_id,
+            block_hashes=list(request.block_hashes[plan.start_block:end]),
+            block_ids=list(block_ids[plan.start_block:end]),
+            is_async=self.config.load_async,
+        ))
+        state.saved_upto = max(state.saved_upto, end)
+        state.has_io = True
+
+    def build_connector_meta(self, scheduler_output) -> KVPoolMetadata:
+        meta = KVPoolMetadata(loads=self._pending_loads, finished_with_io=self._finished_with_io,
+                              preempted=sorted(scheduler_output.preempted_req_ids or ()))
+        self._pending_loads, self._finished_with_io = [], []
+        if not self.config.saves:
+            return meta
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            self._plan_save(state, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id], meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                state.block_ids.extend(new_ids[0])
+            computed = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
+            self._plan_save(state, computed, meta)
+        return meta
+
+    def _plan_save(self, state: _RequestState, computed_tokens: int, meta: KVPoolMetadata) -> None:
+        req = state.request
+        end = min(computed_tokens, req.num_prompt_tokens) // self.block_size
+        end = min(end, len(req.block_hashes), len(state.block_ids))
+        if end <= state.saved_upto:
+            return
+        meta.saves.append(BlockTask(
+            req_id=req.request_id,
+            block_hashes=list(req.block_hashes[state.saved_upto:end]),
+            block_ids=state.block_ids[state.saved_upto:end],
+        ))
+        state.saved_upto = end
+        state.has_io = True
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        req_id = request.request_id
+        self._plans.pop(req_id, None)
+        state = self._requests.pop(req_id, None)
+        if state is None or not state.has_io:
+            return False, None
+        self._finished_with_io.append(req_id)
+        self._awaiting_free.add(req_id)
+        return True, None
+
+    def update_connector_output(self, connector_output) -> None:
+        for req_id in connector_output.finished_sending or ():
+            self._awaiting_free.discard(req_id)
+
+    def has_pending_block_frees(self) -> bool:
+        return bool(self._awaiting_free)
+
+    def shutdown(self) -> None:
+        if self._client is not None:
+            self._client.close()

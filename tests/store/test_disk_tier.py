@@ -1,0 +1,207 @@
+"""DiskTier: quota policies, checksums, restart scan, offload-path rules."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+import pytest
+
+from kvpool.errors import ConfigError, ErrorCode, StoreError
+from kvpool.store import DiskTier, validate_offload_path
+
+
+def file_of(disk: DiskTier, key: str) -> str:
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    return os.path.join(disk.path, digest[:2], digest)
+
+
+def quota_for(n: int, key_len: int = 2, payload: int = 100) -> int:
+    return n * DiskTier.entry_size("k" * key_len, payload)
+
+
+def test_roundtrip_with_buffer_list_and_accounting(make_disk) -> None:
+    disk = make_disk()
+    parts = [np.arange(10, dtype=np.uint8), memoryview(b"xyz"), b""]
+    assert disk.put("key", parts) is ErrorCode.OK
+    assert disk.get("key") == bytes(range(10)) + b"xyz"
+    assert disk.contains("key") and disk.count == 1
+    assert disk.used_bytes == DiskTier.entry_size("key", 13) == os.path.getsize(file_of(disk, "key"))
+    assert disk.put("key", b"other") is ErrorCode.OK  # immutable: no-op
+    assert disk.get("key") == bytes(range(10)) + b"xyz"
+    assert disk.remove("key") is ErrorCode.OK
+    assert not os.path.exists(file_of(disk, "key"))
+    assert disk.remove("key") is ErrorCode.OBJECT_NOT_FOUND
+    assert disk.used_bytes == 0
+    with pytest.raises(StoreError) as exc:
+        disk.get("key")
+    assert exc.value.code is ErrorCode.OBJECT_NOT_FOUND
+
+
+def test_empty_payload(make_disk) -> None:
+    disk = make_disk()
+    assert disk.put("e", b"") is ErrorCode.OK
+    assert disk.get("e") == b""
+
+
+def test_policy_none_rejects_when_full(make_disk) -> None:
+    disk = make_disk(quota_bytes=quota_for(3), policy="none")
+    for i in range(3):
+        assert disk.put(f"k{i}", bytes(100)) is ErrorCode.OK
+    assert disk.put("k3", bytes(100)) is ErrorCode.NO_AVAILABLE_HANDLE
+    assert disk.keys() == ["k0", "k1", "k2"]
+    assert disk.evictions == 0
+
+
+def test_policy_fifo_evicts_oldest_written_even_if_read(make_disk) -> None:
+    disk = make_disk(quota_bytes=quota_for(3), policy="fifo")
+    for i in range(3):
+        disk.put(f"k{i}", bytes(100))
+    disk.get("k0")
+    assert disk.put("k3", bytes(100)) is ErrorCode.OK
+    assert sorted(disk.keys()) == ["k1", "k2", "k3"]
+    assert not os.path.exists(file_of(disk, "k0"))
+
+
+def test_policy_lru_evicts_least_recently_read(make_disk) -> None:
+    disk = make_disk(quota_bytes=quota_for(3), policy="lru")
+    for i in range(3):
+        disk.put(f"k{i}", bytes(100))
+    disk.get("k0")
+    disk.get("k1")
+    assert disk.put("k3", bytes(100)) is ErrorCode.OK
+    assert sorted(disk.keys()) == ["k0", "k1", "k3"]
+    # A double-size object needs two victims: k0 then k1 are now the oldest reads.
+    assert disk.put("k4", bytes(200 + DiskTier.entry_size("k4", 0))) is ErrorCode.OK
+    assert sorted(disk.keys()) == ["k3", "k4"]
+    assert disk.used_bytes <= disk.quota_bytes
+
+
+def test_object_larger_than_quota_is_rejected_without_evicting(make_disk) -> None:
+    disk = make_disk(quota_bytes=quota_for(2), policy="fifo")
+    disk.put("k0", bytes(100))
+    assert disk.put("big", bytes(quota_for(2))) is ErrorCode.NO_AVAILABLE_HANDLE
+    assert disk.keys() == ["k0"]
+
+
+def test_bit_flip_is_a_checksum_mismatch_never_data(make_disk) -> None:
+    disk = make_disk()
+    disk.put("k", bytes(range(200)))
+    path = file_of(disk, "k")
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 50)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(StoreError) as exc:
+        disk.get("k")
+    assert exc.value.code is ErrorCode.CHECKSUM_MISMATCH
+    assert disk.checksum_failures == 1
+    assert not os.path.exists(path) and not disk.contains("k") and disk.used_bytes == 0
+    with pytest.raises(StoreError) as exc:
+        disk.get("k")
+    assert exc.value.code is ErrorCode.OBJECT_NOT_FOUND
+
+
+@pytest.mark.parametrize("keep", [10, 40, 100])  # inside header, inside key, inside payload
+def test_truncated_file_is_a_checksum_mismatch(make_disk, keep: int) -> None:
+    disk = make_disk()
+    disk.put("some-key", bytes(500))
+    path = file_of(disk, "some-key")
+    os.truncate(path, keep)
+    with pytest.raises(StoreError) as exc:
+        disk.get("some-key")
+    assert exc.value.code is ErrorCode.CHECKSUM_MISMATCH
+    assert not disk.contains("some-key")
+
+
+def test_restart_rebuilds_index_and_removes_bad_files(make_disk, ssd_dir) -> None:
+    disk = make_disk(policy="fifo")
+    for i in range(3):
+        disk.put(f"k{i}", bytes([i]) * 50)
+        # mtime decides the fifo order after a restart; make it unambiguous.
+        os.utime(file_of(disk, f"k{i}"), (1000 + i, 1000 + i))
+    disk.put("trunc", bytes(300))
+    os.truncate(file_of(disk, "trunc"), 60)
+    stale_tmp = file_of(disk, "k0") + ".tmp.123.0"
+    open(stale_tmp, "wb").write(b"partial")
+    garbage = os.path.join(ssd_dir, "ab", "ab" + "0" * 62)
+    os.makedirs(os.path.dirname(garbage), exist_ok=True)
+    open(garbage, "wb").write(b"not a kvpool file")
+    unrelated = os.path.join(ssd_dir, "README")
+    open(unrelated, "w").write("keep me")
+
+    again = DiskTier(ssd_dir, disk.quota_bytes, "fifo")
+    assert again.keys() == ["k0", "k1", "k2"]
+    assert again.get("k1") == bytes([1]) * 50
+    assert again.used_bytes == 3 * DiskTier.entry_size("k0", 50)
+    assert again.removed_at_scan == 2
+    assert not os.path.exists(stale_tmp) and not os.path.exists(garbage)
+    assert os.path.exists(unrelated)
+
+
+def test_restart_with_smaller_quota_evicts_oldest(make_disk, ssd_dir) -> None:
+    disk = make_disk(policy="fifo")
+    for i in range(3):
+        disk.put(f"k{i}", bytes(100))
+        os.utime(file_of(disk, f"k{i}"), (1000 + i, 1000 + i))
+    again = DiskTier(ssd_dir, quota_for(2), "fifo")
+    assert again.keys() == ["k1", "k2"]
+
+
+def test_bad_constructor_arguments(ssd_dir) -> None:
+    with pytest.raises(ConfigError):
+        DiskTier(ssd_dir, 100, "random")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        DiskTier(ssd_dir, 0, "none")
+
+
+class TestOffloadPath:
+    def test_accepts_a_plain_writable_directory(self, ssd_dir) -> None:
+        validate_offload_path(ssd_dir)
+        validate_offload_path(ssd_dir + "/")
+
+    @pytest.mark.parametrize("path", ["relative/dir", "./x", ""])
+    def test_rejects_relative(self, path: str) -> None:
+        with pytest.raises(ConfigError) as exc:
+            validate_offload_path(path)
+        assert exc.value.key == "ssd_offload_path" and exc.value.value == path
+
+    def test_rejects_dotdot(self, ssd_dir) -> None:
+        os.mkdir(os.path.join(ssd_dir, "a"))
+        with pytest.raises(ConfigError) as exc:
+            validate_offload_path(os.path.join(ssd_dir, "a", "..", "a"))
+        assert "'..'" in exc.value.expected
+
+    def test_rejects_nonexistent(self, ssd_dir) -> None:
+        with pytest.raises(ConfigError) as exc:
+            validate_offload_path(os.path.join(ssd_dir, "missing"))
+        assert "existing directory" in exc.value.expected
+
+    def test_rejects_a_file(self, ssd_dir) -> None:
+        path = os.path.join(ssd_dir, "file")
+        open(path, "w").close()
+        with pytest.raises(ConfigError) as exc:
+            validate_offload_path(path)
+        assert "directory" in exc.value.expected
+
+    def test_rejects_symlink_itself_and_in_a_parent(self, ssd_dir) -> None:
+        real = os.path.join(ssd_dir, "real")
+        os.makedirs(os.path.join(real, "sub"))
+        link = os.path.join(ssd_dir, "link")
+        os.symlink(real, link)
+        for path in (link, os.path.join(link, "sub")):
+            with pytest.raises(ConfigError) as exc:
+                validate_offload_path(path)
+            assert "symlink" in exc.value.expected
+
+    @pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+    def test_rejects_read_only(self, ssd_dir) -> None:
+        os.chmod(ssd_dir, 0o500)
+        try:
+            with pytest.raises(ConfigError) as exc:
+                validate_offload_path(ssd_dir)
+            assert "writable" in exc.value.expected
+        finally:
+            os.chmod(ssd_dir, 0o700)

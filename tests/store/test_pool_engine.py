@@ -1,0 +1,420 @@
+"""PoolEngine: two-phase put, leases, eviction, clients, SSD tier, restart."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+
+import numpy as np
+import pytest
+from conftest import payload
+
+from kvpool.errors import ConfigError, ErrorCode
+from kvpool.store import Allocation, DiskTier, EngineConfig, Lease, PoolEngine
+
+C = "client-a"
+
+
+def read(engine: PoolEngine, key: str, size: int) -> np.ndarray | ErrorCode:
+    out = np.zeros(size, dtype=np.uint8)
+    rc = engine.get_into(C, key, [out])
+    return out if rc is ErrorCode.OK else rc
+
+
+def in_memory(engine: PoolEngine) -> set[str]:
+    return set(engine._debug_snapshot()["objects"])
+
+
+# ---- basics -------------------------------------------------------------------
+
+
+def test_put_get_roundtrip_across_buffers(make_engine) -> None:
+    engine = make_engine()
+    data = payload("k", 300)
+    assert engine.put(C, "k", [data[:100], memoryview(data[100:250]), data[250:].tobytes()]) is ErrorCode.OK
+    a, b = np.zeros(120, np.uint8), np.zeros(180, np.uint8)
+    assert engine.get_into(C, "k", [a, b]) is ErrorCode.OK
+    assert np.array_equal(np.concatenate([a, b]), data)
+    assert engine.exists(["k", "nope"]) == [True, False]
+
+
+def test_duplicate_put_is_a_noop_and_keeps_the_first_bytes(make_engine) -> None:
+    engine = make_engine()
+    assert engine.put(C, "k", [payload("k", 64)]) is ErrorCode.OK
+    used = engine.stats()["memory_used"]
+    assert engine.put(C, "k", [np.ones(64, np.uint8)]) is ErrorCode.OK
+    assert engine.allocate(C, "k", 64) is ErrorCode.OBJECT_ALREADY_EXISTS
+    assert engine.stats()["memory_used"] == used
+    assert np.array_equal(read(engine, "k", 64), payload("k", 64))
+
+
+def test_empty_value(make_engine) -> None:
+    engine = make_engine()
+    assert engine.put(C, "empty", []) is ErrorCode.OK
+    assert engine.put(C, "empty2", [np.zeros(0, np.uint8)]) is ErrorCode.OK
+    assert engine.get_into(C, "empty", []) is ErrorCode.OK
+    assert engine.exists(["empty", "empty2"]) == [True, True]
+    assert engine.stats()["memory_used"] == 2 * 64  # one alignment unit each
+
+
+def test_value_larger_than_capacity_fails_and_evicts_nothing(make_engine) -> None:
+    engine = make_engine(memory_size=1024)
+    fill(engine, 14)
+    assert engine.put(C, "huge", [np.zeros(2048, np.uint8)]) is ErrorCode.NO_AVAILABLE_HANDLE
+    assert engine.allocate(C, "huge", 1025) is ErrorCode.NO_AVAILABLE_HANDLE
+    assert in_memory(engine) == {f"k{i}" for i in range(14)}
+    assert engine.stats()["evictions"] == 0
+
+
+def test_invalid_arguments(make_engine) -> None:
+    engine = make_engine()
+    assert engine.allocate(C, "", 10) is ErrorCode.INVALID_KEY
+    assert engine.allocate(C, "k", -1) is ErrorCode.INVALID_PARAMS
+    assert engine.acquire(C, "") is ErrorCode.INVALID_KEY
+    engine.put(C, "k", [payload("k", 100)])
+    assert engine.get_into(C, "k", [np.zeros(99, np.uint8)]) is ErrorCode.INVALID_PARAMS
+    assert engine.get_into(C, "k", [np.zeros(100, np.uint8)[::2]]) is ErrorCode.INVALID_PARAMS
+    assert engine.get_into(C, "k", [b"\0" * 100]) is ErrorCode.INVALID_PARAMS  # read-only
+    assert engine.get_into(C, "missing", [np.zeros(1, np.uint8)]) is ErrorCode.OBJECT_NOT_FOUND
+    assert engine.commit(12345) is ErrorCode.OBJECT_NOT_FOUND
+    assert engine.abort(12345) is ErrorCode.OBJECT_NOT_FOUND
+    assert engine.ping("") is ErrorCode.INVALID_PARAMS
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("memory_size", 0),
+        ("eviction_high_watermark_ratio", 1.5),
+        ("eviction_ratio", 0),
+        ("default_kv_lease_ttl_ms", -5),
+        ("client_ttl_s", 0),
+        ("alignment", 0),
+        ("reap_interval_s", -1),
+    ],
+)
+def test_config_validation_names_the_field(field: str, value: object) -> None:
+    kwargs = {"memory_size": 1024, field: value}
+    with pytest.raises(ConfigError) as exc:
+        PoolEngine(EngineConfig(**kwargs))
+    assert exc.value.value == value
+
+
+def test_external_arena_is_used_in_place(clock) -> None:
+    backing = bytearray(2048)
+    engine = PoolEngine(EngineConfig(memory_size=1024, reap_interval_s=0), arena=memoryview(backing), clock=clock)
+    alloc = engine.allocate(C, "k", 4)
+    assert isinstance(alloc, Allocation)
+    backing[alloc.offset : alloc.offset + 4] = b"abcd"  # a shm client writes by offset
+    assert engine.commit(alloc.handle) is ErrorCode.OK
+    assert bytes(read(engine, "k", 4)) == b"abcd"
+    engine.close()
+    with pytest.raises(ConfigError):
+        PoolEngine(EngineConfig(memory_size=4096, reap_interval_s=0), arena=memoryview(backing))
+    with pytest.raises(ConfigError):
+        PoolEngine(EngineConfig(memory_size=1024, reap_interval_s=0), arena=memoryview(bytes(2048)))
+
+
+# ---- two-phase put --------------------------------------------------------------
+
+
+def test_uncommitted_objects_are_invisible(make_engine) -> None:
+    engine = make_engine()
+    alloc = engine.allocate(C, "k", 10)
+    assert isinstance(alloc, Allocation)
+    assert engine.exists(["k"]) == [False]
+    assert engine.acquire(C, "k") is ErrorCode.OBJECT_NOT_FOUND
+    assert engine.allocate("client-b", "k", 10) is ErrorCode.OBJECT_ALREADY_EXISTS
+    assert engine.put("client-b", "k", [np.zeros(10, np.uint8)]) is ErrorCode.OK  # somebody is writing it
+    assert engine.exists(["k"]) == [False]
+    assert engine.commit(alloc.handle) is ErrorCode.OK
+    assert engine.exists(["k"]) == [True]
+    assert engine.commit(alloc.handle) is ErrorCode.OBJECT_NOT_FOUND
+
+
+def test_abort_gives_space_back(make_engine) -> None:
+    engine = make_engine()
+    alloc = engine.allocate(C, "k", 500)
+    assert engine.stats()["memory_used"] == 512
+    assert engine.abort(alloc.handle) is ErrorCode.OK
+    assert engine.stats()["memory_used"] == 0
+    assert engine.exists(["k"]) == [False]
+    assert engine.put(C, "k", [payload("k", 8)]) is ErrorCode.OK
+
+
+def test_client_killed_mid_put_space_returns_after_reap(make_engine, clock) -> None:
+    engine = make_engine(memory_size=1024, client_ttl_s=10.0)
+    dead = engine.allocate("dead-client", "k", 900)
+    assert isinstance(dead, Allocation)
+    assert engine.put(C, "other", [payload("other", 200)]) is ErrorCode.NO_AVAILABLE_HANDLE
+    clock.advance(5)
+    engine.ping(C)
+    assert engine.reap().allocations == 0  # not silent long enough yet
+    clock.advance(6)
+    engine.ping(C)
+    report = engine.reap()
+    assert (report.clients, report.allocations) == (1, 1)
+    assert engine.stats()["memory_used"] == 0
+    assert engine.commit(dead.handle) is ErrorCode.OBJECT_NOT_FOUND  # too late: not stored
+    assert engine.exists(["k"]) == [False]
+    assert engine.put(C, "other", [payload("other", 200)]) is ErrorCode.OK
+
+
+def test_put_timeout_reclaims_even_a_pinging_client(make_engine, clock) -> None:
+    engine = make_engine(put_timeout_s=30.0, client_ttl_s=10.0)
+    alloc = engine.allocate(C, "k", 100)
+    for _ in range(4):
+        clock.advance(8)
+        engine.ping(C)
+        engine.reap()
+    assert engine.stats()["pending_allocations"] == 0
+    assert engine.commit(alloc.handle) is ErrorCode.OBJECT_NOT_FOUND
+
+
+# ---- leases ---------------------------------------------------------------------
+
+
+def test_lease_expiry_reports_lease_expired(make_engine, clock) -> None:
+    engine = make_engine(default_kv_lease_ttl_ms=5000)
+    engine.put(C, "k", [payload("k", 64)])
+    lease = engine.acquire(C, "k")
+    assert isinstance(lease, Lease)
+    assert lease.expires_at == clock.now + 5.0
+    assert engine.validate(lease) is ErrorCode.OK
+    clock.advance(5.0)
+    assert engine.validate(lease) is ErrorCode.OK  # the boundary is still inside
+    clock.advance(0.001)
+    assert engine.validate(lease) is ErrorCode.LEASE_EXPIRED
+    assert engine.stats()["lease_expired"] == 1
+
+
+def test_replaced_object_invalidates_an_old_lease(make_engine, clock) -> None:
+    engine = make_engine()
+    engine.put(C, "k", [payload("k", 64)])
+    lease = engine.acquire(C, "k")
+    assert engine.remove("k") is ErrorCode.OBJECT_HAS_LEASE
+    engine.release(lease)
+    assert engine.remove("k") is ErrorCode.OK
+    engine.put(C, "k", [payload("k", 64)])
+    assert engine.validate(lease) is ErrorCode.LEASE_EXPIRED  # same key, new generation
+    assert engine.remove("k") is ErrorCode.OK
+    assert engine.remove("k") is ErrorCode.OBJECT_NOT_FOUND
+
+
+def fill(engine: PoolEngine, n: int, size: int = 64) -> None:
+    for i in range(n):
+        assert engine.put(C, f"k{i}", [payload(f"k{i}", size)]) is ErrorCode.OK
+
+
+def test_eviction_at_watermark_is_lru_and_exact(make_engine) -> None:
+    # 1024 bytes = 16 slots of 64; high watermark 0.9 -> 921.6 bytes = 14 slots.
+    engine = make_engine(memory_size=1024, eviction_high_watermark_ratio=0.9, eviction_ratio=0.1)
+    fill(engine, 14)
+    assert engine.stats()["evictions"] == 0
+    for key in ("k0", "k1", "k3"):  # touched: now most recently used
+        assert isinstance(read(engine, key, 64), np.ndarray)
+    assert engine.put(C, "new", [payload("new", 64)]) is ErrorCode.OK
+    # 15th slot would pass 921.6 -> evict ceil(0.1 * 14) = 2 least recently used.
+    assert in_memory(engine) == {f"k{i}" for i in range(14)} - {"k2", "k4"} | {"new"}
+    assert engine.stats()["evictions"] == 2
+    for i in (0, 1, 3, 5, 13):
+        assert np.array_equal(read(engine, f"k{i}", 64), payload(f"k{i}", 64))
+
+
+def test_no_eviction_below_watermark(make_engine) -> None:
+    engine = make_engine(memory_size=1024, eviction_high_watermark_ratio=0.9)
+    fill(engine, 14)
+    assert engine.stats()["memory_used"] == 896
+    assert in_memory(engine) == {f"k{i}" for i in range(14)}
+
+
+def test_eviction_frees_enough_for_a_large_object(make_engine) -> None:
+    engine = make_engine(memory_size=1024, eviction_ratio=0.1)
+    fill(engine, 14)
+    assert engine.put(C, "big", [payload("big", 512)]) is ErrorCode.OK
+    # Needed 8 contiguous slots: the oldest 8 go (more than ceil(0.1*14)=2).
+    assert in_memory(engine) == {f"k{i}" for i in range(8, 14)} | {"big"}
+
+
+def test_leased_objects_are_never_evicted(make_engine) -> None:
+    engine = make_engine(memory_size=1024)
+    fill(engine, 14)
+    leases = [engine.acquire(C, f"k{i}") for i in range(4)]  # the 4 oldest, now leased
+    for i in range(4):
+        engine.put(C, f"extra{i}", [payload(f"extra{i}", 64)])
+    assert {f"k{i}" for i in range(4)} <= in_memory(engine)
+    for lease in leases:
+        assert engine.validate(lease) is ErrorCode.OK
+
+
+def test_everything_leased_gives_no_available_handle_and_keeps_data(make_engine) -> None:
+    engine = make_engine(memory_size=1024, eviction_high_watermark_ratio=1.0)
+    fill(engine, 16)
+    leases = [engine.acquire(C, f"k{i}") for i in range(16)]
+    assert engine.put(C, "new", [payload("new", 64)]) is ErrorCode.NO_AVAILABLE_HANDLE
+    assert engine.stats()["evictions"] == 0
+    for i in range(16):
+        assert np.array_equal(read(engine, f"k{i}", 64), payload(f"k{i}", 64))
+    engine.release(leases[5])
+    assert engine.put(C, "new", [payload("new", 64)]) is ErrorCode.OK
+    assert "k5" not in in_memory(engine)
+
+
+def test_lookup_lease_protects_until_ttl(make_engine, clock) -> None:
+    engine = make_engine(memory_size=1024, eviction_high_watermark_ratio=1.0, default_kv_lease_ttl_ms=1000)
+    fill(engine, 16)
+    assert engine.exists([f"k{i}" for i in range(16)], client_id=C, lease=True) == [True] * 16
+    assert engine.put(C, "new", [payload("new", 64)]) is ErrorCode.NO_AVAILABLE_HANDLE
+    clock.advance(1.5)
+    assert engine.put(C, "new", [payload("new", 64)]) is ErrorCode.OK
+
+
+def test_dead_clients_leases_are_dropped_by_reap(make_engine, clock) -> None:
+    engine = make_engine(
+        memory_size=1024, eviction_high_watermark_ratio=1.0, client_ttl_s=2.0, default_kv_lease_ttl_ms=60_000
+    )
+    fill(engine, 16)
+    lease = engine.acquire("reader", "k0")
+    for i in range(1, 16):
+        engine.acquire(C, f"k{i}")
+    clock.advance(3)
+    engine.ping(C)
+    engine.reap()
+    assert engine.validate(lease) is ErrorCode.LEASE_EXPIRED
+    assert engine.put(C, "new", [payload("new", 64)]) is ErrorCode.OK
+    assert "k0" not in in_memory(engine)
+
+
+def test_batch_calls_and_stats(make_engine) -> None:
+    engine = make_engine(memory_size=1024)
+    keys = ["a", "b", "huge"]
+    values = [[payload("a", 10)], [payload("b", 20)], [np.zeros(4096, np.uint8)]]
+    assert engine.batch_put(C, keys, values) == [ErrorCode.OK, ErrorCode.OK, ErrorCode.NO_AVAILABLE_HANDLE]
+    assert engine.batch_exists(keys) == [True, True, False]
+    outs = [[np.zeros(10, np.uint8)], [np.zeros(20, np.uint8)], [np.zeros(1, np.uint8)]]
+    assert engine.batch_get_into(C, keys, outs) == [ErrorCode.OK, ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND]
+    assert np.array_equal(outs[1][0], payload("b", 20))
+    assert engine.batch_put(C, ["x"], []) == [ErrorCode.INVALID_PARAMS]
+    stats = engine.stats()
+    assert (stats["puts"], stats["gets"], stats["hits"], stats["misses"]) == (2, 2, 2, 1)
+    assert (stats["object_count"], stats["memory_used"], stats["memory_capacity"]) == (2, 128, 1024)
+
+
+def test_concurrent_puts_and_gets_stay_consistent(clock) -> None:
+    engine = PoolEngine(EngineConfig(memory_size=64 * 1024, reap_interval_s=0))
+    errors: list[str] = []
+
+    def worker(t: int) -> None:
+        for i in range(150):
+            key = f"t{t}-{i % 40}"
+            data = payload(key, 500)
+            engine.put(f"c{t}", key, [data])
+            out = np.zeros(500, np.uint8)
+            rc = engine.get_into(f"c{t}", key, [out])
+            if rc is ErrorCode.OK and not np.array_equal(out, data):
+                errors.append(key)
+            if rc not in (ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND):
+                errors.append(f"{key}: {rc!r}")
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    engine.close()
+    assert errors == []
+    assert engine.stats()["memory_used"] <= engine.capacity
+
+
+# ---- SSD tier -------------------------------------------------------------------
+
+
+def disk_file(disk: DiskTier, key: str) -> str:
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    return os.path.join(disk.path, digest[:2], digest)
+
+
+def test_evicted_objects_spill_to_disk_and_are_promoted_back(make_engine, make_disk) -> None:
+    disk = make_disk()
+    engine = make_engine(memory_size=1024, disk=disk, disk_write_through=False)
+    fill(engine, 14)
+    assert disk.count == 0
+    engine.put(C, "new", [payload("new", 64)])
+    assert sorted(disk.keys()) == ["k0", "k1"]  # ceil(0.1*14) = 2 spilled
+    assert engine.exists(["k0", "k1"]) == [True, True]
+    assert np.array_equal(read(engine, "k0", 64), payload("k0", 64))
+    stats = engine.stats()
+    assert (stats["disk_hits"], stats["promotions"]) == (1, 1)
+    assert "k0" in in_memory(engine)
+
+
+def test_write_through_and_restart_recovery(clock, make_disk, ssd_dir) -> None:
+    disk = make_disk()
+    engine = PoolEngine(EngineConfig(memory_size=4096, disk=disk, reap_interval_s=0), clock=clock)
+    keys = [f"obj{i}" for i in range(20)]
+    for i, key in enumerate(keys):
+        assert engine.put(C, key, [payload(key, 37 * i)]) is ErrorCode.OK
+    engine.close()
+    assert sorted(disk.keys()) == sorted(keys)
+
+    restarted = PoolEngine(
+        EngineConfig(memory_size=4096, disk=DiskTier(ssd_dir, 1 << 20, "none"), reap_interval_s=0), clock=clock
+    )
+    assert restarted.exists(keys) == [True] * 20
+    for i, key in enumerate(keys):
+        assert np.array_equal(read(restarted, key, 37 * i), payload(key, 37 * i))
+    restarted.close()
+
+
+def test_write_through_queue_overflow_is_still_persisted(clock, make_disk) -> None:
+    disk = make_disk()
+    engine = PoolEngine(
+        EngineConfig(memory_size=64 * 1024, disk=disk, disk_queue_size=1, reap_interval_s=0), clock=clock
+    )
+    for i in range(50):
+        engine.put(C, f"k{i}", [payload(f"k{i}", 100)])
+    engine.close()
+    assert disk.count == 50
+
+
+@pytest.mark.parametrize("damage", ["bitflip", "truncate"])
+def test_corrupt_disk_copy_is_a_miss_never_data(make_engine, make_disk, damage: str) -> None:
+    disk = make_disk()
+    disk.put("k", payload("k", 256))
+    path = disk_file(disk, "k")
+    if damage == "bitflip":
+        raw = bytearray(open(path, "rb").read())
+        raw[-7] ^= 0x40
+        open(path, "wb").write(raw)
+    else:
+        os.truncate(path, os.path.getsize(path) - 1)
+    engine = make_engine(disk=disk)
+    out = np.zeros(256, np.uint8)
+    assert engine.get_into(C, "k", [out]) is ErrorCode.CHECKSUM_MISMATCH
+    assert not out.any()  # nothing was copied into the caller's buffer
+    assert engine.stats()["checksum_failures"] == 1
+    assert engine.get_into(C, "k", [out]) is ErrorCode.OBJECT_NOT_FOUND
+    assert engine.exists(["k"]) == [False]
+
+
+def test_disk_object_too_big_for_memory_is_served_from_lease_data(make_engine, make_disk) -> None:
+    disk = make_disk()
+    disk.put("big", payload("big", 2000))  # written by a predecessor with a larger arena
+    engine = make_engine(memory_size=1024, disk=disk)
+    fill(engine, 3)
+    lease = engine.acquire(C, "big")
+    assert isinstance(lease, Lease) and lease.offset == -1 and lease.data is not None
+    assert engine.validate(lease) is ErrorCode.OK
+    assert np.array_equal(read(engine, "big", 2000), payload("big", 2000))
+    assert in_memory(engine) == {"k0", "k1", "k2"}  # nothing evicted for a hopeless promotion
+
+
+def test_remove_deletes_the_disk_copy_too(make_engine, make_disk) -> None:
+    disk = make_disk()
+    engine = make_engine(disk=disk)
+    engine.put(C, "k", [payload("k", 64)])
+    engine.close()  # drain write-through
+    assert disk.contains("k")
+    assert engine.remove("k") is ErrorCode.OK
+    assert not disk.contains("k") and engine.exists(["k"]) == [False]
