@@ -44,7 +44,7 @@ def parse_size(key: str, value: Any) -> int:
             raise ConfigError(key, value, expected)
         return value
     if isinstance(value, float):
-        if value < 0 or value != value:
+        if not 0 <= value < float("inf"):  # also rejects NaN
             raise ConfigError(key, value, expected)
         return int(value)
     if isinstance(value, str):
@@ -78,11 +78,21 @@ def _parse_int(key: str, value: Any, minimum: int = 0) -> int:
     return n
 
 
+def _parse_seconds(key: str, value: Any) -> float:
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(key, value, "a number of seconds >= 0") from None
+    if isinstance(value, bool) or not 0.0 <= f < float("inf"):
+        raise ConfigError(key, value, "a number of seconds >= 0")
+    return f
+
+
 def _parse_ratio(key: str, value: Any) -> float:
     try:
         f = float(value)
     except (TypeError, ValueError):
-        raise ConfigError(key, value, "a number between 0 and 1") from None
+        raise ConfigError(key, value, "a number in (0, 1]") from None
     if isinstance(value, bool) or not 0.0 < f <= 1.0:
         raise ConfigError(key, value, "a number in (0, 1]")
     return f
@@ -125,6 +135,7 @@ class KVPoolConfig:
     load_async: bool = False
     consumer_is_to_load: bool = False
     consumer_is_to_put: bool = False
+    producer_is_to_load: bool = False
     prefill_pp_size: int | None = None
     prefill_pp_layer_partition: tuple[int, ...] | None = None
     discard_partial_chunks: bool = True
@@ -137,12 +148,22 @@ class KVPoolConfig:
     @property
     def saves(self) -> bool:
         """Whether this instance writes KV to the pool."""
-        return self.kv_role in ("kv_both", "kv_producer") or self.consumer_is_to_put
+        if self.kv_role == "kv_consumer":
+            return self.consumer_is_to_put
+        return True
 
     @property
     def loads(self) -> bool:
-        """Whether this instance looks up and loads KV from the pool."""
-        return self.kv_role in ("kv_both", "kv_producer") or self.consumer_is_to_load
+        """Whether this instance looks up and loads KV from the pool.
+
+        A producer (prefill node) only saves unless `producer_is_to_load` lets it reuse pooled
+        prefixes too; a consumer (decode node) only loads with `consumer_is_to_load`.
+        """
+        if self.kv_role == "kv_both":
+            return True
+        if self.kv_role == "kv_producer":
+            return self.producer_is_to_load
+        return self.consumer_is_to_load
 
 
 _LOCAL_KEYS = {f.name for f in dataclasses.fields(LocalBackendConfig)}
@@ -167,7 +188,7 @@ def load_config(extra: Mapping[str, Any] | None, kv_role: str | None = "kv_both"
         known = ", ".join(sorted(_TOP_KEYS | _LOCAL_KEYS))
         raise ConfigError(unknown[0], extra[unknown[0]], f"a known kv_connector_extra_config key ({known})")
 
-    backend = str(extra.get("backend", "local"))
+    backend = extra.get("backend", "local")
     if backend not in BACKENDS:
         raise ConfigError("backend", backend, f"one of {', '.join(BACKENDS)}")
     if backend not in IMPLEMENTED_BACKENDS:
@@ -201,6 +222,7 @@ def load_config(extra: Mapping[str, Any] | None, kv_role: str | None = "kv_both"
         load_async=_parse_bool("load_async", extra.get("load_async", False)),
         consumer_is_to_load=_parse_bool("consumer_is_to_load", extra.get("consumer_is_to_load", False)),
         consumer_is_to_put=_parse_bool("consumer_is_to_put", extra.get("consumer_is_to_put", False)),
+        producer_is_to_load=_parse_bool("producer_is_to_load", extra.get("producer_is_to_load", False)),
         prefill_pp_size=pp_size,
         prefill_pp_layer_partition=partition,
         discard_partial_chunks=discard,
@@ -208,15 +230,15 @@ def load_config(extra: Mapping[str, Any] | None, kv_role: str | None = "kv_both"
         inject_load_failure_every=_parse_int(
             "inject_load_failure_every", extra.get("inject_load_failure_every", 0)
         ),
-        stats_log_interval_s=float(_parse_int("stats_log_interval_s", extra.get("stats_log_interval_s", 10))),
+        stats_log_interval_s=_parse_seconds("stats_log_interval_s", extra.get("stats_log_interval_s", 10)),
     )
 
 
 def _load_local(extra: Mapping[str, Any]) -> LocalBackendConfig:
     d = LocalBackendConfig()
     size = parse_size("local_cpu_size", extra.get("local_cpu_size", d.local_cpu_size))
-    if size <= 0:
-        raise ConfigError("local_cpu_size", extra.get("local_cpu_size"), "a positive byte size, e.g. \"4GB\"")
+    if size < 1 << 20:
+        raise ConfigError("local_cpu_size", extra.get("local_cpu_size"), "a byte size of at least 1MB, e.g. \"4GB\"")
     hw = _parse_ratio("eviction_high_watermark_ratio", extra.get("eviction_high_watermark_ratio", d.eviction_high_watermark_ratio))
     er = _parse_ratio("eviction_ratio", extra.get("eviction_ratio", d.eviction_ratio))
     ttl = _parse_int("default_kv_lease_ttl_ms", extra.get("default_kv_lease_ttl_ms", d.default_kv_lease_ttl_ms), minimum=1)

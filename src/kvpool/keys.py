@@ -41,7 +41,7 @@ def model_key_name(model: str) -> str:
     """A short, key-safe name for the model: its real path for local models, else its name."""
     if os.path.isdir(model):
         model = os.path.realpath(model)
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model.strip("/"))
+    safe = "".join(c if (c.isascii() and c.isalnum()) or c in "-_." else "_" for c in model.strip("/"))
     if len(safe) > _MODEL_NAME_MAX:
         digest = hashlib.sha256(model.encode()).hexdigest()[:16]
         safe = safe[-(_MODEL_NAME_MAX - 17):] + "-" + digest

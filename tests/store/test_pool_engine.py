@@ -418,3 +418,59 @@ def test_remove_deletes_the_disk_copy_too(make_engine, make_disk) -> None:
     assert disk.contains("k")
     assert engine.remove("k") is ErrorCode.OK
     assert not disk.contains("k") and engine.exists(["k"]) == [False]
+
+
+def test_acquire_during_pending_reput_of_a_disk_key_serves_disk_without_promoting(
+    make_engine, make_disk, clock
+) -> None:
+    """Regression (test_with_disk_tier_nothing_stored_is_ever_lost): key5 spilled to disk,
+    re-put (allocate pending), then acquired. Promoting would give key5 two arena
+    copies, so the commit would replace a leased object; the read is served from disk."""
+    sizes = {"key0": 0, "key1": 193, "key5": 129, "key11": 385}
+    engine = make_engine(
+        memory_size=1024, default_kv_lease_ttl_ms=1000, disk=make_disk(1 << 22), disk_write_through=False
+    )
+    for key in ["key0"] * 4 + ["key5", "key1", "key11", "key0"]:
+        assert engine.put("c", key, [payload(key, sizes[key])]) is ErrorCode.OK
+    assert "key5" not in in_memory(engine) and engine.exists(["key5"]) == [True]  # spilled to disk
+
+    alloc = engine.allocate("c", "key5", sizes["key5"])
+    assert isinstance(alloc, Allocation)
+    engine.arena[alloc.offset : alloc.offset + alloc.size] = payload("key5", sizes["key5"]).tobytes()
+    used = engine.stats()["memory_used"]
+
+    lease = engine.acquire("c", "key5")
+    assert isinstance(lease, Lease)
+    assert (lease.offset, lease.generation, lease.lease_id) == (-1, 0, 0)
+    assert np.array_equal(np.frombuffer(lease.data, np.uint8), payload("key5", sizes["key5"]))
+    assert engine.validate(lease) is ErrorCode.OK
+    snap = engine._debug_snapshot()
+    assert "key5" not in snap["objects"] and list(snap["pending"]) == [alloc.handle]  # nothing promoted
+    assert engine.stats()["memory_used"] == used  # no second arena copy
+    assert np.array_equal(read(engine, "key5", sizes["key5"]), payload("key5", sizes["key5"]))
+
+    assert engine.commit(alloc.handle) is ErrorCode.OK  # the re-put still publishes
+    snap = engine._debug_snapshot()
+    obj = snap["objects"]["key5"]
+    assert (obj.offset, obj.on_disk) == (alloc.offset, True)
+    assert snap["used"] == sum(engine.reserved_size(o.size) for o in snap["objects"].values())  # no leak
+    assert engine.validate(lease) is ErrorCode.OK  # the disk-served lease is unaffected
+    engine.release(lease)
+    assert np.array_equal(read(engine, "key5", sizes["key5"]), payload("key5", sizes["key5"]))
+    clock.advance(1.001)
+    assert engine.validate(lease) is ErrorCode.LEASE_EXPIRED
+
+
+def test_acquire_during_pending_reput_then_abort_promotes_normally(make_engine, make_disk) -> None:
+    disk = make_disk()
+    disk.put("k", payload("k", 100))
+    engine = make_engine(disk=disk, disk_write_through=False)
+    alloc = engine.allocate(C, "k", 100)
+    assert isinstance(alloc, Allocation)
+    assert engine.acquire(C, "k").offset == -1
+    assert engine.abort(alloc.handle) is ErrorCode.OK
+    assert engine.stats()["memory_used"] == 0
+    lease = engine.acquire(C, "k")
+    assert isinstance(lease, Lease) and lease.offset >= 0 and lease.data is None  # promoted now
+    assert in_memory(engine) == {"k"}
+    assert engine.allocate(C, "k", 100) is ErrorCode.OBJECT_ALREADY_EXISTS

