@@ -494,3 +494,15 @@ def test_every_accepted_key_is_documented():
     missing = [k for k in sorted(_TOP_KEYS | _LOCAL_KEYS | {"mooncake_rpc_port", "default_kv_lease_ttl"})
                if f"`{k}`" not in doc]
     assert not missing, f"docs/configuration.md does not document: {missing}"
+
+
+def test_hash_seed_check(monkeypatch):
+    from kvpool.vllm.scheduler import check_hash_seed
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    check_hash_seed("sha256")  # vLLM's fixed seed: keys match across processes
+    with pytest.raises(ConfigError) as exc:
+        check_hash_seed("xxhash")
+    assert exc.value.key == "prefix_caching_hash_algo" and "PYTHONHASHSEED" in str(exc.value)
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    check_hash_seed("xxhash")  # the spec's ritual still works

@@ -27,6 +27,7 @@ def kvpool_config(role: str = "kv_both", policy: str = "recompute", **extra) -> 
     """A kv-transfer-config using kvpool with a lookup channel no other engine of this run uses."""
     extra.setdefault("lookup_rpc_port", f"{os.getpid() % 1000}{next(_port)}")
     extra.setdefault("local_cpu_size", "256MB")
+    extra.setdefault("stats_log_interval_s", 0)  # log kvpool's counters at every step with activity
     return {
         "kv_connector": "KVPoolConnector",
         "kv_role": role,

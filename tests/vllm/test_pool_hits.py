@@ -82,3 +82,7 @@ def test_full_hit_output_equals_cold(reference, pooled):
 def test_stats_are_logged(pooled):
     _, _, log = pooled
     assert "kvpool worker ready" in log
+    # Round 2 loaded every whole block of the three prompts: 7 + 6 + 16.
+    loaded = [int(part.split("=")[1]) for line in log.splitlines() if "kvpool (tp0 pp0)" in line
+              for part in line.split(", ") if part.startswith("load_blocks=")]
+    assert sum(loaded) == 7 + 6 + 16
