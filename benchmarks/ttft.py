@@ -190,13 +190,16 @@ def mooncake_probe() -> tuple[str | None, str | None, str | None]:
 
 def build_plans(workdir: Path, configs: list[str], mooncake: tuple[str | None, str | None, str | None]) -> dict[str, ServerPlan]:
     plans: dict[str, ServerPlan] = {}
+    rpc_port = 40000 + os.getpid() % 20000
     if "vllm" in configs:
         plans["vllm"] = ServerPlan("vllm", prefix_caching=True, kv_transfer_config=None)
     if "kvpool" in configs:
         plans["kvpool"] = ServerPlan("kvpool", prefix_caching=False, kv_transfer_config={
             "kv_connector": "KVPoolConnector", "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"backend": "local", "local_cpu_size": "8GB"},
+            # A lookup_rpc_port of our own: other vLLM instances on this host (tests) use low ones.
+            "kv_connector_extra_config": {"backend": "local", "local_cpu_size": "8GB",
+                                          "lookup_rpc_port": rpc_port},
         })
     if "example" in configs:
         storage = workdir / "example-storage"
@@ -231,7 +234,7 @@ def build_plans(workdir: Path, configs: list[str], mooncake: tuple[str | None, s
 
         plans["mooncake"] = ServerPlan("mooncake", prefix_caching=False, kv_transfer_config={
             "kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {},
+            "kv_connector_extra_config": {"lookup_rpc_port": rpc_port},
         }, env={
             "MOONCAKE_CONFIG_PATH": str(cfg_path),
             # Advertise loopback to the master instead of the host's outward address.
