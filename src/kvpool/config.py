@@ -78,24 +78,23 @@ def _parse_int(key: str, value: Any, minimum: int = 0) -> int:
     return n
 
 
-def _parse_seconds(key: str, value: Any) -> float:
+def _parse_float(key: str, value: Any, ok: Any, expected: str) -> float:
+    """A number (or numeric string) for which `ok(f)` holds; booleans are never numbers here."""
     try:
         f = float(value)
     except (TypeError, ValueError):
-        raise ConfigError(key, value, "a number of seconds >= 0") from None
-    if isinstance(value, bool) or not 0.0 <= f < float("inf"):
-        raise ConfigError(key, value, "a number of seconds >= 0")
+        raise ConfigError(key, value, expected) from None
+    if isinstance(value, bool) or not ok(f):
+        raise ConfigError(key, value, expected)
     return f
+
+
+def _parse_seconds(key: str, value: Any) -> float:
+    return _parse_float(key, value, lambda f: 0.0 <= f < float("inf"), "a number of seconds >= 0")
 
 
 def _parse_ratio(key: str, value: Any) -> float:
-    try:
-        f = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(key, value, "a number in (0, 1]") from None
-    if isinstance(value, bool) or not 0.0 < f <= 1.0:
-        raise ConfigError(key, value, "a number in (0, 1]")
-    return f
+    return _parse_float(key, value, lambda f: 0.0 < f <= 1.0, "a number in (0, 1]")
 
 
 def parse_layer_partition(key: str, value: Any, pp_size: int) -> list[int]:
