@@ -42,6 +42,7 @@ import os
 import platform
 import random
 import shutil
+import signal
 import socket
 import statistics
 import struct
@@ -67,14 +68,6 @@ BLOCK_SIZE = 128
 MAX_MODEL_LEN = 8448  # 8192 prompt tokens + 1 generated, rounded up to whole blocks
 SIZES = {"1K": 1024, "4K": 4096, "8K": 8192}
 CONFIG_ORDER = ("vllm", "kvpool", "example", "mooncake")
-LABELS = {
-    "vllm_cold": "vLLM cold (no connector)",
-    "kvpool_cold": "kvpool cold",
-    "kvpool_hit": "kvpool hit",
-    "prefix_hit": "vLLM prefix-cache hit",
-    "example_hit": "ExampleConnector hit",
-    "mooncake_hit": "MooncakeStore hit",
-}
 # The issue's targets (kvpool hit against ...).
 TARGETS = {
     "hit_vs_cold_4K": "kvpool hit <= 1/10 of kvpool cold TTFT at 4K tokens",
@@ -93,6 +86,38 @@ def loadavg() -> float:
         return round(os.getloadavg()[0], 2)
     except OSError:
         return -1.0
+
+
+# Process groups whose CPU time is ours (this script, the vLLM server, mooncake_master): CPU
+# time used by anything else during a measurement means another job disturbed it.
+OWN_PGIDS: set[int] = {os.getpgrp()}
+
+
+def cpu_snapshot() -> tuple[int, int, int]:
+    """(busy jiffies of the whole machine, total jiffies, jiffies of our own process groups)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    total = sum(v[:8])  # guest time is already counted in user time
+    busy = total - v[3] - v[4]
+    ours = 0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                st = f.read()
+        except OSError:
+            continue
+        rest = st[st.rfind(")") + 2:].split()
+        if int(rest[2]) in OWN_PGIDS:
+            ours += int(rest[11]) + int(rest[12])
+    return busy, total, ours
+
+
+def others_cpu(before: tuple[int, int, int], after: tuple[int, int, int]) -> float:
+    """Fraction of the machine's CPU time that other jobs used between two snapshots."""
+    busy, total, ours = (a - b for a, b in zip(after, before))
+    return round(max(0, busy - ours) / max(1, total), 3)
 
 
 def make_prompt(n_tokens: int, index: int, vocab_size: int) -> list[int]:
@@ -115,6 +140,10 @@ class ServerPlan:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     # Called before each (re)start; returns a cleanup callable.
     setup: Callable[[], Callable[[], None]] | None = None
+    # Overrides --max-num-batched-tokens for this configuration.
+    max_num_batched_tokens: int | None = None
+    # Why the `ext` request is not tried on this configuration (None: it is).
+    skip_ext: str | None = None
 
 
 class MooncakeMaster:
@@ -143,6 +172,7 @@ class MooncakeMaster:
             f.flush()
             self.proc = subprocess.Popen(self.args, stdout=f, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
+        OWN_PGIDS.add(self.proc.pid)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -158,7 +188,10 @@ class MooncakeMaster:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
+        if proc is None:
+            return
+        OWN_PGIDS.discard(proc.pid)
+        if proc.poll() is not None:
             return
         os.killpg(proc.pid, 15)
         try:
@@ -188,6 +221,18 @@ def mooncake_probe() -> tuple[str | None, str | None, str | None]:
     return binary, version, None
 
 
+def example_plan(storage: Path, name: str = "example", max_num_batched_tokens: int | None = None,
+                 skip_ext: str | None = None) -> ServerPlan:
+    def setup() -> Callable[[], None]:
+        storage.mkdir(parents=True, exist_ok=True)
+        return lambda: None
+
+    return ServerPlan(name, prefix_caching=False, kv_transfer_config={
+        "kv_connector": "ExampleConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+    }, setup=setup, max_num_batched_tokens=max_num_batched_tokens, skip_ext=skip_ext)
+
+
 def build_plans(workdir: Path, configs: list[str], mooncake: tuple[str | None, str | None, str | None]) -> dict[str, ServerPlan]:
     plans: dict[str, ServerPlan] = {}
     rpc_port = 40000 + os.getpid() % 20000
@@ -202,16 +247,7 @@ def build_plans(workdir: Path, configs: list[str], mooncake: tuple[str | None, s
                                           "lookup_rpc_port": rpc_port},
         })
     if "example" in configs:
-        storage = workdir / "example-storage"
-
-        def example_setup() -> Callable[[], None]:
-            storage.mkdir(parents=True, exist_ok=True)
-            return lambda: None
-
-        plans["example"] = ServerPlan("example", prefix_caching=False, kv_transfer_config={
-            "kv_connector": "ExampleConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"shared_storage_path": str(storage)},
-        }, setup=example_setup)
+        plans["example"] = example_plan(workdir / "example-storage")
     if "mooncake" in configs and mooncake[0] is not None:
         binary = mooncake[0]
         cfg_path = workdir / "mooncake.json"
@@ -268,7 +304,7 @@ class Runner:
         srv = OpenAIServer(
             self.model_dir, served_model_name="bench", max_model_len=MAX_MODEL_LEN,
             block_size=BLOCK_SIZE, prefix_caching=self.plan.prefix_caching,
-            max_num_batched_tokens=self.args.max_num_batched_tokens,
+            max_num_batched_tokens=self.plan.max_num_batched_tokens or self.args.max_num_batched_tokens,
             kv_transfer_config=self.plan.kv_transfer_config,
             env={"VLLM_CPU_KVCACHE_SPACE": str(self.args.kvcache_gib), **self.plan.env},
             log_path=log_path, startup_timeout_s=300, request_timeout_s=self.args.request_timeout_s,
@@ -279,6 +315,8 @@ class Runner:
             self.stop()
             raise
         self.server = srv
+        if srv.proc is not None:
+            OWN_PGIDS.add(srv.proc.pid)  # the server leads its own process group
         self.startup_s.append(round(time.monotonic() - t0, 1))
         log(f"{self.plan.name}: server up in {self.startup_s[-1]} s (log {log_path})")
         # Warm-up (not recorded): a short prompt cold and hit, so first-request costs
@@ -309,6 +347,8 @@ class Runner:
     def stop(self) -> None:
         srv, self.server = self.server, None
         if srv is not None:
+            if srv.proc is not None:
+                OWN_PGIDS.discard(srv.proc.pid)
             srv.stop()
         cleanup, self.cleanup = self.cleanup, None
         if cleanup is not None:
@@ -323,7 +363,48 @@ def _error_excerpt(log_text: str, limit: int = 1500) -> str:
     return text[-limit:]
 
 
-def measure_one(srv: OpenAIServer, prompt: list[int], index: int) -> dict[str, Any]:
+def cpu_busy(interval_s: float = 1.0) -> float:
+    """Fraction of all CPUs busy over `interval_s` (from /proc/stat; -1 where unavailable)."""
+    def snap() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        idle = v[3] + (v[4] if len(v) > 4 else 0)
+        return sum(v), idle
+
+    try:
+        t0, i0 = snap()
+        time.sleep(interval_s)
+        t1, i1 = snap()
+    except (OSError, ValueError, IndexError):
+        return -1.0
+    return round(1 - (i1 - i0) / max(1, t1 - t0), 3)
+
+
+def wait_quiet(max_wait_s: float, window_s: float = 10.0, threshold: float = 0.15) -> dict[str, float]:
+    """Wait (at most `max_wait_s`) until the CPUs have been mostly idle for `window_s` in a row.
+
+    Our own server is idle between requests, so a busy machine means another job is running
+    (on a shared machine: someone's vLLM tests, which come in bursts). Returns what was seen,
+    recorded with the samples.
+    """
+    t0 = time.monotonic()
+    quiet_since: float | None = None
+    busy = 0.0
+    while True:
+        busy = cpu_busy(2.0)
+        now = time.monotonic()
+        if busy <= threshold:
+            quiet_since = quiet_since if quiet_since is not None else now - 2.0
+            if now - quiet_since >= window_s:
+                break
+        else:
+            quiet_since = None
+        if now - t0 >= max_wait_s:
+            break
+    return {"cpu_busy_before": busy, "waited_s": round(time.monotonic() - t0, 1)}
+
+
+def measure_one(srv: OpenAIServer, prompt: list[int], index: int) -> tuple[dict[str, Any], list[int]]:
     la = loadavg()
     r = srv.complete(prompt, max_tokens=1)
     return {
@@ -332,56 +413,111 @@ def measure_one(srv: OpenAIServer, prompt: list[int], index: int) -> dict[str, A
         "prompt_tokens": r.prompt_tokens,
         "cached_tokens": r.cached_tokens,
         "loadavg1": la,
-    }
+    }, r.token_ids
 
 
 def run_config(plan: ServerPlan, sizes: list[str], reps: int, model_dir: Path, workdir: Path,
                args: argparse.Namespace) -> dict[str, Any]:
-    """All sizes for one configuration: {size: {cold: [...], hit: [...], status, error?}}."""
+    """All sizes for one configuration: {size: {cold, hit, ext: [samples], status, ...}}.
+
+    Per prompt P: `cold` sends P, the first time this server sees it; `hit` sends P again;
+    `ext` sends P plus the token the cold request generated (a conversation's next turn). With
+    a block-aligned P a cache that works in whole blocks must recompute P's last block on `hit`
+    (vLLM always computes at least one prompt token), while on `ext` every cache can serve all
+    of P, so `ext` compares the caches like for like.
+
+    A server that dies during a cold or hit request marks that size `crashed` (the remaining
+    prompts of that size are not tried) and a fresh server takes the next size. One that dies
+    during an `ext` request marks `ext_status` crashed, is restarted at once, and `ext` is not
+    tried again on this configuration (the cold and hit measurements go on).
+    """
     runner = Runner(plan, model_dir, workdir, args)
     out: dict[str, Any] = {"sizes": {}, "kv_transfer_config": plan.kv_transfer_config,
-                           "prefix_caching": plan.prefix_caching, "env": plan.env}
+                           "prefix_caching": plan.prefix_caching, "env": plan.env,
+                           "max_num_batched_tokens": plan.max_num_batched_tokens or args.max_num_batched_tokens}
     vocab = SPECS["bench"].vocab_size
+    ext_crash: dict[str, Any] | None = None
     try:
         for size in sizes:
             n = SIZES[size]
-            entry: dict[str, Any] = {"cold": [], "hit": [], "status": "ok"}
+            entry: dict[str, Any] = {"cold": [], "hit": [], "ext": [], "discarded": [],
+                                     "status": "ok", "ext_status": "ok"}
+            if plan.skip_ext is not None:
+                entry["ext_status"], entry["ext_note"] = "skipped", plan.skip_ext
+            elif ext_crash is not None:
+                entry["ext_status"] = "skipped"
+                entry["ext_note"] = f"not tried: an ext request crashed this configuration at {ext_crash['size']}"
             out["sizes"][size] = entry
-            if runner.server is None:
-                try:
-                    runner.start()
-                except (ServerError, RuntimeError, httpx.HTTPError) as e:
-                    entry["status"] = "failed_to_start"
-                    entry["error"] = str(e)[-3000:]
-                    log(f"{plan.name} {size}: server failed to start: {str(e)[:300]}")
-                    runner.stop()
-                    continue
+            stop_size = False
             for i in range(reps):
-                prompt = make_prompt(n, i, vocab)
-                phase = "cold"
-                try:
-                    cold = measure_one(runner.server, prompt, i)
-                    entry["cold"].append(cold)
-                    time.sleep(args.wait_s)
-                    phase = "hit"
-                    hit = measure_one(runner.server, prompt, i)
-                    entry["hit"].append(hit)
-                    log(f"{plan.name} {size} #{i}: cold {cold['ttft_ms']:.0f} ms, "
-                        f"hit {hit['ttft_ms']:.0f} ms (cached {hit['cached_tokens']}/{hit['prompt_tokens']}), "
-                        f"load {hit['loadavg1']}")
-                except (ServerError, httpx.HTTPError) as e:
-                    srv = runner.server
-                    alive = runner.alive()
-                    excerpt = _error_excerpt(srv.log_tail(20000)) if srv is not None else ""
-                    entry["status"] = "error" if alive else "crashed"
-                    entry["error"] = {
-                        "phase": phase, "prompt": i, "request_error": f"{type(e).__name__}: {str(e)[:1500]}",
-                        "server_log": runner.log_paths[-1], "log_excerpt": excerpt,
-                    }
-                    log(f"{plan.name} {size} #{i}: {entry['status']} during the {phase} request: "
-                        f"{type(e).__name__}: {str(e)[:200]}")
-                    if not alive:
-                        runner.stop()  # the next size starts a fresh server
+                for attempt in range(1 + args.retakes):
+                    if runner.server is None:
+                        try:
+                            runner.start()
+                        except (ServerError, RuntimeError, httpx.HTTPError) as e:
+                            entry["status"] = "failed_to_start"
+                            entry["error"] = {"phase": "start", "prompt": i, "size": size,
+                                              "request_error": str(e)[-3000:]}
+                            log(f"{plan.name} {size}: server failed to start: {str(e)[:300]}")
+                            runner.stop()
+                            stop_size = True
+                            break
+                    # A retake uses a fresh prompt: the old one is cached by now.
+                    index = i + 1000 * attempt
+                    prompt = make_prompt(n, index, vocab)
+                    got: dict[str, dict[str, Any]] = {}
+                    phase = "cold"
+                    try:
+                        quiet = wait_quiet(args.quiet_wait_s)
+                        snap = cpu_snapshot()
+                        got["cold"], generated = measure_one(runner.server, prompt, index)
+                        time.sleep(args.wait_s)
+                        phase = "hit"
+                        got["hit"], _ = measure_one(runner.server, prompt, index)
+                        if entry["ext_status"] == "ok":
+                            time.sleep(args.wait_s)
+                            phase = "ext"
+                            got["ext"], _ = measure_one(runner.server, prompt + generated[:1], index)
+                        other = others_cpu(snap, cpu_snapshot())
+                    except (ServerError, httpx.HTTPError) as e:
+                        srv = runner.server
+                        alive = runner.alive()
+                        excerpt = _error_excerpt(srv.log_tail(20000)) if srv is not None else ""
+                        error = {
+                            "phase": phase, "prompt": index, "size": size,
+                            "request_error": f"{type(e).__name__}: {str(e)[:1500]}",
+                            "server_log": runner.log_paths[-1], "log_excerpt": excerpt,
+                        }
+                        status = "error" if alive else "crashed"
+                        log(f"{plan.name} {size} #{index}: {status} during the {phase} request: "
+                            f"{type(e).__name__}: {str(e)[:200]}")
+                        if not alive:
+                            runner.stop()
+                        for kind, sample in got.items():
+                            sample.update(quiet)
+                            entry[kind].append(sample)
+                        if phase == "ext":
+                            entry["ext_status"], entry["ext_error"] = status, error
+                            ext_crash = error
+                            break  # cold and hit go on (on a fresh server if this one died)
+                        entry["status"], entry["error"] = status, error
+                        stop_size = True  # the next size starts a fresh server if this one died
+                        break
+                    for sample in got.values():
+                        sample.update(quiet, others_cpu=other, attempt=attempt)
+                    disturbed = other > args.disturbed_threshold
+                    msg = "; ".join(f"{k} {v['ttft_ms']:.0f} ms" + (f" (cached {v['cached_tokens']}/{v['prompt_tokens']})" if k != "cold" else "")
+                                    for k, v in got.items())
+                    log(f"{plan.name} {size} #{index}: {msg}; other jobs used {other:.0%} of the CPUs"
+                        + (" (DISTURBED)" if disturbed else ""))
+                    if disturbed and attempt < args.retakes:
+                        entry["discarded"].append(got)
+                        continue
+                    for kind, sample in got.items():
+                        sample["disturbed"] = disturbed
+                        entry[kind].append(sample)
+                    break
+                if stop_size:
                     break
     finally:
         runner.stop()
@@ -394,148 +530,178 @@ def run_config(plan: ServerPlan, sizes: list[str], reps: int, model_dir: Path, w
 # ---------------------------------------------------------------------------------------------
 # Summary
 
+# (column, configuration, kind): kind is cold / hit (same prompt again) / ext (prompt + 1 token).
+# `exampleu` is the ExampleConnector rerun without chunked prefill for the sizes where it crashed.
+COLUMNS = [
+    (f"{col}_{kind}", cfg, kind)
+    for kind in ("cold", "hit", "ext")
+    for col, cfg in (("vllm" if kind == "cold" else "prefix", "vllm"), ("kvpool", "kvpool"),
+                     ("example", "example"), ("exampleu", "example_unchunked"), ("mooncake", "mooncake"))
+]
+
 
 def _median(samples: list[dict[str, Any]]) -> float | None:
     return round(statistics.median(s["ttft_ms"] for s in samples), 2) if samples else None
 
 
 def _is_hit(sample: dict[str, Any]) -> bool:
-    # A full hit leaves at most one block to compute (vLLM computes the last token itself).
-    return sample["cached_tokens"] >= sample["prompt_tokens"] - BLOCK_SIZE
+    # A hit served every full block but at most the last one (vLLM computes >= 1 prompt token;
+    # caches that work in whole blocks recompute the last block of a block-aligned prompt).
+    return sample["cached_tokens"] >= sample["prompt_tokens"] - 1 - BLOCK_SIZE
 
 
 def summarize(results: dict[str, Any], sizes: list[str]) -> dict[str, Any]:
     med: dict[str, dict[str, Any]] = {}
     for size in sizes:
         row: dict[str, Any] = {}
-        for cfg, kind, col in (("vllm", "cold", "vllm_cold"), ("kvpool", "cold", "kvpool_cold"),
-                               ("kvpool", "hit", "kvpool_hit"), ("vllm", "hit", "prefix_hit"),
-                               ("example", "cold", "example_cold"), ("example", "hit", "example_hit"),
-                               ("mooncake", "cold", "mooncake_cold"), ("mooncake", "hit", "mooncake_hit")):
+        for col, cfg, kind in COLUMNS:
             r = results.get(cfg)
             if r is None:
                 row[col] = {"status": "not_run"}
                 continue
-            if "error" in r and "sizes" not in r:
-                row[col] = {"status": "unavailable", "reason": r["error"]}
+            if "sizes" not in r:
+                row[col] = {"status": "unavailable", "reason": r.get("error")}
                 continue
             e = r["sizes"].get(size)
             if e is None:
                 row[col] = {"status": "not_run"}
                 continue
             samples = e[kind]
-            cell: dict[str, Any] = {"status": e["status"] if not samples or e["status"] == "ok" else "partial",
-                                    "n": len(samples)}
-            if kind == "hit":
+            cell: dict[str, Any] = {"status": "ok", "n": len(samples),
+                                    "n_disturbed": sum(1 for s in samples if s.get("disturbed")),
+                                    "cached_tokens": [s["cached_tokens"] for s in samples],
+                                    "prompt_tokens": samples[0]["prompt_tokens"] if samples else None}
+            status, error = (e["ext_status"], e.get("ext_error")) if kind == "ext" else (e["status"], e.get("error"))
+            if status != "ok":
+                cell["status"] = status
+                if isinstance(error, dict):
+                    cell["failed_in"] = f"{error['phase']} request of prompt {error['prompt']}"
+                if kind == "ext" and e.get("ext_note"):
+                    cell["note"] = e["ext_note"]
+            if kind != "cold":
                 hits = [s for s in samples if _is_hit(s)]
                 cell["n_hit"] = len(hits)
-                cell["cached_tokens"] = [s["cached_tokens"] for s in samples]
-                if samples and not hits:
+                if samples and not hits and status == "ok":
                     cell["status"] = "missed"
                 samples = hits
-            elif samples:
-                cell["cached_tokens"] = [s["cached_tokens"] for s in samples]
             cell["median_ms"] = _median(samples)
-            if e["status"] != "ok":
-                cell["failure"] = e["status"]
             row[col] = cell
         med[size] = row
     ratios: dict[str, dict[str, float | None]] = {}
     for size, row in med.items():
-        hit = row["kvpool_hit"].get("median_ms")
+        def ratio(a: str, b: str) -> float | None:
+            x, y = row[a].get("median_ms"), row[b].get("median_ms")
+            return round(x / y, 3) if x and y else None
 
-        def ratio(col: str) -> float | None:
-            other = row[col].get("median_ms")
-            return round(hit / other, 3) if hit and other else None
-
-        ratios[size] = {
-            "kvpool_hit/kvpool_cold": ratio("kvpool_cold"),
-            "kvpool_hit/vllm_cold": ratio("vllm_cold"),
-            "kvpool_hit/prefix_hit": ratio("prefix_hit"),
-            "kvpool_hit/example_hit": ratio("example_hit"),
-            "kvpool_hit/mooncake_hit": ratio("mooncake_hit"),
-        }
+        ratios[size] = {"kvpool_hit/kvpool_cold": ratio("kvpool_hit", "kvpool_cold"),
+                        "kvpool_hit/vllm_cold": ratio("kvpool_hit", "vllm_cold"),
+                        "kvpool_ext/kvpool_cold": ratio("kvpool_ext", "kvpool_cold")}
+        for kind in ("hit", "ext"):
+            for peer in ("prefix", "example", "exampleu", "mooncake"):
+                ratios[size][f"kvpool_{kind}/{peer}_{kind}"] = ratio(f"kvpool_{kind}", f"{peer}_{kind}")
     return {"medians": med, "ratios": ratios, "targets": judge(med, ratios)}
 
 
 def judge(med: dict[str, Any], ratios: dict[str, Any]) -> dict[str, Any]:
-    """Each target: met / not met / not measured, with the evidence per size."""
+    """Each target, for both hit kinds: met (True) / not met (False) / not measured (None).
+
+    Against the ExampleConnector: its run with vLLM's default settings where it worked; where
+    it crashed, its rerun without chunked prefill if that worked; a crash everywhere counts
+    as met (kvpool served the hit, the peer did not).
+    """
     out: dict[str, Any] = {}
-    r4 = ratios.get("4K", {}).get("kvpool_hit/kvpool_cold")
-    out["hit_vs_cold_4K"] = {"target": TARGETS["hit_vs_cold_4K"], "ratio": r4,
-                             "met": None if r4 is None else r4 <= 0.1}
 
-    def per_size(key: str, col: str, ok: Callable[[float], bool], peer_crash_counts_as_met: bool) -> dict[str, Any]:
-        detail: dict[str, Any] = {}
-        verdicts: list[bool] = []
-        for size, rs in ratios.items():
-            r = rs[key]
-            if r is not None:
-                detail[size] = {"ratio": r, "met": ok(r)}
-                verdicts.append(ok(r))
-            else:
-                status = med[size][col].get("failure") or med[size][col].get("status")
-                if peer_crash_counts_as_met and status == "crashed" and med[size]["kvpool_hit"].get("median_ms"):
-                    detail[size] = {"ratio": None, "met": True, "note": "peer crashed; kvpool served the hit"}
-                    verdicts.append(True)
+    def verdict(values: list[bool | None]) -> bool | None:
+        known = [v for v in values if v is not None]
+        return all(known) if known else None
+
+    for kind in ("hit", "ext"):
+        r4 = ratios.get("4K", {}).get(f"kvpool_{kind}/kvpool_cold")
+        out.setdefault("hit_vs_cold_4K", {"target": TARGETS["hit_vs_cold_4K"]})[kind] = {
+            "ratio": r4, "met": None if r4 is None else r4 <= 0.1}
+        for key, peers, ok in (("hit_vs_prefix", ("prefix",), lambda r: r <= 1.5),
+                               ("hit_vs_example", ("example", "exampleu"), lambda r: r < 1.0),
+                               ("hit_vs_mooncake", ("mooncake",), lambda r: r <= 1.0)):
+            detail: dict[str, Any] = {}
+            for size, rs in ratios.items():
+                for peer in peers:
+                    r = rs[f"kvpool_{kind}/{peer}_{kind}"]
+                    if r is not None:
+                        detail[size] = {"ratio": r, "met": ok(r), "against": peer}
+                        break
                 else:
-                    detail[size] = {"ratio": None, "met": None, "note": f"not measured ({status})"}
-        return {"met": (all(verdicts) if verdicts else None), "per_size": detail}
-
-    out["hit_vs_prefix"] = {"target": TARGETS["hit_vs_prefix"],
-                            **per_size("kvpool_hit/prefix_hit", "prefix_hit", lambda r: r <= 1.5, False)}
-    out["hit_vs_example"] = {"target": TARGETS["hit_vs_example"],
-                             **per_size("kvpool_hit/example_hit", "example_hit", lambda r: r < 1.0, True)}
-    out["hit_vs_mooncake"] = {"target": TARGETS["hit_vs_mooncake"],
-                              **per_size("kvpool_hit/mooncake_hit", "mooncake_hit", lambda r: r <= 1.0, False)}
+                    statuses = [med[size][f"{peer}_{kind}"].get("status") for peer in peers]
+                    kv_ok = med[size][f"kvpool_{kind}"].get("median_ms") is not None
+                    if key == "hit_vs_example" and kv_ok and "crashed" in statuses:
+                        detail[size] = {"ratio": None, "met": True,
+                                        "note": "ExampleConnector crashed; kvpool served the hit"}
+                    else:
+                        detail[size] = {"ratio": None, "met": None, "note": f"not measured ({'/'.join(map(str, statuses))})"}
+            out.setdefault(key, {"target": TARGETS[key]})[kind] = {
+                "met": verdict([d["met"] for d in detail.values()]), "per_size": detail}
+    for t in out.values():
+        t["met"] = verdict([t["hit"]["met"], t["ext"]["met"]])
     return out
 
 
-def _fmt_cell(cell: dict[str, Any]) -> str:
+def _fmt_ms(cell: dict[str, Any], with_cached: bool = False) -> str:
     m = cell.get("median_ms")
-    status = cell.get("failure") or cell.get("status")
+    status = cell.get("status")
     if m is None:
-        return {"not_run": "-", "unavailable": "n/a", "missed": "missed"}.get(status, status)
+        return {"not_run": "-", "unavailable": "n/a"}.get(status, str(status))
     text = f"{m:.0f}" if m >= 100 else f"{m:.1f}"
     if cell.get("n_hit") is not None and cell["n_hit"] < cell["n"]:
         text += f" ({cell['n_hit']}/{cell['n']} hit)"
+    if cell.get("n_disturbed"):
+        text += "*"
     if status not in ("ok", None):
         text += f" [{status}]"
+    if with_cached and cell.get("cached_tokens"):
+        text += f" ({'/'.join(str(v) for v in sorted(set(cell['cached_tokens'])))})"
     return text
 
 
-def format_tables(summary: dict[str, Any], sizes: list[str]) -> str:
+def format_tables(summary: dict[str, Any], sizes: list[str], show_exampleu: bool) -> str:
     med, ratios = summary["medians"], summary["ratios"]
-    cols = ["vllm_cold", "kvpool_cold", "kvpool_hit", "prefix_hit", "example_hit", "mooncake_hit"]
-    heads = ["tokens"] + [LABELS[c] for c in cols]
-    rows = [[size] + [_fmt_cell(med[size][c]) for c in cols] for size in sizes]
-    out = ["Median TTFT, ms (lower is better)", _table(heads, rows), ""]
-    rheads = ["tokens", "kvpool hit / kvpool cold", "kvpool hit / vLLM cold", "kvpool hit / prefix-cache hit",
-              "kvpool hit / Example hit", "kvpool hit / Mooncake hit"]
-    keys = ["kvpool_hit/kvpool_cold", "kvpool_hit/vllm_cold", "kvpool_hit/prefix_hit",
-            "kvpool_hit/example_hit", "kvpool_hit/mooncake_hit"]
-    rrows = [[size] + [("-" if ratios[size][k] is None else f"{ratios[size][k]:.3f}") for k in keys] for size in sizes]
-    out += ["Ratios of medians", _table(rheads, rrows), ""]
-    crows = []
-    for size in sizes:
-        crow = [size]
-        for c in ("kvpool_hit", "prefix_hit", "example_hit", "mooncake_hit"):
-            ct = med[size][c].get("cached_tokens")
-            crow.append("-" if not ct else ",".join(str(x) for x in ct) + f" of {SIZES[size]}")
-        crows.append(crow)
-    out += ["cached_tokens reported by the hit requests",
-            _table(["tokens", "kvpool", "prefix cache", "Example", "Mooncake"], crows), ""]
-    out.append("Targets")
+    peers = ["kvpool", "example"] + (["exampleu"] if show_exampleu else []) + ["mooncake"]
+    names = {"vllm": "vLLM, no connector", "prefix": "vLLM prefix cache", "kvpool": "kvpool",
+             "example": "ExampleConnector", "exampleu": "Example, unchunked", "mooncake": "MooncakeStore"}
+    out = ["Cold: first time the server sees the prompt. Median TTFT, ms"]
+    cols = ["vllm"] + peers
+    out.append(_table(["tokens"] + [names[c] for c in cols],
+                      [[size] + [_fmt_ms(med[size][f"{c}_cold"]) for c in cols] for size in sizes]))
+    cols = ["kvpool", "prefix"] + peers[1:]
+    for kind, title in (("hit", "Hit, same prompt again"),
+                        ("ext", "Hit, prompt + its generated token (like for like: every cache can serve all of the prompt)")):
+        out += ["", f"{title}. Median TTFT, ms (cached_tokens)"]
+        out.append(_table(["tokens"] + [names[c] for c in cols],
+                          [[size] + [_fmt_ms(med[size][f"{c}_{kind}"], True) for c in cols] for size in sizes]))
+    keys = [("kvpool_hit/kvpool_cold", "hit/cold"), ("kvpool_hit/prefix_hit", "hit/prefix"),
+            ("kvpool_hit/example_hit", "hit/Example"), ("kvpool_hit/mooncake_hit", "hit/Mooncake"),
+            ("kvpool_ext/kvpool_cold", "+1/cold"), ("kvpool_ext/prefix_ext", "+1/prefix"),
+            ("kvpool_ext/example_ext", "+1/Example"), ("kvpool_ext/mooncake_ext", "+1/Mooncake")]
+    if show_exampleu:
+        keys.insert(3, ("kvpool_hit/exampleu_hit", "hit/Example unchunked"))
+    out += ["", "Ratios of medians, kvpool over the other (below 1: kvpool faster; hit = same prompt, +1 = prompt + 1 token)"]
+    out.append(_table(["tokens"] + [k[1] for k in keys],
+                      [[size] + ["-" if ratios[size][k] is None else f"{ratios[size][k]:.3f}" for k, _ in keys] for size in sizes]))
+    if any(c.get("n_disturbed") for row in med.values() for c in row.values()):
+        out += ["", "* includes samples during which other jobs used the CPUs even after the retakes"]
+    out += ["", "Targets (checked on both hit kinds: hit = same prompt, +1 = prompt + 1 token)"]
     for t in summary["targets"].values():
-        verdict = {True: "MET", False: "NOT MET", None: "not measured"}[t["met"]]
-        extra = ""
-        if "ratio" in t and t["ratio"] is not None:
-            extra = f" (ratio {t['ratio']:.3f})"
-        elif "per_size" in t:
-            extra = " (" + ", ".join(
-                f"{s}: {d['ratio']:.3f}" if d["ratio"] is not None else f"{s}: {d.get('note', '-')}"
-                for s, d in t["per_size"].items()) + ")"
-        out.append(f"  [{verdict}] {t['target']}{extra}")
+        v = {True: "MET", False: "NOT MET", None: "not measured"}[t["met"]]
+        parts = []
+        for kind in ("hit", "ext"):
+            d = t[kind]
+            label = "hit" if kind == "hit" else "+1"
+            if "ratio" in d:
+                parts.append(f"{label}: {d['ratio']:.3f}" if d["ratio"] is not None else f"{label}: -")
+            else:
+                parts.append(f"{label}: " + ", ".join(
+                    f"{s} {x['ratio']:.3f}" + (" (unchunked)" if x.get("against") == "exampleu" else "")
+                    if x["ratio"] is not None else f"{s} {x.get('note', '-')}"
+                    for s, x in d["per_size"].items()))
+        out.append(f"  [{v}] {t['target']} ({'; '.join(parts)})")
     return "\n".join(out)
 
 
@@ -615,12 +781,13 @@ def plot(summary: dict[str, Any], sizes: list[str], path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    cols = ["vllm_cold", "kvpool_cold", "kvpool_hit", "prefix_hit", "example_hit", "mooncake_hit"]
+    cols = ["vllm_cold", "kvpool_cold", "kvpool_hit", "prefix_hit", "example_hit", "mooncake_hit",
+            "kvpool_ext", "prefix_ext", "mooncake_ext"]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(cols)
     for j, c in enumerate(cols):
         ys = [summary["medians"][s][c].get("median_ms") or 0 for s in sizes]
-        ax.bar([i + j * width for i in range(len(sizes))], ys, width, label=LABELS[c])
+        ax.bar([i + j * width for i in range(len(sizes))], ys, width, label=c)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(sizes))], sizes)
     ax.set_yscale("log")
     ax.set_ylabel("median TTFT, ms (log)")
@@ -631,6 +798,10 @@ def plot(summary: dict[str, Any], sizes: list[str], path: Path) -> str | None:
     return str(path)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="1K and 4K only, one prompt each (smoke run)")
@@ -639,13 +810,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default=",".join(CONFIG_ORDER), help=f"subset of {','.join(CONFIG_ORDER)}")
     p.add_argument("--wait-s", type=float, default=1.0, help="pause between the cold and the hit request")
     p.add_argument("--kvcache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE for every server")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                   help="default 8192: every prompt is prefilled in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="prefill chunk size for every server; default 2048, vLLM's own default for the "
+                        "OpenAI server on CPU, so prompts over 2K tokens are prefilled in chunks")
+    p.add_argument("--no-example-unchunked", dest="example_unchunked", action="store_false",
+                   help="don't rerun the sizes where ExampleConnector crashed with chunked prefill off")
     p.add_argument("--request-timeout-s", type=float, default=600.0)
+    p.add_argument("--quiet-wait-s", type=float, default=300.0,
+                   help="before each prompt, wait up to this long for other jobs to leave the CPUs idle (0: don't)")
+    p.add_argument("--disturbed-threshold", type=float, default=0.1,
+                   help="a prompt's measurements during which other jobs used more than this fraction of the "
+                        "CPUs are retaken with a fresh prompt")
+    p.add_argument("--retakes", type=int, default=3, help="retakes per disturbed prompt (the last one is kept)")
     p.add_argument("--workdir", help="model, logs and connector storage (default: a new temp dir; the model "
                                      "is cached in $TMPDIR/kvpool-bench-model)")
     p.add_argument("--out", help="results JSON (default benchmarks/results/ttft.json, ttft-quick.json with --quick)")
     args = p.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the `finally` blocks stop the servers and mooncake_master.
+    signal.signal(signal.SIGTERM, _interrupt)
 
     sizes = args.sizes.split(",") if args.sizes else (["1K", "4K"] if args.quick else list(SIZES))
     for s in sizes:
@@ -683,6 +865,23 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # keep the other configurations' results
             results[c] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
             log(f"{c}: failed: {type(e).__name__}: {str(e)[:300]}")
+        if c == "example" and args.example_unchunked and "sizes" in results[c]:
+            # ExampleConnector saves only the first prefill chunk, then crashes loading the
+            # whole prompt: rerun the sizes where it crashed with chunked prefill off, so it
+            # still gets a number (on fresh storage: the crashed run left short files behind).
+            crashed = [s for s in sizes if results[c]["sizes"][s]["status"] == "crashed"
+                       and SIZES[s] > args.max_num_batched_tokens]
+            if crashed:
+                log(f"example: rerunning {crashed} with --max-num-batched-tokens {MAX_MODEL_LEN} (no chunked prefill)")
+                ext_err = next((e["ext_error"] for e in results[c]["sizes"].values() if e.get("ext_error")), None)
+                plan = example_plan(workdir / "example-unchunked-storage", "example_unchunked", MAX_MODEL_LEN,
+                                    skip_ext=None if ext_err is None else
+                                    f"not tried: ext crashed the ExampleConnector at {ext_err['size']} already")
+                try:
+                    results["example_unchunked"] = run_config(plan, crashed, reps, model_dir, workdir, args)
+                except Exception as e:
+                    results["example_unchunked"] = {"error": f"{type(e).__name__}: {e}",
+                                                    "traceback": traceback.format_exc()[-3000:]}
 
     summary = summarize(results, sizes)
     report = {
@@ -713,7 +912,7 @@ def main(argv: list[str] | None = None) -> int:
     print("NOTE: measured on a shared, noisy 2-core machine; medians of "
           f"{reps} prompt(s) per size; cold and hit {args.wait_s:g} s apart")
     print()
-    print(format_tables(summary, sizes))
+    print(format_tables(summary, sizes, "example_unchunked" in results))
     print()
     print(f"results: {out_path}" + (f", plot: {png}" if png else " (no plot: matplotlib not installed)"))
     print(f"server logs: {workdir / 'logs'}")

@@ -13,7 +13,16 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("out_dir")
     m.add_argument("--spec", default="tiny")
     sub.add_parser("version", help="print kvpool's version")
+    # Imported here rather than on use so `--help` lists their flags; both are light (no vLLM).
+    from kvpool.store import server, statsview
+
+    server.add_arguments(sub.add_parser("server", help="run the host-shared pool daemon (backend: server)"))
+    statsview.add_arguments(sub.add_parser("stats", help="show a running server's usage, hit rate and clients"))
     args = parser.parse_args(argv)
+    if args.cmd == "server":
+        return server.run(args)
+    if args.cmd == "stats":
+        return statsview.run(args)
     if args.cmd == "version":
         from importlib.metadata import version
 

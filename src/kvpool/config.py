@@ -16,7 +16,7 @@ from kvpool.errors import ConfigError
 
 BACKENDS = ("local", "server", "mooncake", "yuanrong", "memcache", "redis")
 # Backends whose adapters ship in this release; the others are named so the error says so.
-IMPLEMENTED_BACKENDS = ("local",)
+IMPLEMENTED_BACKENDS = ("local", "server")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 SSD_POLICIES = ("none", "fifo", "lru")
 
@@ -27,6 +27,14 @@ _UNITS = {
     "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
     "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40,
 }
+# Where `kvpool server` listens and `backend: server` connects unless told otherwise. Per user
+# (the socket is mode 0600 by default, so another user's server could not be used anyway) and
+# independent of the environment, so a server started from a shell and a vLLM started by a
+# service manager agree without configuration.
+DEFAULT_SERVER_SOCKET = f"/tmp/kvpool-{os.getuid()}.sock"
+# sun_path holds 108 bytes including the terminating NUL.
+_MAX_SOCKET_PATH = 107
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -97,6 +105,16 @@ def _parse_ratio(key: str, value: Any) -> float:
     return _parse_float(key, value, lambda f: 0.0 < f <= 1.0, "a number in (0, 1]")
 
 
+def parse_socket_path(key: str, value: Any) -> str:
+    """An absolute Unix socket path that fits in sun_path (107 bytes)."""
+    expected = f"an absolute Unix socket path of at most {_MAX_SOCKET_PATH} bytes, e.g. {DEFAULT_SERVER_SOCKET!r}"
+    if not isinstance(value, str) or not value or "\0" in value or not os.path.isabs(value):
+        raise ConfigError(key, value, expected)
+    if len(os.fsencode(value)) > _MAX_SOCKET_PATH:
+        raise ConfigError(key, value, expected)
+    return value
+
+
 def parse_layer_partition(key: str, value: Any, pp_size: int) -> list[int]:
     """`prefill_pp_layer_partition` ("30,31") -> [30, 31]: one positive count per prefill stage."""
     parts = value if isinstance(value, (list, tuple)) else str(value).split(",")
@@ -139,6 +157,8 @@ class KVPoolConfig:
     prefill_pp_layer_partition: tuple[int, ...] | None = None
     discard_partial_chunks: bool = True
     local: LocalBackendConfig = dataclasses.field(default_factory=LocalBackendConfig)
+    # `backend: server`: the Unix socket of `kvpool server` (same default as its --socket).
+    server_socket: str = DEFAULT_SERVER_SOCKET
     # Test aid: fail every Nth block read (0 = never). Lets the test suite exercise the
     # load-failure paths of vLLM (recompute / fail) against a real store.
     inject_load_failure_every: int = 0
@@ -226,6 +246,7 @@ def load_config(extra: Mapping[str, Any] | None, kv_role: str | None = "kv_both"
         prefill_pp_layer_partition=partition,
         discard_partial_chunks=discard,
         local=local,
+        server_socket=parse_socket_path("server_socket", extra.get("server_socket", DEFAULT_SERVER_SOCKET)),
         inject_load_failure_every=_parse_int(
             "inject_load_failure_every", extra.get("inject_load_failure_every", 0)
         ),

@@ -8,7 +8,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import payload
+from store_helpers import payload
 
 from kvpool.errors import ConfigError, ErrorCode
 from kvpool.store import Allocation, DiskTier, EngineConfig, Lease, PoolEngine

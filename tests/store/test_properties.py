@@ -6,7 +6,7 @@ import os
 import tempfile
 
 import numpy as np
-from conftest import FakeClock, payload
+from store_helpers import FakeClock, payload
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 

@@ -137,6 +137,7 @@ def full_extra(ssd: str) -> dict:
         "ssd_offload_path": ssd,
         "ssd_quota": "10GB",
         "ssd_eviction_policy": "fifo",
+        "server_socket": "/tmp/kvpool-test.sock",
     }
 
 
@@ -168,6 +169,7 @@ def test_every_key_parses_from_strings(tmp_path):
             ssd_quota=10 * GiB,
             ssd_eviction_policy="fifo",
         ),
+        server_socket="/tmp/kvpool-test.sock",
     )
 
 
@@ -179,7 +181,7 @@ def test_native_json_types_parse_the_same(tmp_path):
         "discard_partial_chunks": True, "inject_load_failure_every": 3, "stats_log_interval_s": 5,
         "local_cpu_size": 4 * GiB, "eviction_high_watermark_ratio": 0.8, "eviction_ratio": 0.25,
         "default_kv_lease_ttl_ms": 5000, "ssd_offload_path": ssd, "ssd_quota": 10 * GiB,
-        "ssd_eviction_policy": "fifo",
+        "ssd_eviction_policy": "fifo", "server_socket": "/tmp/kvpool-test.sock",
     }
     assert load_config(native, "kv_consumer") == load_config(full_extra(ssd), "kv_consumer")
 

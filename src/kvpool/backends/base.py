@@ -51,4 +51,8 @@ def create_backend(config: KVPoolConfig, client_name: str) -> Backend:
         from kvpool.backends.local import LocalBackend
 
         return LocalBackend(config.local, client_name)
-    raise ConfigError("backend", config.backend, "a backend this kvpool release ships: local")
+    if config.backend == "server":
+        from kvpool.backends.server import ServerBackend
+
+        return ServerBackend(config.server_socket, client_name)
+    raise ConfigError("backend", config.backend, "a backend this kvpool release ships: local, server")

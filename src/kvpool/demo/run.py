@@ -5,19 +5,21 @@
 1. Build a small random-weight model (nothing is downloaded) unless `--model` / `MODEL` names one.
 2. Start vLLM without any connector and record the reference outputs (prefix caching off, so
    every prompt token is computed).
-3. Start vLLM as the spec's `pd_mix.sh` does: `AscendStoreConnector`, `kv_both`, `recompute`,
-   `lookup_rpc_port` 1, with the embedded `local` backend instead of Mooncake.
-4. Send the spec's short and long questions, and a long document, twice each. The first round
-   fills the pool; in the second every full 128-token block of a prompt comes from the pool.
+3. Start one `kvpool server` and two vLLM instances, A and B, as the spec's `pd_mix.sh` starts
+   one: `AscendStoreConnector`, `kv_both`, `recompute`, `lookup_rpc_port` 1 and 2, with
+   `backend: server` (the host-shared pool) instead of Mooncake.
+4. Send the spec's short and long questions, and a long document, to A (round 1), then the same
+   to B (round 2): B never computed them, yet every full 128-token block comes from the pool.
 5. Print a table and exit non-zero unless the long prompts hit the pool in round two and every
    output equals the reference token for token.
 
-The two servers run one after the other: the machine this was built on has 2 cores.
+`--backend local` runs the single-instance variant (both rounds on one instance, embedded pool).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -26,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvpool.demo.serve import Completion, OpenAIServer, ServerError
+from kvpool.demo.serve import Completion, OpenAIServer, PoolServer, ServerError
 
 # The spec's two curl questions, verbatim.
 SHORT_QUESTION = "Hello. I have a question. The president of the United States is"
@@ -48,13 +50,16 @@ LONG_QUESTION = (
 BLOCK_SIZE = 128  # the spec's --block-size, also vLLM-CPU's default
 
 
-def kvpool_transfer_config(backend: str = "local") -> dict[str, Any]:
-    """pd_mix.sh's --kv-transfer-config, with kvpool's embedded backend instead of Mooncake."""
+def kvpool_transfer_config(lookup_rpc_port: str, backend: str, server_socket: str | None) -> dict[str, Any]:
+    """pd_mix.sh's --kv-transfer-config, with a kvpool backend instead of Mooncake."""
+    extra: dict[str, Any] = {"lookup_rpc_port": lookup_rpc_port, "backend": backend}
+    if server_socket:
+        extra["server_socket"] = server_socket
     return {
         "kv_connector": "AscendStoreConnector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"lookup_rpc_port": "1", "backend": backend},
+        "kv_connector_extra_config": extra,
     }
 
 
@@ -68,6 +73,7 @@ class DemoRequest:
 class Row:
     request: str
     round: int
+    instance: str
     result: Completion
     reference: Completion
 
@@ -115,10 +121,10 @@ def _warm_up(srv: OpenAIServer) -> None:
     srv.complete("Warm-up.", max_tokens=2)
 
 
-def _print_table(rows: list[Row]) -> None:
-    headers = ["request", "round", "prompt tokens", "from pool", "TTFT ms", "ref TTFT ms", "output = ref"]
+def _print_table(rows: list[Row], title: str) -> None:
+    headers = ["request", "round", "instance", "prompt tokens", "from pool", "TTFT ms", "ref TTFT ms", "output = ref"]
     cells = [
-        [r.request, str(r.round), str(r.result.prompt_tokens), str(r.result.cached_tokens),
+        [r.request, str(r.round), r.instance, str(r.result.prompt_tokens), str(r.result.cached_tokens),
          f"{r.result.ttft_s * 1e3:.1f}", f"{r.reference.ttft_s * 1e3:.1f}", "yes" if r.matches else "NO"]
         for r in rows
     ]
@@ -131,7 +137,7 @@ def _print_table(rows: list[Row]) -> None:
         for c in cells:
             print("  ".join(v.ljust(w) for v, w in zip(c, widths)))
         return
-    table = Table(title="kvpool PD-mixed demo (AscendStoreConnector, backend local)")
+    table = Table(title=title)
     for i, h in enumerate(headers):
         table.add_column(h, justify="left" if i == 0 else "right")
     for c in cells:
@@ -168,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="approximate size of the extra long-document request; 0 to leave it out")
     p.add_argument("--dtype", default="auto", help="vLLM --dtype for both servers (auto: bfloat16 on CPU)")
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--backend", choices=("server", "local"), default="server",
+                   help="server: one kvpool server shared by instances A and B (default); "
+                        "local: one instance with the embedded pool")
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     args = p.parse_args(argv)
 
@@ -192,9 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     # lookup_rpc_port "1" names an IPC socket under VLLM_RPC_BASE_PATH (default /tmp); a private
     # directory keeps this demo from clashing with another instance on the host using port 1.
     rpc_dir = tempfile.mkdtemp(prefix="kvpool-demo-")
-    ref_log, pool_log = logs / "reference.log", logs / "kvpool.log"
-    for f in (ref_log, pool_log):
+    ref_log, log_a, log_b, server_log = (logs / f for f in ("reference.log", "instance-a.log",
+                                                          "instance-b.log", "kvpool-server.log"))
+    for f in (ref_log, log_a, log_b, server_log):
         f.unlink(missing_ok=True)
+    sock = os.path.join(rpc_dir, "kvpool.sock") if args.backend == "server" else None
     try:
         print(f"Starting vLLM without a connector (reference), log {ref_log} ...", flush=True)
         reference: dict[str, Completion] = {}
@@ -203,16 +214,25 @@ def main(argv: list[str] | None = None) -> int:
             for req in requests:
                 reference[req.name] = srv.complete(req.prompt, args.max_tokens)
 
-        print(f"Starting vLLM with kvpool as pd_mix.sh does, log {pool_log} ...", flush=True)
         rows: list[Row] = []
-        external_hits = 0.0
-        with _server(model, args, pool_log, kvpool_transfer_config(), {"VLLM_RPC_BASE_PATH": rpc_dir}) as srv:
-            _warm_up(srv)
-            for rnd in (1, 2):
+        env = {"VLLM_RPC_BASE_PATH": rpc_dir}
+        with contextlib.ExitStack() as stack:
+            if sock:
+                print(f"Starting kvpool server on {sock}, log {server_log} ...", flush=True)
+                stack.enter_context(PoolServer(sock, memory_size="2GB", log_path=server_log))
+            print(f"Starting vLLM instance A with kvpool as pd_mix.sh does, log {log_a} ...", flush=True)
+            a = stack.enter_context(_server(model, args, log_a, kvpool_transfer_config("1", args.backend, sock), env))
+            b = a
+            if sock:
+                print(f"Starting vLLM instance B (lookup_rpc_port 2, same pool), log {log_b} ...", flush=True)
+                b = stack.enter_context(_server(model, args, log_b, kvpool_transfer_config("2", args.backend, sock), env))
+            for srv in {id(a): a, id(b): b}.values():
+                _warm_up(srv)
+            for rnd, (name, srv) in ((1, ("A", a)), (2, ("B" if sock else "A", b))):
                 for req in requests:
-                    rows.append(Row(req.name, rnd, srv.complete(req.prompt, args.max_tokens), reference[req.name]))
+                    rows.append(Row(req.name, rnd, name, srv.complete(req.prompt, args.max_tokens), reference[req.name]))
             # vLLM's own count of connector-supplied tokens, independent of the usage records.
-            external_hits = srv.metric("vllm:external_prefix_cache_hits_total")
+            external_hits = b.metric("vllm:external_prefix_cache_hits_total")
     except ServerError as e:
         print(f"FAILED: {e}", file=sys.stderr)
         return 2
@@ -220,17 +240,20 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(rpc_dir, ignore_errors=True)
 
     print()
-    _print_table(rows)
+    title = ("kvpool demo: instances A and B share one kvpool server (AscendStoreConnector, backend server)"
+             if sock else "kvpool demo: one instance, embedded pool (AscendStoreConnector, backend local)")
+    _print_table(rows, title)
     print(f"\n'from pool' is usage.prompt_tokens_details.cached_tokens; prefix caching is off, so it counts "
-          f"pool hits only\n(vLLM's metric vllm:external_prefix_cache_hits_total: {external_hits:.0f} tokens). "
+          f"pool hits only\n(vLLM's metric vllm:external_prefix_cache_hits_total on the round-two instance: {external_hits:.0f} tokens). "
           f"Prompts shorter than one {BLOCK_SIZE}-token block have nothing to pool; the long document "
           f"starts with the long question,\nso in round one it already finds that question's full blocks.")
-    print(f"Logs: {ref_log} (reference), {pool_log} (kvpool)")
+    print(f"Logs: {logs}")
     problems = check(rows)
     if problems:
         print("\nFAILED:\n" + "\n".join(problems), file=sys.stderr)
         return 1
-    print("PASSED: round two loaded the long prompts' blocks from the pool and every output equals the reference.")
+    who = "instance B loaded the blocks instance A computed" if sock else "round two loaded the long prompts' blocks"
+    print(f"PASSED: {who} from the pool, and every output equals the reference.")
     return 0
 
 

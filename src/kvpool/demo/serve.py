@@ -323,3 +323,68 @@ def parse_metric(text: str, name: str, **labels: str) -> float:
         if all(found.get(k) == v for k, v in labels.items()):
             total += float(value)
     return total
+
+
+class PoolServer:
+    """`kvpool server` in a child process, for the demo, tests and benchmarks.
+
+    Entering starts it and waits until its socket accepts; leaving sends SIGTERM (a clean
+    shutdown that flushes the offload tier) and SIGKILL after `stop_grace_s`.
+    """
+
+    def __init__(self, socket_path: str | os.PathLike, *, memory_size: str = "1GB",
+                 extra_args: Sequence[str] = (), log_path: str | os.PathLike | None = None,
+                 startup_timeout_s: float = 30.0, stop_grace_s: float = 15.0,
+                 python: str = sys.executable) -> None:
+        self.socket_path = str(socket_path)
+        self.args = [python, "-m", "kvpool.store.server", "--socket", self.socket_path,
+                     "--memory-size", memory_size, *extra_args]
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix="kvpool-server-", suffix=".log")
+            os.close(fd)
+            log_path = name
+        self.log_path = Path(log_path)
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_grace_s = stop_grace_s
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> "PoolServer":
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(self.socket_path)
+                return self
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise ServerError(f"kvpool server exited with code {self.proc.returncode}; "
+                                      f"log {self.log_path}:\n{_tail(self.log_path)}") from None
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise ServerError(f"kvpool server did not listen on {self.socket_path} in "
+                                      f"{self.startup_timeout_s:.0f} s; log {self.log_path}") from None
+                time.sleep(0.05)
+
+    def stop(self) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=self.stop_grace_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: no flush, no clean-up."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> "PoolServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

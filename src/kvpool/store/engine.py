@@ -175,6 +175,10 @@ class _Object:
     leases: dict[int, tuple[str, float]] = field(default_factory=dict)
     pins: int = 0  # the disk writer's internal leases; they never expire
     on_disk: bool = False
+    # client id -> its lookup lease id in ``leases``. A repeated lookup extends that lease
+    # instead of adding one: a hot prefix looked up many times per TTL would otherwise pile up
+    # thousands of never-released leases per object, each scanned by later lookups and reaps.
+    lookup_leases: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -421,7 +425,7 @@ class PoolEngine:
                 if obj is not None:
                     found.append(True)
                     if lease:
-                        self._add_lease_locked(obj, client_id or "", now)
+                        self._lookup_lease_locked(obj, client_id or "", now)
                 else:
                     found.append(
                         key in self._spill or (self._disk is not None and self._disk.contains(key))
@@ -594,6 +598,31 @@ class PoolEngine:
             self._stats["reaped_clients"] += len(dead)
         return ReapReport(clients=len(dead), leases=dropped_leases, allocations=reclaimed)
 
+    def forget_client(self, client_id: str) -> ReapReport:
+        """Drop a client that is known to be gone (its connection closed) right away.
+
+        Its leases and unfinished allocations go at once instead of after
+        client_ttl_s: a SIGKILLed writer's half-written range is freed and never
+        published; a dead reader's leases stop pinning objects.
+        """
+        with self._lock:
+            known = self._clients.pop(client_id, None) is not None
+            dropped_leases = 0
+            for obj in self._objects.values():
+                mine = [lid for lid, (c, _) in obj.leases.items() if c == client_id]
+                for lid in mine:
+                    del obj.leases[lid]
+                dropped_leases += len(mine)
+            reclaimed = 0
+            for handle, pending in list(self._pending.items()):
+                if pending.client_id == client_id:
+                    del self._pending[handle]
+                    del self._pending_keys[pending.key]
+                    self._alloc.free(pending.offset)
+                    reclaimed += 1
+            self._stats["reclaimed_allocations"] += reclaimed
+        return ReapReport(clients=int(known), leases=dropped_leases, allocations=reclaimed)
+
     def stats(self) -> dict[str, int | float]:
         """Counters and gauges for /stats and /metrics."""
         with self._lock:
@@ -669,6 +698,17 @@ class PoolEngine:
         expires_at = now + self._ttl_s
         obj.leases[lease_id] = (client_id, expires_at)
         return lease_id, expires_at
+
+    def _lookup_lease_locked(self, obj: _Object, client_id: str, now: float) -> None:
+        lease_id = obj.lookup_leases.get(client_id)
+        if lease_id is not None and lease_id in obj.leases:
+            # Lookup lease ids are never handed out, so moving the expiry later is invisible
+            # to everyone but the evictor.
+            obj.leases[lease_id] = (client_id, now + self._ttl_s)
+            return
+        if len(obj.lookup_leases) >= 16:  # forget entries whose lease expired or was reaped
+            obj.lookup_leases = {c: lid for c, lid in obj.lookup_leases.items() if lid in obj.leases}
+        obj.lookup_leases[client_id], _ = self._add_lease_locked(obj, client_id, now)
 
     def _lease_locked(self, client_id: str, key: str, now: float) -> Lease | None:
         obj = self._objects.get(key)

@@ -1,0 +1,563 @@
+"""Client of `kvpool server`: batched metadata calls over the Unix socket, payload copies
+straight into and out of the server's shared-memory arena.
+
+Cost per batch: ``exists`` is one round trip; ``put`` two (allocate, then commit after copying
+into the arena); ``get_into`` two (acquire leases, then release after copying out, which is
+also when the server says whether each copy was stable).
+
+Failure model: the client never raises for a server problem and never blocks longer than its
+timeouts. A dead, missing or hung server turns every key of a call into a failure code
+(RPC_FAIL) or a miss; a background thread pings (client liveness, see ``client_ttl``) and
+reconnects, remapping the new server's arena, so calls succeed again once a server is back.
+
+Safety across reconnects: a batch is bound to the connection ("link") it started on. Commit and
+release go to that same link or fail, so an allocation or lease of a dead server is never
+confused with one of its successor (whose handle and lease numbers start over), and the server
+only accepts handles and leases the same connection was given.
+
+Thread-safe: calls from several threads share one connection, one round trip at a time; the
+copies themselves run outside the lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvpool.config import DEFAULT_SERVER_SOCKET
+from kvpool.errors import BackendUnavailable, ErrorCode
+from kvpool.store import protocol as P
+from kvpool.store import shm
+
+logger = logging.getLogger(__name__)
+
+OK = int(ErrorCode.OK)
+RPC_FAIL = int(ErrorCode.RPC_FAIL)
+
+
+class _Down(Exception):
+    """The server cannot be reached (or misbehaved) for this call."""
+
+
+@dataclass
+class _Link:
+    """One connection: socket, the arena it maps, the handshake reply."""
+
+    sock: socket.socket
+    arena: shm.Arena
+    hello: P.HelloReply
+    lock: threading.Lock
+    alive: bool = True
+
+
+def _u8(buf: Any, writable: bool = False) -> np.ndarray:
+    """A 1-D uint8 view of a contiguous buffer, without copying (ValueError/TypeError otherwise)."""
+    if isinstance(buf, np.ndarray) and buf.ndim == 1 and buf.dtype == np.uint8:
+        arr = buf
+    else:
+        view = memoryview(buf)
+        if not view.c_contiguous:
+            raise ValueError("buffer is not contiguous")
+        arr = np.frombuffer(view.cast("B"), dtype=np.uint8)
+    if not arr.flags.c_contiguous:
+        raise ValueError("buffer is not contiguous")
+    if writable and not arr.flags.writeable:
+        raise ValueError("buffer is read-only")
+    return arr
+
+
+def _valid_key(key: object) -> bool:
+    return isinstance(key, str) and 0 < len(key) <= P.MAX_KEY_BYTES
+
+
+def _chunks(items: list[Any], size_of: Any = None) -> Iterator[list[Any]]:
+    """Split into batches the server accepts: at most MAX_BATCH items and, with ``size_of``,
+    about MAX_INLINE_BYTES of payload (so a reply with disk-served bytes inline stays bounded)."""
+    batch: list[Any] = []
+    total = 0
+    for item in items:
+        size = size_of(item) if size_of else 0
+        if batch and (len(batch) >= P.MAX_BATCH or total + size > P.MAX_INLINE_BYTES):
+            yield batch
+            batch, total = [], 0
+        batch.append(item)
+        total += size
+    if batch:
+        yield batch
+
+
+class PoolClient:
+    """A connection to `kvpool server` at ``socket_path``; see the module docstring.
+
+    ``timeout_s`` bounds one round trip, ``connect_timeout_s`` the connect and handshake.
+    With ``ping`` a daemon thread pings every client_ttl/3 and reconnects when the link is
+    down (every ``retry_interval_s``); calls also reconnect themselves, at most that often.
+    """
+
+    def __init__(
+        self,
+        socket_path: str = DEFAULT_SERVER_SOCKET,
+        name: str = "kvpool-client",
+        *,
+        timeout_s: float = 5.0,
+        connect_timeout_s: float = 1.0,
+        retry_interval_s: float = 0.5,
+        ping: bool = True,
+    ) -> None:
+        self.socket_path = socket_path
+        self.name = name[: P.MAX_NAME]
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.retry_interval_s = retry_interval_s
+        self._link: _Link | None = None
+        self._connect_lock = threading.Lock()
+        self._retry_at = 0.0
+        self._reported_down = False
+        self._closed = False
+        self._stop = threading.Event()
+        try:
+            self._reconnect()
+        except _Down:
+            pass  # logged; calls fail until a server appears, the pinger keeps trying
+        self._pinger: threading.Thread | None = None
+        if ping:
+            self._pinger = threading.Thread(target=self._ping_loop, name="kvpool-client-ping", daemon=True)
+            self._pinger.start()
+
+    # ---- state ----------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        link = self._link
+        return link is not None and link.alive
+
+    @property
+    def client_id(self) -> str | None:
+        link = self._link
+        return link.hello.client_id if link is not None and link.alive else None
+
+    @property
+    def server_info(self) -> P.HelloReply | None:
+        """The current connection's handshake reply (arena name and size, TTLs, server pid)."""
+        link = self._link
+        return link.hello if link is not None and link.alive else None
+
+    @property
+    def arena(self) -> np.ndarray | None:
+        """The mapped arena of the current connection (for tools and tests)."""
+        link = self._link
+        return link.arena.array if link is not None and link.alive else None
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        """Block until connected (reconnecting as needed) or ``timeout_s`` passed."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._current(force=True)
+                return True
+            except _Down:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(min(0.05, self.retry_interval_s))
+
+    def close(self) -> None:
+        """Disconnect; the server then drops this client's leases and unfinished puts."""
+        self._closed = True
+        self._stop.set()
+        if self._pinger is not None:
+            self._pinger.join(self.connect_timeout_s + self.timeout_s)
+        link = self._link
+        if link is not None:
+            self._drop(link, None)
+
+    def __enter__(self) -> PoolClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- batch calls --------------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[str], lease: bool = False) -> list[bool]:
+        """Which keys are stored (in memory or the offload tier). Unreachable server: all False.
+
+        ``lease`` protects in-memory hits from eviction for the server's lease TTL.
+        """
+        found = [False] * len(keys)
+        todo = [(i, k) for i, k in enumerate(keys) if _valid_key(k)]
+        for batch in _chunks(todo):
+            try:
+                reply = self._call(P.Exists([k for _, k in batch], lease), P.Found, len(batch))
+            except _Down:
+                return found
+            if isinstance(reply, P.Found):
+                for (i, _), hit in zip(batch, reply.found):
+                    found[i] = bool(hit)
+        return found
+
+    def put(self, keys: Sequence[str], values: Sequence[Sequence[Any]]) -> list[int]:
+        """Store each key as the concatenation of its buffers; an existing key is a no-op OK."""
+        n = len(keys)
+        if len(values) != n:
+            return [int(ErrorCode.INVALID_PARAMS)] * n
+        codes = [RPC_FAIL] * n
+        todo = []
+        for i, (key, bufs) in enumerate(zip(keys, values)):
+            if not _valid_key(key):
+                codes[i] = int(ErrorCode.INVALID_KEY)
+                continue
+            try:
+                segs = [_u8(b) for b in bufs]
+            except (TypeError, ValueError):
+                codes[i] = int(ErrorCode.INVALID_PARAMS)
+                continue
+            todo.append((i, key, segs, sum(s.size for s in segs)))
+        for batch in _chunks(todo):
+            self._put_batch(batch, codes)
+        return codes
+
+    def get_into(self, keys: Sequence[str], values: Sequence[Sequence[Any]]) -> list[int]:
+        """Copy each key's bytes into its buffers (sizes must add up to the object's).
+
+        A key counts as read (OK) only if the server confirms at release that its lease held
+        for the whole copy; otherwise the buffers may hold garbage and the code says why
+        (LEASE_EXPIRED, OBJECT_NOT_FOUND, RPC_FAIL, ...).
+        """
+        n = len(keys)
+        if len(values) != n:
+            return [int(ErrorCode.INVALID_PARAMS)] * n
+        codes = [RPC_FAIL] * n
+        todo = []
+        for i, (key, bufs) in enumerate(zip(keys, values)):
+            if not _valid_key(key):
+                codes[i] = int(ErrorCode.INVALID_KEY)
+                continue
+            try:
+                outs = [_u8(b, writable=True) for b in bufs]
+            except (TypeError, ValueError):
+                codes[i] = int(ErrorCode.INVALID_PARAMS)
+                continue
+            todo.append((i, key, outs, sum(o.size for o in outs)))
+        for batch in _chunks(todo, size_of=lambda item: item[3]):
+            self._get_batch(batch, codes)
+        return codes
+
+    def remove(self, keys: Sequence[str]) -> list[int]:
+        codes = [RPC_FAIL] * len(keys)
+        todo = [(i, k) for i, k in enumerate(keys) if _valid_key(k)]
+        for i, k in enumerate(keys):
+            if not _valid_key(k):
+                codes[i] = int(ErrorCode.INVALID_KEY)
+        for batch in _chunks(todo):
+            try:
+                reply = self._call(P.Remove([k for _, k in batch]), P.Codes, len(batch))
+            except _Down:
+                break
+            for (i, _), c in zip(batch, self._codes_of(reply, len(batch))):
+                codes[i] = c
+        return codes
+
+    def ping(self) -> int:
+        try:
+            reply = self._call(P.Ping(), P.Codes, 1)
+        except _Down:
+            return RPC_FAIL
+        return self._codes_of(reply, 1)[0]
+
+    def server_stats(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The server's counters and its connected clients; BackendUnavailable if unreachable."""
+        try:
+            reply = self._call(P.GetStats(), P.StatsReply)
+        except _Down as exc:
+            raise BackendUnavailable(f"kvpool server at {self.socket_path}: {exc}") from None
+        if isinstance(reply, P.Error):
+            raise BackendUnavailable(f"kvpool server at {self.socket_path}: {reply.message}", ErrorCode(reply.code))
+        assert isinstance(reply, P.StatsReply)
+        return dict(reply.stats), [dict(c) for c in reply.clients]
+
+    # ---- low level: two-phase put and leases (tools and tests) --------------------------------
+
+    def allocate(self, keys: Sequence[str], sizes: Sequence[int]) -> P.Allocated | P.Error:
+        """Reserve arena ranges; write them through ``arena`` then ``commit`` (or ``abort``)."""
+        return self._call(P.Allocate(list(keys), list(sizes)), P.Allocated, len(keys))  # type: ignore[return-value]
+
+    def commit(self, handles: Sequence[int]) -> list[int]:
+        return self._codes_of(self._call(P.Commit(list(handles)), P.Codes, len(handles)), len(handles))
+
+    def abort(self, handles: Sequence[int]) -> list[int]:
+        return self._codes_of(self._call(P.Abort(list(handles)), P.Codes, len(handles)), len(handles))
+
+    def acquire(self, keys: Sequence[str]) -> P.Acquired | P.Error:
+        return self._call(P.Acquire(list(keys)), P.Acquired, len(keys))  # type: ignore[return-value]
+
+    def release(self, lease_ids: Sequence[int]) -> list[int]:
+        return self._codes_of(self._call(P.Release(list(lease_ids)), P.Codes, len(lease_ids)), len(lease_ids))
+
+    # ---- batch internals ----------------------------------------------------------------------
+
+    def _put_batch(self, batch: list[tuple[int, str, list[np.ndarray], int]], codes: list[int]) -> None:
+        try:
+            link = self._current()
+            reply = self._call_on(link, P.Allocate([b[1] for b in batch], [b[3] for b in batch]),
+                                  P.Allocated, len(batch))
+        except _Down:
+            return
+        if isinstance(reply, P.Error):
+            for b in batch:
+                codes[b[0]] = reply.code
+            return
+        assert isinstance(reply, P.Allocated)
+        arena = link.arena.array
+        committing: list[tuple[int, int]] = []
+        aborting: list[int] = []
+        for (i, _key, segs, size), code, handle, offset in zip(batch, reply.codes, reply.handles, reply.offsets):
+            if code == ErrorCode.OBJECT_ALREADY_EXISTS:
+                codes[i] = OK  # objects are immutable: the stored (or in-flight) copy is this one
+                continue
+            if code != OK:
+                codes[i] = code
+                continue
+            if not 0 <= offset <= arena.size - size:
+                codes[i] = int(ErrorCode.INTERNAL_ERROR)
+                aborting.append(handle)
+                continue
+            try:
+                pos = offset
+                for seg in segs:
+                    arena[pos : pos + seg.size] = seg
+                    pos += seg.size
+            except Exception:  # e.g. a buffer freed under us: never publish a partial copy
+                logger.exception("kvpool put: copying into the arena failed; aborting that key")
+                codes[i] = int(ErrorCode.INVALID_PARAMS)
+                aborting.append(handle)
+                continue
+            committing.append((i, handle))
+        try:
+            if aborting:
+                self._call_on(link, P.Abort(aborting), P.Codes, len(aborting))
+            if committing:
+                reply2 = self._call_on(link, P.Commit([h for _, h in committing]), P.Codes, len(committing))
+                for (i, _), c in zip(committing, self._codes_of(reply2, len(committing))):
+                    codes[i] = c
+        except _Down:
+            pass  # uncommitted keys stay RPC_FAIL; the server frees their ranges at disconnect
+
+    def _get_batch(self, batch: list[tuple[int, str, list[np.ndarray], int]], codes: list[int]) -> None:
+        try:
+            link = self._current()
+            reply = self._call_on(link, P.Acquire([b[1] for b in batch]), P.Acquired, len(batch))
+        except _Down:
+            return
+        if isinstance(reply, P.Error):
+            for b in batch:
+                codes[b[0]] = reply.code
+            return
+        assert isinstance(reply, P.Acquired)
+        arena = link.arena.array
+        releasing: list[int] = []
+        checked: list[int] = []  # index per lease in `releasing` whose code the release decides
+        for (i, _key, outs, want), code, lease_id, offset, size, data in zip(
+            batch, reply.codes, reply.lease_ids, reply.offsets, reply.sizes, reply.data
+        ):
+            if code != OK:
+                codes[i] = code
+                continue
+            if want != size:
+                codes[i] = int(ErrorCode.INVALID_PARAMS)
+                if lease_id:
+                    releasing.append(lease_id)
+                    checked.append(-1)
+                continue
+            if offset == -1:
+                # Served from the server's disk tier: the bytes came inline, no lease to end.
+                if data is None or len(data) != size:
+                    codes[i] = int(ErrorCode.INTERNAL_ERROR)
+                    continue
+                src = np.frombuffer(data, dtype=np.uint8)
+            elif 0 <= offset <= arena.size - size:
+                src = arena[offset : offset + size]
+            else:
+                codes[i] = int(ErrorCode.INTERNAL_ERROR)
+                if lease_id:
+                    releasing.append(lease_id)
+                    checked.append(-1)
+                continue
+            try:
+                pos = 0
+                for out in outs:
+                    out[:] = src[pos : pos + out.size]
+                    pos += out.size
+            except Exception:
+                logger.exception("kvpool get: copying out of the arena failed")
+                codes[i] = int(ErrorCode.INVALID_PARAMS)
+                if lease_id:
+                    releasing.append(lease_id)
+                    checked.append(-1)
+                continue
+            if offset == -1:
+                codes[i] = OK
+            else:
+                releasing.append(lease_id)
+                checked.append(i)
+        if not releasing:
+            return
+        try:
+            reply2 = self._call_on(link, P.Release(releasing), P.Codes, len(releasing))
+        except _Down:
+            return  # unverified copies stay RPC_FAIL: the bytes may be stale
+        for i, c in zip(checked, self._codes_of(reply2, len(releasing))):
+            if i >= 0:
+                codes[i] = c
+
+    @staticmethod
+    def _codes_of(reply: P.Message, n: int) -> list[int]:
+        if isinstance(reply, P.Codes):
+            return [int(c) for c in reply.codes]
+        if isinstance(reply, P.Error):
+            return [reply.code] * n
+        return [RPC_FAIL] * n
+
+    # ---- connection ------------------------------------------------------------------------------
+
+    def _call(self, message: P.Message, expect: type, n: int | None = None) -> P.Message:
+        return self._call_on(self._current(), message, expect, n)
+
+    def _call_on(self, link: _Link, message: P.Message, expect: type, n: int | None = None) -> P.Message:
+        """One round trip on ``link``. Returns the expected reply type or an Error; raises _Down."""
+        if not link.alive:
+            raise _Down("connection lost")
+        if not link.lock.acquire(timeout=self.timeout_s):
+            raise _Down("connection busy (server not answering)")
+        try:
+            if not link.alive:
+                raise _Down("connection lost")
+            try:
+                P.send_frame(link.sock, message)
+                body = P.recv_frame(link.sock, P.MAX_REPLY_FRAME)
+                if body is None:
+                    raise ConnectionError("server closed the connection")
+                reply = P.reply_decoder.decode(body)
+            except (OSError, P.FrameError, msgspec.DecodeError) as exc:
+                self._drop(link, exc)
+                raise _Down(str(exc)) from None
+        finally:
+            link.lock.release()
+        if isinstance(reply, P.Error):
+            return reply
+        if not isinstance(reply, expect) or (n is not None and not self._shape_ok(reply, n)):
+            self._drop(link, f"unexpected reply {type(reply).__name__} to {type(message).__name__}")
+            raise _Down("protocol error")
+        return reply
+
+    @staticmethod
+    def _shape_ok(reply: P.Message, n: int) -> bool:
+        if isinstance(reply, P.Found):
+            return len(reply.found) == n
+        if isinstance(reply, P.Codes):
+            return len(reply.codes) == n
+        if isinstance(reply, P.Allocated):
+            return len(reply.codes) == len(reply.handles) == len(reply.offsets) == n
+        if isinstance(reply, P.Acquired):
+            return (len(reply.codes) == len(reply.lease_ids) == len(reply.offsets) == len(reply.sizes)
+                    == len(reply.data) == n)
+        return True
+
+    def _current(self, force: bool = False) -> _Link:
+        link = self._link
+        if link is not None and link.alive:
+            return link
+        if self._closed:
+            raise _Down("client closed")
+        if not force and time.monotonic() < self._retry_at:
+            raise _Down(f"no kvpool server at {self.socket_path}")
+        return self._reconnect()
+
+    def _reconnect(self) -> _Link:
+        with self._connect_lock:
+            link = self._link
+            if link is not None and link.alive:
+                return link
+            try:
+                link = self._open()
+            except (OSError, ValueError, P.FrameError, msgspec.DecodeError, _Down) as exc:
+                # A refused/missing socket fails in microseconds, so retry soon; a hung server
+                # cost us a timeout, so leave retries to the pinger for a while.
+                slow = isinstance(exc, (TimeoutError, socket.timeout))
+                self._retry_at = time.monotonic() + self.retry_interval_s * (10 if slow else 1)
+                self._report_down(exc)
+                raise _Down(str(exc)) from None
+            if self._closed:
+                link.sock.close()
+                raise _Down("client closed")
+            self._link = link
+            self._reported_down = False
+        logger.info("kvpool: connected to kvpool server %d at %s as %s (arena %s, %d bytes)",
+                    link.hello.server_pid, self.socket_path, link.hello.client_id, link.hello.arena_name,
+                    link.hello.arena_size)
+        return link
+
+    def _open(self) -> _Link:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.connect_timeout_s)
+            sock.connect(self.socket_path)
+            P.send_frame(sock, P.Hello(self.name, os.getpid()))
+            body = P.recv_frame(sock, P.MAX_REPLY_FRAME)
+            if body is None:
+                raise ConnectionError("server closed the connection during the handshake")
+            hello = P.reply_decoder.decode(body)
+            if isinstance(hello, P.Error):
+                raise _Down(f"server refused the handshake: {hello.message}")
+            if not isinstance(hello, P.HelloReply):
+                raise _Down(f"unexpected handshake reply {type(hello).__name__}")
+            arena = shm.attach(hello.arena_name, hello.arena_size)
+            sock.settimeout(self.timeout_s)
+        except BaseException:
+            sock.close()
+            raise
+        return _Link(sock, arena, hello, threading.Lock())
+
+    def _drop(self, link: _Link, reason: object) -> None:
+        link.alive = False
+        try:
+            link.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        link.sock.close()
+        link.arena.close()
+        if self._link is link:
+            self._link = None
+        if reason is not None:
+            self._report_down(reason)
+
+    def _report_down(self, reason: object) -> None:
+        if not self._reported_down and not self._closed:
+            self._reported_down = True
+            logger.warning("kvpool: no kvpool server at %s (%s); pool calls fail (misses) until one is "
+                           "back; start it with `kvpool server --socket %s`",
+                           self.socket_path, reason, self.socket_path)
+
+    def _ping_loop(self) -> None:
+        interval = self.retry_interval_s
+        while not self._stop.wait(interval):
+            link = self._link
+            try:
+                if link is not None and link.alive:
+                    self._call_on(link, P.Ping(), P.Codes, 1)
+                else:
+                    link = self._reconnect()
+            except _Down:
+                pass
+            except Exception:  # the pinger must outlive any surprise
+                logger.exception("kvpool client pinger")
+            link = self._link
+            interval = link.hello.client_ttl_s / 3 if link is not None and link.alive else self.retry_interval_s

@@ -1,0 +1,100 @@
+"""The server's loopback HTTP endpoint: Prometheus `/metrics`, JSON `/stats`, `/healthz`.
+
+Standard library only (the server must run without vLLM and its dependencies). It binds
+127.0.0.1 and nothing else: the numbers reveal what a host caches, and there is no auth.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Monotonic counters (exported with a `_total` suffix); every other number is a gauge.
+COUNTERS = frozenset({
+    "puts", "gets", "hits", "disk_hits", "misses", "evictions", "promotions",
+    "allocation_failures", "lease_expired", "disk_write_errors", "reclaimed_allocations",
+    "reaped_clients", "disk_evictions", "checksum_failures", "lookup_keys", "lookup_hits",
+    "connections", "protocol_errors",
+})
+
+HELP = {
+    "memory_used": "Arena bytes reserved by stored and pending objects",
+    "memory_capacity": "Usable arena bytes",
+    "object_count": "Objects in the memory tier",
+    "disk_used": "Bytes used by the offload tier",
+    "disk_count": "Objects in the offload tier",
+    "clients": "Clients the engine considers alive",
+    "connected_clients": "Open client connections",
+    "hits": "Reads served from memory",
+    "disk_hits": "Reads served from the offload tier",
+    "misses": "Reads of absent keys",
+    "evictions": "Objects evicted from memory",
+    "lookup_keys": "Keys asked about by exists lookups",
+    "lookup_hits": "Keys found by exists lookups",
+}
+
+
+def render_prometheus(stats: Mapping[str, Any]) -> str:
+    """Prometheus text exposition (format 0.0.4) of the numeric entries of ``stats``."""
+    lines = []
+    for name in sorted(stats):
+        value = stats[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        counter = name in COUNTERS
+        metric = f"kvpool_{name}_total" if counter else f"kvpool_{name}"
+        lines.append(f"# HELP {metric} {HELP.get(name, name.replace('_', ' '))}")
+        lines.append(f"# TYPE {metric} {'counter' if counter else 'gauge'}")
+        lines.append(f"{metric} {value}")
+    return "\n".join(lines) + "\n"
+
+
+class MetricsServer:
+    """Serves ``stats_fn()`` on 127.0.0.1:``port`` from a daemon thread (port 0: any free port)."""
+
+    def __init__(self, port: int, stats_fn: Callable[[], Mapping[str, Any]]) -> None:
+        fetch = stats_fn
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+                path = self.path.split("?", 1)[0]
+                if path == "/healthz":
+                    self._send(200, "text/plain; charset=utf-8", b"ok\n")
+                elif path == "/metrics":
+                    body = render_prometheus(fetch()).encode()
+                    self._send(200, "text/plain; version=0.0.4; charset=utf-8", body)
+                elif path == "/stats":
+                    self._send(200, "application/json", json.dumps(fetch(), sort_keys=True).encode())
+                else:
+                    self._send(404, "text/plain; charset=utf-8", b"not found: try /metrics, /stats, /healthz\n")
+
+            def _send(self, status: int, ctype: str, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:  # scrapes are not news
+                logger.debug("metrics: " + format, *args)
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvpool-metrics", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return self._httpd.server_address[1]
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()

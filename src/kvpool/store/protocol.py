@@ -1,0 +1,215 @@
+"""Wire protocol between `kvpool server` and its clients: metadata only, never payloads.
+
+A frame is a 4-byte big-endian length followed by that many bytes of msgpack. Every message is
+a msgspec Struct tagged with its name, encoded as an array (compact, and cheap to decode). The
+client sends one request and waits for its reply; there is no pipelining, so replies need no
+request ids.
+
+Payload bytes travel through the shared-memory arena: the server hands out offsets
+(`AllocateReply`, `AcquireReply`) and the client copies with its own mapping. The one exception
+is an object the server had to serve from its disk tier without room to promote it into the
+arena: its bytes come inline in `AcquireReply.data`.
+
+Limits are enforced by the decoder (`msgspec.Meta`), so a hostile or buggy frame is rejected
+as a whole before the engine sees any of it.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Annotated, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+HEADER = struct.Struct("!I")
+# Requests carry keys and numbers only; 16 MiB holds a batch of MAX_BATCH maximal keys.
+MAX_REQUEST_FRAME = 16 << 20
+# Replies may carry disk-served payloads inline (bounded by MAX_INLINE_BYTES) plus metadata.
+MAX_REPLY_FRAME = 1 << 30
+MAX_INLINE_BYTES = 256 << 20
+MAX_KEY_BYTES = 4096
+MAX_BATCH = 4096
+MAX_NAME = 256
+
+Key = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES)]
+Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_BATCH)]
+Ids = Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_BATCH)]
+Size = Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]
+
+
+class Message(msgspec.Struct, tag=True, array_like=True, forbid_unknown_fields=True):
+    """Base of every frame's body; the tag (class name) selects the type."""
+
+
+# ---- requests ---------------------------------------------------------------------------
+
+
+class Hello(Message):
+    """First message on a connection; nothing else is accepted before it."""
+
+    client_name: Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+    pid: Annotated[int, msgspec.Meta(ge=0)]
+    version: int = PROTOCOL_VERSION
+
+
+class Ping(Message):
+    """Liveness heartbeat (every request counts as one; this is for idle clients)."""
+
+
+class Exists(Message):
+    keys: Keys
+    lease: bool = False
+
+
+class Allocate(Message):
+    """Reserve room for each key (two-phase put, step 1)."""
+
+    keys: Keys
+    sizes: Annotated[list[Size], msgspec.Meta(max_length=MAX_BATCH)]
+
+
+class Commit(Message):
+    """Publish allocations this connection made (step 3, after the copy)."""
+
+    handles: Ids
+
+
+class Abort(Message):
+    """Give back allocations this connection made without publishing them."""
+
+    handles: Ids
+
+
+class Acquire(Message):
+    """Lease each key for reading."""
+
+    keys: Keys
+
+
+class Release(Message):
+    """End leases, reporting per lease whether the copy made under it is trustworthy."""
+
+    lease_ids: Ids
+
+
+class Remove(Message):
+    keys: Keys
+
+
+class GetStats(Message):
+    """Engine counters plus server facts (clients, arena, uptime)."""
+
+
+Request = Union[Hello, Ping, Exists, Allocate, Commit, Abort, Acquire, Release, Remove, GetStats]
+
+
+# ---- replies ----------------------------------------------------------------------------
+
+
+class HelloReply(Message):
+    client_id: str
+    arena_name: str  # file name under /dev/shm
+    arena_size: int
+    lease_ttl_ms: int
+    client_ttl_s: float
+    server_pid: int
+    version: int = PROTOCOL_VERSION
+
+
+class Codes(Message):
+    """One Mooncake code per item of the request (0 = OK)."""
+
+    codes: list[int]
+
+
+class Found(Message):
+    found: list[bool]
+
+
+class Allocated(Message):
+    """Per key: code, handle and arena offset (handle/offset 0 unless code is OK)."""
+
+    codes: list[int]
+    handles: list[int]
+    offsets: list[int]
+
+
+class Acquired(Message):
+    """Per key: code, lease id, arena offset, size, and inline bytes for disk-served hits.
+
+    A disk-served hit has offset -1, lease id 0 and its bytes in ``data``; it needs no release.
+    """
+
+    codes: list[int]
+    lease_ids: list[int]
+    offsets: list[int]
+    sizes: list[int]
+    data: list[Union[bytes, None]]
+
+
+class StatsReply(Message):
+    stats: dict[str, Union[int, float, str]]
+    clients: list[dict[str, Union[int, float, str]]]
+
+
+class Error(Message):
+    """The request as a whole was rejected (malformed, unknown, out of order)."""
+
+    code: int
+    message: str
+
+
+Reply = Union[HelloReply, Codes, Found, Allocated, Acquired, StatsReply, Error]
+
+request_decoder = msgspec.msgpack.Decoder(Request)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class FrameError(Exception):
+    """The byte stream is not a valid frame sequence; the connection cannot continue."""
+
+
+def encode_frame(message: Message) -> bytearray:
+    """Length prefix and body in one buffer, so a frame goes out in one sendall."""
+    buf = bytearray(HEADER.size)
+    _encoder.encode_into(message, buf, HEADER.size)
+    HEADER.pack_into(buf, 0, len(buf) - HEADER.size)
+    return buf
+
+
+def send_frame(sock: socket.socket, message: Message) -> None:
+    sock.sendall(encode_frame(message))
+
+
+def _recv_exact(sock: socket.socket, n: int, first: bool = False) -> bytearray | None:
+    """Read exactly n bytes. None on a clean EOF before the first byte of a frame."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            if first and got == 0:
+                return None
+            raise FrameError(f"connection closed mid-frame ({got} of {n} bytes)")
+        got += k
+    return buf
+
+
+def recv_frame(sock: socket.socket, max_size: int) -> bytearray | None:
+    """The body of the next frame, or None if the peer closed between frames.
+
+    Raises FrameError for a length over ``max_size`` or a truncated frame; socket timeouts and
+    OSErrors propagate.
+    """
+    header = _recv_exact(sock, HEADER.size, first=True)
+    if header is None:
+        return None
+    (length,) = HEADER.unpack(header)
+    if length > max_size:
+        raise FrameError(f"frame of {length} bytes exceeds the limit of {max_size}")
+    return _recv_exact(sock, length)

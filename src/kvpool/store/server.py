@@ -1,0 +1,713 @@
+"""`kvpool server`: one pool engine per host, shared by every vLLM instance on it.
+
+The engine's arena lives in POSIX shared memory (`shm.py`) that clients map, so payloads are
+copied by the clients themselves, straight between their KV cache and the arena. Only metadata
+(allocate, commit, lookup, lease, ping) crosses the Unix socket, as msgpack frames
+(`protocol.py`).
+
+One thread per connection: a handful of vLLM workers connect, each keeps one connection, and a
+silent or misbehaving peer blocks only its own thread. All shared state is in the thread-safe
+engine; what a connection holds (its allocations and read leases) is tracked per connection
+too, so a client can only commit or release what it was given, and everything it held is
+dropped the moment its connection closes (a SIGKILLed writer's half-written range is freed and
+never published).
+
+Start-up exclusivity: a `flock` on `<socket>.lock` is held for the server's lifetime. The
+kernel drops it when the process dies however it dies, so a server that gets the lock knows any
+socket file (and `/dev/shm` arena of that socket) is a dead server's leftover and takes over;
+one that does not get it exits, naming the live server's pid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fcntl
+import logging
+import os
+import selectors
+import shutil
+import signal
+import socket
+import stat
+import struct
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from kvpool.config import DEFAULT_SERVER_SOCKET, SSD_POLICIES, LocalBackendConfig, parse_size, parse_socket_path
+from kvpool.errors import ConfigError, ErrorCode, KVPoolError
+from kvpool.store import protocol as P
+from kvpool.store import shm
+from kvpool.store.disk import DiskTier, validate_offload_path
+from kvpool.store.engine import Allocation, EngineConfig, Lease, PoolEngine
+from kvpool.store.metrics import MetricsServer
+
+logger = logging.getLogger("kvpool.server")
+
+# A connection may hold this many unreleased read leases; past it the oldest are released
+# (a client that never releases must not grow the server without bound).
+_MAX_LEASES_PER_CONN = 1 << 16
+
+
+class ServerRunning(KVPoolError):
+    """Another live server owns the socket."""
+
+    code = ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """Everything `kvpool server` is told on its command line, validated."""
+
+    socket_path: str = DEFAULT_SERVER_SOCKET
+    socket_mode: int = 0o600
+    memory_size: int = 4 << 30
+    eviction_high_watermark_ratio: float = 0.9
+    eviction_ratio: float = 0.1
+    default_kv_lease_ttl_ms: int = LocalBackendConfig.default_kv_lease_ttl_ms
+    client_ttl_s: float = 10.0
+    put_timeout_s: float = 30.0
+    offload_path: str | None = None
+    offload_quota: int = 0  # 0: 90% of the disk's free space at start, as the local backend
+    offload_eviction_policy: str = "lru"
+    metrics_port: int | None = None
+    hello_timeout_s: float = 5.0
+    max_connections: int = 1024
+
+    @property
+    def idle_timeout_s(self) -> float:
+        # Clients ping every client_ttl/3; a connection silent for this long is gone or hung.
+        return max(2 * self.client_ttl_s, 5.0)
+
+    def engine_config(self, disk: DiskTier | None) -> EngineConfig:
+        return EngineConfig(
+            memory_size=self.memory_size,
+            eviction_high_watermark_ratio=self.eviction_high_watermark_ratio,
+            eviction_ratio=self.eviction_ratio,
+            default_kv_lease_ttl_ms=self.default_kv_lease_ttl_ms,
+            client_ttl_s=self.client_ttl_s,
+            put_timeout_s=self.put_timeout_s,
+            disk=disk,
+            reap_interval_s=min(1.0, self.client_ttl_s / 4),
+        )
+
+
+# ---- the socket lock ----------------------------------------------------------------------
+
+
+def _acquire_socket_lock(socket_path: str) -> int:
+    """flock ``<socket>.lock``; raise ServerRunning if a live server holds it."""
+    lock_path = socket_path + ".lock"
+    for _ in range(5):
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                pid = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            finally:
+                os.close(fd)
+            raise ServerRunning(
+                f"another kvpool server (pid {pid}) is serving on {socket_path}; stop it first "
+                f"or give this one another --socket"
+            ) from None
+        # A server shutting down unlinks the lock file; if we locked an unlinked inode, retry
+        # on the fresh file, or two servers could each hold "the" lock.
+        try:
+            same = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return fd
+        os.close(fd)
+    raise ServerRunning(f"could not lock {lock_path}: it keeps being replaced")
+
+
+def _bind(socket_path: str, mode: int) -> socket.socket:
+    """Bind the listening socket, replacing a dead server's socket file (we hold the lock)."""
+    try:
+        st = os.lstat(socket_path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise ConfigError("socket", socket_path, "a path that is free or a stale socket; it is another kind of file")
+        os.unlink(socket_path)
+        logger.info("took over stale socket %s (its server is gone)", socket_path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # Created 0600 (no window where another user could connect), then set to the asked mode.
+    old = os.umask(0o177)
+    try:
+        sock.bind(socket_path)
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        os.umask(old)
+    os.chmod(socket_path, mode)
+    sock.listen(128)
+    return sock
+
+
+def _peer_pid(sock: socket.socket) -> int:
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return struct.unpack("3i", creds)[0]
+    except (OSError, AttributeError):
+        return 0
+
+
+# ---- connections --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Conn:
+    sock: socket.socket
+    seq: int
+    peer_pid: int
+    client_id: str = ""
+    name: str = ""
+    connected_at: float = dataclasses.field(default_factory=time.time)
+    requests: int = 0
+    pending: dict[int, Allocation] = dataclasses.field(default_factory=dict)
+    leases: dict[int, Lease] = dataclasses.field(default_factory=dict)
+
+
+class Server:
+    """The daemon. ``start()`` binds and maps everything; ``serve_forever()`` accepts until ``stop()``."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.engine: PoolEngine | None = None
+        self.arena: shm.Arena | None = None
+        self.metrics: MetricsServer | None = None
+        self._lock_fd: int | None = None
+        self._listener: socket.socket | None = None
+        self._conns: dict[int, _Conn] = {}
+        self._threads: set[threading.Thread] = set()
+        self._state = threading.Lock()
+        self._seq = 0
+        self._counters = {"lookup_keys": 0, "lookup_hits": 0, "connections": 0, "protocol_errors": 0}
+        self._started = time.monotonic()
+        self._stopping = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        cfg = self.config
+        self._lock_fd = _acquire_socket_lock(cfg.socket_path)
+        try:
+            removed = shm.remove_stale(cfg.socket_path)
+            if removed:
+                logger.info("removed arena(s) left by a dead server: %s", ", ".join(removed))
+            self._listener = _bind(cfg.socket_path, cfg.socket_mode)
+            self.arena = shm.create(shm.arena_name(cfg.socket_path, os.getpid()), cfg.memory_size,
+                                    cfg.socket_mode & 0o666)
+            disk = None
+            if cfg.offload_path:
+                quota = cfg.offload_quota or int(shutil.disk_usage(cfg.offload_path).free * 0.9)
+                disk = DiskTier(cfg.offload_path, quota, cfg.offload_eviction_policy)  # type: ignore[arg-type]
+            self.engine = PoolEngine(cfg.engine_config(disk), arena=memoryview(self.arena.array))
+            if cfg.metrics_port is not None:
+                try:
+                    self.metrics = MetricsServer(cfg.metrics_port, self.stats)
+                except OSError as exc:
+                    raise ConfigError("metrics_port", cfg.metrics_port,
+                                      f"a free TCP port on 127.0.0.1 ({exc.strerror})") from None
+                self.metrics.start()
+        except BaseException:
+            self._cleanup()
+            raise
+        logger.info(
+            "kvpool server %d listening on %s (mode %o): arena %s/%s of %d bytes, lease ttl %d ms, "
+            "client ttl %ss, offload %s, metrics %s",
+            os.getpid(), cfg.socket_path, cfg.socket_mode, shm.SHM_DIR, self.arena.name, cfg.memory_size,
+            cfg.default_kv_lease_ttl_ms, cfg.client_ttl_s,
+            f"{cfg.offload_path} ({cfg.offload_eviction_policy})" if cfg.offload_path else "off",
+            f"http://127.0.0.1:{self.metrics.port}" if self.metrics else "off",
+        )
+
+    def stop(self) -> None:
+        """Ask ``serve_forever`` to return (safe from a signal handler or another thread)."""
+        self._stopping.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def serve_forever(self) -> None:
+        assert self._listener is not None
+        self._listener.setblocking(False)
+        sel = selectors.DefaultSelector()
+        sel.register(self._listener, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        try:
+            while not self._stopping.is_set():
+                for key, _ in sel.select():
+                    if key.fileobj is self._listener:
+                        self._accept()
+        finally:
+            sel.close()
+            self._shutdown()
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        try:
+            sock, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:  # e.g. EMFILE: keep serving the connections we have
+            logger.warning("accept failed: %s", exc)
+            time.sleep(0.05)
+            return
+        sock.setblocking(True)
+        with self._state:
+            if len(self._conns) >= self.config.max_connections:
+                full = True
+            else:
+                full = False
+                self._seq += 1
+                conn = _Conn(sock, self._seq, _peer_pid(sock))
+                self._conns[conn.seq] = conn
+                self._counters["connections"] += 1
+        if full:
+            logger.warning("refusing a connection: %d clients connected (--max-connections)",
+                           self.config.max_connections)
+            self._reply_and_close(sock, P.Error(int(ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS),
+                                                "server at --max-connections"))
+            return
+        t = threading.Thread(target=self._serve_conn, args=(conn,), name=f"kvpool-conn-{conn.seq}", daemon=True)
+        with self._state:
+            self._threads.add(t)
+        t.start()
+
+    def _shutdown(self) -> None:
+        logger.info("shutting down: closing %d connection(s), flushing the offload queue", len(self._conns))
+        if self._listener is not None:
+            self._listener.close()
+        with self._state:
+            conns = list(self._conns.values())
+            threads = list(self._threads)
+        for conn in conns:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 2.0
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        self._cleanup()
+        logger.info("kvpool server stopped")
+
+    def _cleanup(self) -> None:
+        """Release everything start() took; each step tolerates a partial start."""
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        if self.engine is not None:
+            self.engine.close()  # flushes the disk write-through queue
+        if self.arena is not None:
+            shm.unlink(self.arena.name)
+        if self._listener is not None:
+            self._listener.close()
+            try:
+                if stat.S_ISSOCK(os.lstat(self.config.socket_path).st_mode):
+                    os.unlink(self.config.socket_path)
+            except FileNotFoundError:
+                pass
+        if self._lock_fd is not None:
+            # Unlink before unlocking: a server starting meanwhile then retries on a fresh file.
+            try:
+                os.unlink(self.config.socket_path + ".lock")
+            except FileNotFoundError:
+                pass
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # ---- one connection ---------------------------------------------------------------------
+
+    def _serve_conn(self, conn: _Conn) -> None:
+        reason = "closed by client"
+        try:
+            reason = self._conn_loop(conn)
+        except (TimeoutError, socket.timeout):
+            reason = "timed out" if conn.client_id else f"said nothing for {self.config.hello_timeout_s}s"
+        except P.FrameError as exc:
+            self._protocol_error()
+            reason = f"bad frame: {exc}"
+            self._reply_and_close(conn.sock, P.Error(int(ErrorCode.INVALID_PARAMS), str(exc)))
+        except OSError as exc:
+            reason = f"socket error: {exc}"
+        except Exception:  # a bug must not take the server down with it
+            logger.exception("connection %d (%s): internal error", conn.seq, conn.name or "no handshake")
+            reason = "internal error"
+        finally:
+            self._close_conn(conn, reason)
+
+    def _conn_loop(self, conn: _Conn) -> str:
+        sock = conn.sock
+        sock.settimeout(self.config.hello_timeout_s)
+        while not self._stopping.is_set():
+            body = P.recv_frame(sock, P.MAX_REQUEST_FRAME)
+            if body is None:
+                return "closed by client"
+            try:
+                request = P.request_decoder.decode(body)
+            except msgspec.DecodeError as exc:
+                # The frame boundary is intact, so the connection can go on after saying why.
+                self._protocol_error()
+                P.send_frame(sock, P.Error(int(ErrorCode.INVALID_PARAMS), f"malformed request: {exc}"))
+                if not conn.client_id:
+                    return f"malformed handshake: {exc}"
+                continue
+            conn.requests += 1
+            if not conn.client_id:
+                if not isinstance(request, P.Hello):
+                    self._protocol_error()
+                    P.send_frame(sock, P.Error(int(ErrorCode.INVALID_PARAMS), "expected Hello first"))
+                    return "no handshake"
+                P.send_frame(sock, self._hello(conn, request))
+                if not conn.client_id:
+                    return "handshake refused"
+                sock.settimeout(self.config.idle_timeout_s)
+                continue
+            P.send_frame(sock, self._dispatch(conn, request))
+        return "server shutting down"
+
+    def _hello(self, conn: _Conn, hello: P.Hello) -> P.Message:
+        assert self.engine is not None and self.arena is not None
+        if hello.version != P.PROTOCOL_VERSION:
+            return P.Error(int(ErrorCode.INVALID_PARAMS),
+                           f"protocol version {hello.version} unsupported; server speaks {P.PROTOCOL_VERSION}")
+        pid = conn.peer_pid or hello.pid
+        conn.name = hello.client_name or "client"
+        conn.client_id = f"{conn.name}:{pid}:{conn.seq}"
+        self.engine.ping(conn.client_id)
+        logger.info("client connected: %s (pid %d, %d connected)", conn.client_id, pid, len(self._conns))
+        cfg = self.config
+        return P.HelloReply(conn.client_id, self.arena.name, cfg.memory_size, cfg.default_kv_lease_ttl_ms,
+                            cfg.client_ttl_s, os.getpid())
+
+    def _close_conn(self, conn: _Conn, reason: str) -> None:
+        with self._state:
+            self._conns.pop(conn.seq, None)
+            self._threads.discard(threading.current_thread())
+            left = len(self._conns)
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+        if not conn.client_id:
+            logger.info("connection %d (pid %d) closed before its handshake: %s", conn.seq, conn.peer_pid, reason)
+            return
+        assert self.engine is not None
+        dropped = self.engine.forget_client(conn.client_id)
+        logger.info("client disconnected: %s (%s; dropped %d lease(s), %d unfinished put(s); %d connected)",
+                    conn.client_id, reason, dropped.leases, dropped.allocations, left)
+
+    def _reply_and_close(self, sock: socket.socket, message: P.Message) -> None:
+        try:
+            sock.settimeout(0.5)
+            P.send_frame(sock, message)
+        except OSError:
+            pass
+        try:
+            sock.close()
+        except OSError:
+            pass
+
+    def _protocol_error(self) -> None:
+        with self._state:
+            self._counters["protocol_errors"] += 1
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def _dispatch(self, conn: _Conn, req: P.Message) -> P.Message:
+        engine = self.engine
+        assert engine is not None
+        cid = conn.client_id
+        if isinstance(req, P.Exists):
+            found = engine.exists(req.keys, cid, req.lease)
+            with self._state:
+                self._counters["lookup_keys"] += len(found)
+                self._counters["lookup_hits"] += sum(found)
+            return P.Found(found)
+        if isinstance(req, P.Allocate):
+            if len(req.sizes) != len(req.keys):
+                return P.Error(int(ErrorCode.INVALID_PARAMS), "keys and sizes differ in length")
+            codes, handles, offsets = [], [], []
+            for key, size in zip(req.keys, req.sizes):
+                result = engine.allocate(cid, key, size)
+                if isinstance(result, Allocation):
+                    conn.pending[result.handle] = result
+                    codes.append(0)
+                    handles.append(result.handle)
+                    offsets.append(result.offset)
+                else:
+                    codes.append(int(result))
+                    handles.append(0)
+                    offsets.append(0)
+            return P.Allocated(codes, handles, offsets)
+        if isinstance(req, (P.Commit, P.Abort)):
+            finish = engine.commit if isinstance(req, P.Commit) else engine.abort
+            codes = []
+            for handle in req.handles:
+                # Only this connection's own allocations: a handle is not a capability to
+                # publish someone else's half-written range.
+                if conn.pending.pop(handle, None) is None:
+                    codes.append(int(ErrorCode.OBJECT_NOT_FOUND))
+                else:
+                    codes.append(int(finish(handle)))
+            return P.Codes(codes)
+        if isinstance(req, P.Acquire):
+            return self._acquire(conn, req.keys)
+        if isinstance(req, P.Release):
+            codes = []
+            for lease_id in req.lease_ids:
+                lease = conn.leases.pop(lease_id, None)
+                if lease is None:
+                    codes.append(int(ErrorCode.OBJECT_NOT_FOUND))
+                    continue
+                codes.append(int(engine.validate(lease)))
+                engine.release(lease)
+            return P.Codes(codes)
+        if isinstance(req, P.Ping):
+            return P.Codes([int(engine.ping(cid))])
+        if isinstance(req, P.Remove):
+            return P.Codes([int(engine.remove(k)) for k in req.keys])
+        if isinstance(req, P.GetStats):
+            return P.StatsReply(self.stats(), self.client_list())
+        if isinstance(req, P.Hello):
+            return P.Error(int(ErrorCode.INVALID_PARAMS), "already said Hello")
+        return P.Error(int(ErrorCode.INVALID_PARAMS), f"unsupported request {type(req).__name__}")
+
+    def _acquire(self, conn: _Conn, keys: Sequence[str]) -> P.Acquired:
+        engine = self.engine
+        assert engine is not None
+        codes, lease_ids, offsets, sizes, data = [], [], [], [], []
+        inline = 0
+        for key in keys:
+            result = engine.acquire(conn.client_id, key)
+            if isinstance(result, ErrorCode):
+                codes.append(int(result))
+                lease_ids.append(0)
+                offsets.append(0)
+                sizes.append(0)
+                data.append(None)
+                continue
+            if result.data is not None:
+                # Served from disk without room to promote: the bytes go inline, within a budget
+                # so one reply stays bounded (the client sizes its batches to fit it).
+                if inline + result.size > P.MAX_INLINE_BYTES:
+                    codes.append(int(ErrorCode.BUFFER_OVERFLOW))
+                    lease_ids.append(0)
+                    offsets.append(0)
+                    sizes.append(result.size)
+                    data.append(None)
+                    continue
+                inline += result.size
+                codes.append(0)
+                lease_ids.append(0)
+                offsets.append(-1)
+                sizes.append(result.size)
+                data.append(result.data)
+                continue
+            if len(conn.leases) >= _MAX_LEASES_PER_CONN:
+                oldest = next(iter(conn.leases))
+                engine.release(conn.leases.pop(oldest))
+            conn.leases[result.lease_id] = result
+            codes.append(0)
+            lease_ids.append(result.lease_id)
+            offsets.append(result.offset)
+            sizes.append(result.size)
+            data.append(None)
+        return P.Acquired(codes, lease_ids, offsets, sizes, data)
+
+    # ---- introspection --------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Engine counters plus the server's own, for GetStats, /stats and /metrics."""
+        assert self.engine is not None and self.arena is not None
+        out: dict[str, Any] = dict(self.engine.stats())
+        with self._state:
+            out.update(self._counters)
+            out["connected_clients"] = sum(1 for c in self._conns.values() if c.client_id)
+        out.update(
+            uptime_s=round(time.monotonic() - self._started, 3),
+            server_pid=os.getpid(),
+            socket=self.config.socket_path,
+            arena=self.arena.name,
+            offload_path=self.config.offload_path or "",
+            lease_ttl_ms=self.config.default_kv_lease_ttl_ms,
+            client_ttl_s=self.config.client_ttl_s,
+        )
+        return out
+
+    def client_list(self) -> list[dict[str, Any]]:
+        with self._state:
+            return [
+                {"client_id": c.client_id, "name": c.name, "pid": c.peer_pid, "connected_at": c.connected_at,
+                 "requests": c.requests}
+                for c in self._conns.values() if c.client_id
+            ]
+
+
+# ---- command line -----------------------------------------------------------------------------
+
+
+def _flag(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> None:
+    """Register each name with underscores (the spec's spelling) and with dashes."""
+    spellings: list[str] = []
+    for name in names:
+        for s in (f"--{name}", f"--{name.replace('_', '-')}", f"--{name.replace('-', '_')}"):
+            if s not in spellings:
+                spellings.append(s)
+    parser.add_argument(*spellings, **kwargs)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = ServerConfig()
+    _flag(parser, "socket", default=d.socket_path, metavar="PATH",
+          help=f"Unix socket to listen on (default {d.socket_path}, the backend's default server_socket)")
+    _flag(parser, "socket_mode", default="0600", metavar="OCTAL",
+          help="file mode of the socket and of the /dev/shm arena (default 0600: this user only)")
+    _flag(parser, "global_segment_size", "memory_size", default="4GB", metavar="SIZE",
+          help='memory tier size, e.g. "4GB" (binary units; default 4GB)')
+    _flag(parser, "eviction_high_watermark_ratio", type=float, default=d.eviction_high_watermark_ratio,
+          metavar="RATIO", help="evict once usage passes this fraction (default 0.9)")
+    _flag(parser, "eviction_ratio", type=float, default=d.eviction_ratio, metavar="RATIO",
+          help="fraction of objects evicted per eviction (default 0.1)")
+    _flag(parser, "default_kv_lease_ttl", type=int, default=d.default_kv_lease_ttl_ms, metavar="MS",
+          help=f"read/lookup lease in milliseconds (default {d.default_kv_lease_ttl_ms})")
+    _flag(parser, "client_ttl", type=float, default=d.client_ttl_s, metavar="SECONDS",
+          help="drop a client's leases and unfinished puts after this long without a ping (default 10)")
+    _flag(parser, "put_timeout", type=float, default=d.put_timeout_s, metavar="SECONDS",
+          help="reclaim an allocation not committed within this time (default 30)")
+    _flag(parser, "enable_offload", action="store_true", help="enable the SSD offload tier (needs --offload-path)")
+    _flag(parser, "offload_path", default=None, metavar="DIR",
+          help="offload directory: absolute, existing, writable, no symlinks")
+    _flag(parser, "offload_quota", default="0", metavar="SIZE",
+          help="offload tier byte quota (default 0: 90%% of the disk's free space at start)")
+    _flag(parser, "offload_eviction_policy", default=d.offload_eviction_policy, choices=SSD_POLICIES,
+          help="when the offload tier is full: none (writes fail), fifo or lru (default lru)")
+    _flag(parser, "metrics_port", type=int, default=None, metavar="PORT",
+          help="serve /metrics, /stats and /healthz on 127.0.0.1:PORT (0: any free port; default off)")
+    _flag(parser, "hello_timeout", type=float, default=d.hello_timeout_s, metavar="SECONDS",
+          help="close a connection that has not said Hello within this time (default 5)")
+    _flag(parser, "max_connections", type=int, default=d.max_connections, metavar="N",
+          help="refuse connections beyond this many (default 1024)")
+    _flag(parser, "log_level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """Validate parsed flags; ConfigError names the flag, the value and what is expected."""
+    socket_path = parse_socket_path("socket", os.path.abspath(args.socket))
+    if not os.path.isdir(os.path.dirname(socket_path)):
+        raise ConfigError("socket", args.socket, "a path in an existing directory")
+    try:
+        mode = int(str(args.socket_mode), 8)
+    except ValueError:
+        raise ConfigError("socket-mode", args.socket_mode, "an octal file mode such as 0600 or 0660") from None
+    if not 0 < mode <= 0o777 or mode & 0o600 != 0o600:
+        raise ConfigError("socket-mode", args.socket_mode, "an octal mode that includes 0600, e.g. 0600 or 0660")
+    memory = parse_size("global_segment_size", args.global_segment_size)
+    if memory < 1 << 20:
+        raise ConfigError("global_segment_size", args.global_segment_size, 'at least 1MB, e.g. "4GB"')
+    for name in ("eviction_high_watermark_ratio", "eviction_ratio"):
+        value = getattr(args, name)
+        if not 0 < value <= 1:
+            raise ConfigError(name, value, "a number in (0, 1]")
+    if args.default_kv_lease_ttl <= 0:
+        raise ConfigError("default_kv_lease_ttl", args.default_kv_lease_ttl, "a positive number of milliseconds")
+    for name in ("client_ttl", "put_timeout"):
+        if not 0 < getattr(args, name) < float("inf"):
+            raise ConfigError(name, getattr(args, name), "a positive number of seconds")
+    path = None
+    if args.enable_offload:
+        if not args.offload_path:
+            raise ConfigError("enable_offload", True, "to be used with --offload-path DIR")
+        path = os.path.normpath(args.offload_path)
+        try:
+            validate_offload_path(path)
+        except ConfigError as exc:  # name the flag the operator typed, not the config key
+            raise ConfigError("offload-path", args.offload_path, exc.expected) from None
+    elif args.offload_path:
+        raise ConfigError("offload-path", args.offload_path, "to be used with --enable_offload")
+    quota = parse_size("offload_quota", args.offload_quota)
+    port = args.metrics_port
+    if port is not None and not 0 <= port <= 65535:
+        raise ConfigError("metrics_port", port, "a TCP port 0-65535 (0: any free port)")
+    if not 0 < args.hello_timeout < float("inf"):
+        raise ConfigError("hello_timeout", args.hello_timeout, "a positive number of seconds")
+    if args.max_connections < 1:
+        raise ConfigError("max_connections", args.max_connections, "at least 1")
+    return ServerConfig(
+        socket_path=socket_path,
+        socket_mode=mode,
+        memory_size=memory,
+        eviction_high_watermark_ratio=args.eviction_high_watermark_ratio,
+        eviction_ratio=args.eviction_ratio,
+        default_kv_lease_ttl_ms=args.default_kv_lease_ttl,
+        client_ttl_s=args.client_ttl,
+        put_timeout_s=args.put_timeout,
+        offload_path=path,
+        offload_quota=quota,
+        offload_eviction_policy=args.offload_eviction_policy,
+        metrics_port=port,
+        hello_timeout_s=args.hello_timeout,
+        max_connections=args.max_connections,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the daemon until SIGTERM/SIGINT; the exit status for the shell."""
+    logging.basicConfig(level=getattr(logging, args.log_level),
+                        format="%(asctime)s %(levelname)s kvpool-server: %(message)s")
+    try:
+        server = Server(config_from_args(args))
+    except ConfigError as exc:
+        print(f"kvpool server: error: {exc}", file=sys.stderr)
+        return 2
+
+    def on_signal(signum: int, frame: object) -> None:
+        logger.info("received %s", signal.Signals(signum).name)
+        server.stop()
+
+    # Before start(): a SIGTERM that arrives as soon as the "listening" line is out must still
+    # take the clean path (serve_forever then returns at once and cleans up).
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        server.start()
+    except ServerRunning as exc:
+        print(f"kvpool server: error: {exc}", file=sys.stderr)
+        return 1
+    except (ConfigError, OSError) as exc:
+        print(f"kvpool server: error: {exc}", file=sys.stderr)
+        return 2
+    server.serve_forever()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvpool server", description="host-shared KV-cache pool daemon")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

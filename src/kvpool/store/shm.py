@@ -1,0 +1,138 @@
+"""The shared-memory arena: a file in /dev/shm that the server creates and its clients map.
+
+POSIX shared memory on Linux is a tmpfs file under /dev/shm; opening it by path is what
+``shm_open`` does, without needing ctypes. The file is created with ``O_EXCL | O_NOFOLLOW`` and
+mode 0600 (or the server's socket mode, so that whoever may connect may also map), so no other
+user can read or write the KV cache it holds.
+
+Names are ``kvpool-<socket tag>-<pid>``: the tag (a hash of the socket path) lets a server that
+takes over a dead server's socket find and unlink the arena that server left behind after a
+SIGKILL, without touching another socket's arenas.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import logging
+import mmap
+import os
+import stat
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpool.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+_PREFIX = "kvpool-"
+
+
+def socket_tag(socket_path: str) -> str:
+    """A short, file-name-safe tag identifying the server bound to ``socket_path``."""
+    return hashlib.sha256(os.path.abspath(socket_path).encode()).hexdigest()[:16]
+
+
+def arena_name(socket_path: str, pid: int) -> str:
+    return f"{_PREFIX}{socket_tag(socket_path)}-{pid}"
+
+
+def _check_name(name: str) -> str:
+    # The name comes over the socket; it must not point outside /dev/shm.
+    if not name.startswith(_PREFIX) or "/" in name or "\0" in name or name in (".", ".."):
+        raise ValueError(f"invalid arena name {name!r}")
+    return os.path.join(SHM_DIR, name)
+
+
+@dataclass
+class Arena:
+    """A mapped arena; ``array`` is a writable uint8 view of all ``size`` bytes."""
+
+    name: str
+    size: int
+    mm: mmap.mmap
+    array: np.ndarray
+
+    @property
+    def path(self) -> str:
+        return os.path.join(SHM_DIR, self.name)
+
+    def close(self) -> None:
+        """Drop this handle's view; the mapping goes once no copy still uses it.
+
+        mmap.close() fails while numpy views export its buffer, and a concurrent copy may still
+        hold one, so we only drop our references and let the last user release the mapping.
+        """
+        self.array = np.empty(0, dtype=np.uint8)
+
+
+def create(name: str, size: int, mode: int = 0o600) -> Arena:
+    """Create and map a new arena of ``size`` bytes (sparse: pages are allocated on first write)."""
+    if not os.path.isdir(SHM_DIR):
+        raise ConfigError("shm", SHM_DIR, "a tmpfs mounted at /dev/shm (POSIX shared memory)")
+    free = os.statvfs(SHM_DIR)
+    available = free.f_bavail * free.f_frsize
+    if size > available:
+        # tmpfs files are sparse: ftruncate would succeed and the first write past the mount's
+        # limit would kill the writer with SIGBUS. Refuse up front instead.
+        raise ConfigError(
+            "global_segment_size", size,
+            f"at most the {available} bytes free in {SHM_DIR}; lower --memory-size or enlarge "
+            f"{SHM_DIR} (e.g. docker --shm-size)",
+        )
+    path = _check_name(name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        if mode != 0o600:
+            os.fchmod(fd, mode)
+        os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)  # the mapping keeps the memory; the name stays until unlink()
+    return Arena(name, size, mm, np.frombuffer(mm, dtype=np.uint8))
+
+
+def attach(name: str, size: int) -> Arena:
+    """Map an arena the server created (clients); raises OSError/ValueError if it is not there."""
+    path = _check_name(name)
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < size:
+            raise ValueError(f"{path} is not an arena of {size} bytes (size {st.st_size})")
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return Arena(name, size, mm, np.frombuffer(mm, dtype=np.uint8))
+
+
+def unlink(name: str) -> None:
+    try:
+        os.unlink(_check_name(name))
+    except FileNotFoundError:
+        pass
+
+
+def remove_stale(socket_path: str, keep: str | None = None) -> list[str]:
+    """Unlink arenas left by earlier servers of ``socket_path`` (call only while holding its lock).
+
+    Only files we own are touched; the lock guarantees no live server uses this tag.
+    """
+    removed = []
+    for path in glob.glob(os.path.join(SHM_DIR, f"{_PREFIX}{socket_tag(socket_path)}-*")):
+        name = os.path.basename(path)
+        if name == keep:
+            continue
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            continue
+    return removed

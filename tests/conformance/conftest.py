@@ -1,0 +1,199 @@
+"""One conformance suite for every backend: the fixture `backend_factory` runs each test once per
+backend named in `BACKENDS`.
+
+`backend_factory` is a `BackendFactory`: `make(capacity_bytes) -> Backend` builds a fresh, empty
+pool of that capacity and returns a client of it. For backends whose pool is shared between
+processes (`MULTIPROCESS_BACKENDS`), `make.client_config(backend)` gives the
+`kv_connector_extra_config` another process passes to `load_config` + `create_backend` to reach
+the same pool.
+
+To add a backend: a `BackendFactory` subclass that starts (and on `close` stops) what the
+backend needs, registered in `_FACTORIES` and listed in `BACKENDS`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvpool.backends import Backend, create_backend
+from kvpool.config import load_config
+
+BACKENDS = ["local", "server"]
+# Backends whose pool several processes (each with its own client) share.
+MULTIPROCESS_BACKENDS = ["server"]
+
+SERVER_MODULE = "kvpool.store.server"
+
+
+class BackendFactory:
+    """Builds pools of one backend; closes every client (then every service) at teardown."""
+
+    name = "base"
+
+    def __init__(self, workdir: str) -> None:
+        self.workdir = workdir
+        self._backends: list[Backend] = []
+        self._count = 0
+
+    def __call__(self, capacity_bytes: int) -> Backend:
+        raise NotImplementedError
+
+    def client_config(self, backend: Backend) -> dict[str, Any]:
+        """Extra config another process uses to open its own client of `backend`'s pool."""
+        raise NotImplementedError(f"backend {self.name!r} is not shared across processes")
+
+    def connect(self, backend: Backend) -> Backend:
+        """A second client of the same pool in this process."""
+        return self._track(create_backend(load_config(self.client_config(backend)), self._client_name()))
+
+    def _client_name(self) -> str:
+        self._count += 1
+        return f"conformance-{self.name}-{os.getpid()}-{self._count}"
+
+    def _track(self, backend: Backend) -> Backend:
+        self._backends.append(backend)
+        return backend
+
+    def close(self) -> None:
+        errors = []
+        for backend in reversed(self._backends):
+            try:
+                backend.close()
+            except Exception as exc:  # close the rest, report after
+                errors.append(f"{type(backend).__name__}.close(): {exc!r}")
+        self._backends.clear()
+        if errors:
+            raise AssertionError("; ".join(errors))
+
+
+class LocalFactory(BackendFactory):
+    name = "local"
+
+    def __call__(self, capacity_bytes: int) -> Backend:
+        cfg = load_config({"backend": "local", "local_cpu_size": capacity_bytes})
+        return self._track(create_backend(cfg, self._client_name()))
+
+
+class ServerFactory(BackendFactory):
+    """Starts a real `kvpool server` daemon per pool; stops it with SIGTERM and expects a clean exit."""
+
+    name = "server"
+
+    def __init__(self, workdir: str) -> None:
+        if importlib.util.find_spec(SERVER_MODULE) is None:
+            # Not a skip: a conformance suite that silently loses a backend proves nothing.
+            pytest.fail(
+                f"backend 'server' is listed in tests/conformance/conftest.py BACKENDS but "
+                f"{SERVER_MODULE} does not exist yet; land the server or remove it from BACKENDS",
+                pytrace=False,
+            )
+        super().__init__(workdir)
+        self._servers: list[tuple[subprocess.Popen, str]] = []
+        self._sockets: dict[int, str] = {}
+
+    def __call__(self, capacity_bytes: int) -> Backend:
+        n = len(self._servers)
+        # AF_UNIX paths are limited to ~107 bytes, so not under pytest's (long) tmp_path.
+        sock = os.path.join(self.workdir, f"s{n}.sock")
+        log = os.path.join(self.workdir, f"server{n}.log")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", SERVER_MODULE, "--socket", sock, "--memory-size", str(capacity_bytes)],
+            stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+        )
+        self._servers.append((proc, log))
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(sock)
+                break
+            except OSError:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"kvpool server exited with {proc.returncode}:\n{_tail(log)}") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"kvpool server did not accept on {sock} within 15 s:\n{_tail(log)}") from None
+                time.sleep(0.02)
+        backend = create_backend(load_config(self._config(sock)), self._client_name())
+        self._sockets[id(backend)] = sock
+        return self._track(backend)
+
+    @staticmethod
+    def _config(sock: str) -> dict[str, Any]:
+        return {"backend": "server", "server_socket": sock}
+
+    def client_config(self, backend: Backend) -> dict[str, Any]:
+        return self._config(self._sockets[id(backend)])
+
+    def connect(self, backend: Backend) -> Backend:
+        other = super().connect(backend)
+        self._sockets[id(other)] = self._sockets[id(backend)]
+        return other
+
+    def close(self) -> None:
+        errors = []
+        try:
+            super().close()
+        except AssertionError as exc:
+            errors.append(str(exc))
+        for proc, log in self._servers:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                    errors.append(f"kvpool server ignored SIGTERM for 10 s:\n{_tail(log)}")
+                    continue
+            if proc.returncode != 0:
+                errors.append(f"kvpool server exited with {proc.returncode} on SIGTERM:\n{_tail(log)}")
+        self._servers.clear()
+        if errors:
+            raise AssertionError("\n".join(errors))
+
+
+def _tail(path: str, n: int = 3000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:]
+    except OSError as exc:
+        return f"(no log: {exc})"
+
+
+_FACTORIES: dict[str, type[BackendFactory]] = {"local": LocalFactory, "server": ServerFactory}
+
+
+def _factory(name: str) -> Iterator[BackendFactory]:
+    workdir = tempfile.mkdtemp(prefix="kvpc-")
+    try:
+        factory = _FACTORIES[name](workdir)
+        try:
+            yield factory
+        finally:
+            factory.close()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend_factory(request) -> Iterator[BackendFactory]:
+    """`make(capacity_bytes) -> Backend` for each backend in BACKENDS."""
+    yield from _factory(request.param)
+
+
+@pytest.fixture(params=MULTIPROCESS_BACKENDS)
+def shared_backend_factory(request) -> Iterator[BackendFactory]:
+    """As `backend_factory`, for the backends several processes share (`client_config` works)."""
+    yield from _factory(request.param)

@@ -1,0 +1,333 @@
+"""The Backend protocol's semantics, checked the same way on every backend (see conftest.BACKENDS).
+
+Every check compares whole payloads byte for byte; values are derived from their keys, so a
+read returning another object's bytes, a torn copy or a stale range fails the comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+
+from conformance_helpers import empty_like_segments, joined, payload, split, workload
+from kvpool.errors import ErrorCode
+
+OK = ErrorCode.OK
+NOT_FOUND = ErrorCode.OBJECT_NOT_FOUND
+NO_HANDLE = ErrorCode.NO_AVAILABLE_HANDLE
+INVALID = ErrorCode.INVALID_PARAMS
+
+KiB, MiB = 1 << 10, 1 << 20
+SENTINEL = 0xA5
+
+
+def get(backend, key: str, sizes: list[int]) -> tuple[int, np.ndarray]:
+    dest = empty_like_segments(sizes, SENTINEL)
+    (code,) = backend.batch_get_into([key], [dest])
+    return code, joined(dest)
+
+
+def assert_intact(backend, keys: list[str], size: int) -> None:
+    """Every key exists and reads back exactly its payload."""
+    assert backend.batch_exists(keys) == [True] * len(keys)
+    dests = [empty_like_segments([size]) for _ in keys]
+    assert backend.batch_get_into(keys, dests) == [OK] * len(keys)
+    for key, dest in zip(keys, dests):
+        assert np.array_equal(dest[0], payload(key, size)), f"{key}: bytes differ"
+
+
+def untouched(buffers: list[np.ndarray]) -> bool:
+    return all(bool((b == SENTINEL).all()) for b in buffers)
+
+
+# ---- put / get / exists -------------------------------------------------------------------------
+
+
+def test_put_get_exists(backend_factory):
+    b = backend_factory(4 * MiB)
+    data = payload("a", 10_000)
+    assert b.batch_exists(["a", "b"]) == [False, False]
+    assert b.batch_exists(["a", "b"], lease=True) == [False, False]
+    assert b.batch_put(["a"], [[data]]) == [OK]
+    assert b.batch_exists(["a", "b"]) == [True, False]
+    assert b.batch_exists(["b", "a"], lease=True) == [False, True]
+    for _ in range(2):  # a read does not consume the object
+        code, got = get(b, "a", [10_000])
+        assert code == OK and np.array_equal(got, data)
+    # Exists never creates, empty batches are empty answers.
+    assert b.batch_exists(["b"]) == [False]
+    assert b.batch_exists([]) == []
+    assert b.batch_put([], []) == []
+    assert b.batch_get_into([], []) == []
+
+
+def test_put_stores_buffers_back_to_back(backend_factory):
+    b = backend_factory(4 * MiB)
+    data = payload("segs", 3 * 4096 + 5)
+    segments = split(data, [4096, 4096, 5, 4096])
+    assert b.batch_put(["segs"], [segments]) == [OK]
+    # Any split of the destination whose sizes add up reads the same bytes.
+    for sizes in ([len(data)], [4096, 4096, 5, 4096], [1, len(data) - 2, 1], [0, len(data), 0]):
+        code, got = get(b, "segs", sizes)
+        assert code == OK and np.array_equal(got, data), sizes
+
+
+def test_batch_mixed_hits_and_misses(backend_factory):
+    b = backend_factory(4 * MiB)
+    keys = [f"k{i}" for i in range(8)]
+    stored = keys[::2]
+    assert b.batch_put(stored, [[payload(k, 5000)] for k in stored]) == [OK] * 4
+    assert b.batch_exists(keys) == [True, False] * 4
+    assert b.batch_exists(keys, lease=True) == [True, False] * 4
+    # One call: hits, misses and a wrong-size destination, each with its own code.
+    ask = ["k0", "k1", "k2", "k3", "k4", "k6", "k7"]
+    sizes = {"k4": [4999]}
+    dests = [empty_like_segments(sizes.get(k, [2500, 2500])) for k in ask]
+    codes = b.batch_get_into(ask, dests)
+    assert codes == [OK, NOT_FOUND, OK, NOT_FOUND, INVALID, OK, NOT_FOUND]
+    for key, code, dest in zip(ask, codes, dests):
+        if code == OK:
+            assert np.array_equal(joined(dest), payload(key, 5000)), key
+        else:
+            assert untouched(dest), key
+    # A batch put with one unstorable value stores the others.
+    more = ["m0", "m1", "m2"]
+    values = [[payload("m0", 100)], [payload("m1", 8 * MiB)], [payload("m2", 100)]]
+    assert b.batch_put(more, values) == [OK, NO_HANDLE, OK]
+    assert b.batch_exists(more) == [True, False, True]
+
+
+def test_missing_keys_are_not_found_and_buffers_untouched(backend_factory):
+    b = backend_factory(4 * MiB)
+    keys = ["nope-0", "nope-1", "nope-2"]
+    dests = [empty_like_segments([4096]), empty_like_segments([100, 200, 0]), empty_like_segments([])]
+    assert b.batch_get_into(keys, dests) == [NOT_FOUND] * 3
+    assert all(untouched(d) for d in dests)
+    assert b.batch_exists(keys) == [False] * 3
+    # Still missing after other keys arrive.
+    assert b.batch_put(["other"], [[payload("other", 4096)]]) == [OK]
+    dest = empty_like_segments([4096])
+    assert b.batch_get_into(["nope-0"], [dest]) == [NOT_FOUND] and untouched(dest)
+
+
+def test_duplicate_put_is_ok_noop_and_keeps_first_bytes(backend_factory):
+    b = backend_factory(4 * MiB)
+    first, second = payload("first", 8192), payload("second", 8192)
+    assert b.batch_put(["dup"], [[first]]) == [OK]
+    assert b.batch_put(["dup"], [[second]]) == [OK]
+    assert b.batch_put(["dup"], [[payload("third", 100)]]) == [OK]  # even with another size
+    code, got = get(b, "dup", [8192])
+    assert code == OK and np.array_equal(got, first)
+    code, got = get(b, "dup", [100])
+    assert code == INVALID
+    # The same key twice in one batch: both OK, the first value wins.
+    assert b.batch_put(["twice", "twice"], [[first], [second]]) == [OK, OK]
+    code, got = get(b, "twice", [4096, 4096])
+    assert code == OK and np.array_equal(got, first)
+
+
+# ---- capacity, eviction, leases ------------------------------------------------------------------
+
+
+def test_value_larger_than_pool_is_no_available_handle(backend_factory):
+    cap = 2 * MiB
+    b = backend_factory(cap)
+    small = [f"s{i}" for i in range(4)]
+    assert b.batch_put(small, [[payload(k, 64 * KiB)] for k in small]) == [OK] * 4
+    big = payload("big", 2 * cap)
+    assert b.batch_put(["big"], [split(big, [cap, cap])]) == [NO_HANDLE]
+    assert b.batch_put(["big1"], [[payload("big1", cap + 1)]]) == [NO_HANDLE]
+    assert b.batch_exists(["big", "big1"]) == [False, False]
+    code, _ = get(b, "big", [2 * cap])
+    assert code == NOT_FOUND
+    # Nothing stored was evicted or damaged for a put that could never fit.
+    assert_intact(b, small, 64 * KiB)
+
+
+def test_pool_full_of_leased_objects_is_no_available_handle(backend_factory):
+    cap, size = 2 * MiB, 256 * KiB
+    b = backend_factory(cap)
+    stored: list[str] = []
+    codes = []
+    for i in range(cap // size + 2):
+        key = f"leased-{i}"
+        (code,) = b.batch_put([key], [[payload(key, size)]])
+        codes.append(code)
+        if code != OK:
+            break
+        stored.append(key)
+        assert b.batch_exists([key], lease=True) == [True]
+    assert codes[-1] == NO_HANDLE, f"a pool of {cap} bytes took {len(stored)} leased values of {size}: {codes}"
+    assert 1 <= len(stored) <= cap // size
+    assert_intact(b, stored, size)
+
+
+def test_lru_eviction_past_high_watermark(backend_factory):
+    cap, size, n = 1 * MiB, 64 * KiB, 48  # 16 values fill the pool; write three pools' worth
+    b = backend_factory(cap)
+    keys = [f"v{i}" for i in range(n)]
+    for i, key in enumerate(keys):
+        if i:
+            # Keep v0 the most recently used: LRU must evict the others first.
+            code, got = get(b, "v0", [size])
+            assert code == OK and np.array_equal(got, payload("v0", size)), f"v0 lost before put {i}"
+        assert b.batch_put([key], [[payload(key, size)]]) == [OK], f"put {i} failed instead of evicting"
+    present = [k for k, f in zip(keys, b.batch_exists(keys)) if f]
+    assert "v0" in present and keys[-1] in present
+    assert "v1" not in present, "the least recently used value survived while newer ones were written"
+    assert 2 <= len(present) < cap // size
+    # Eviction went oldest first: what is left is v0 plus a run of the newest values.
+    newest = [k for k in keys[1:] if k in present]
+    assert newest == keys[n - len(newest):], present
+    assert_intact(b, present, size)
+
+
+def test_leased_object_is_not_evicted(backend_factory):
+    cap, size = 1 * MiB, 64 * KiB
+    b = backend_factory(cap)
+    assert b.batch_put(["leased", "unleased"], [[payload("leased", size)], [payload("unleased", size)]]) == [OK, OK]
+    assert b.batch_exists(["leased"], lease=True) == [True]
+    fill = [f"fill-{i}" for i in range(3 * cap // size)]
+    for key in fill:  # one at a time, as a running instance does; never touching "leased"
+        assert b.batch_put([key], [[payload(key, size)]]) == [OK]
+    assert b.batch_exists(["unleased"]) == [False], "the fill did not pressure the pool"
+    assert_intact(b, ["leased"], size)
+
+
+# ---- sizes ---------------------------------------------------------------------------------------
+
+
+def test_large_multi_buffer_values(backend_factory):
+    b = backend_factory(48 * MiB)
+    layouts = {
+        "large-a": [1 * MiB + 7, 2 * MiB, 3, 3 * MiB // 2],
+        "large-b": [4 * MiB, 4 * MiB],
+        "large-c": [5 * MiB + 1],
+        "large-d": [256 * KiB] * 32 + [13],
+    }
+    data = {k: payload(k, sum(s)) for k, s in layouts.items()}
+    keys = list(layouts)
+    assert b.batch_put(keys, [split(data[k], layouts[k]) for k in keys]) == [OK] * len(keys)
+    assert b.batch_exists(keys) == [True] * len(keys)
+    # Read back in the original layout and in one flat buffer, in one batch each.
+    dests = [empty_like_segments(layouts[k]) for k in keys]
+    assert b.batch_get_into(keys, dests) == [OK] * len(keys)
+    for k, d in zip(keys, dests):
+        assert np.array_equal(joined(d), data[k]), k
+    flat = [[np.empty(data[k].size, dtype=np.uint8)] for k in keys]
+    assert b.batch_get_into(keys, flat) == [OK] * len(keys)
+    for k, d in zip(keys, flat):
+        assert np.array_equal(d[0], data[k]), k
+
+
+def test_empty_values(backend_factory):
+    b = backend_factory(4 * MiB)
+    e = np.empty(0, dtype=np.uint8)
+    data = payload("mixed", 1000)
+    assert b.batch_put(["e-none", "e-one", "mixed"], [[], [e], [e, data, e]]) == [OK, OK, OK]
+    assert b.batch_exists(["e-none", "e-one", "mixed"]) == [True, True, True]
+    for key in ("e-none", "e-one"):
+        assert b.batch_get_into([key], [[np.empty(0, dtype=np.uint8)]]) == [OK]
+        assert b.batch_get_into([key], [[]]) == [OK]
+        dest = empty_like_segments([1])
+        assert b.batch_get_into([key], [dest]) == [INVALID] and untouched(dest)
+    code, got = get(b, "mixed", [0, 1000])
+    assert code == OK and np.array_equal(got, data)
+    # Two empty objects are two objects: both stay, neither hides the other.
+    assert b.batch_put(["e-two"], [[e]]) == [OK]
+    assert b.batch_exists(["e-none", "e-one", "e-two"]) == [True] * 3
+
+
+def test_wrong_size_destination_is_invalid_params(backend_factory):
+    b = backend_factory(4 * MiB)
+    data = payload("sized", 4096)
+    assert b.batch_put(["sized"], [[data]]) == [OK]
+    for sizes in ([4095], [4097], [2048, 2049], [], [0], [8192]):
+        dest = empty_like_segments(sizes)
+        assert b.batch_get_into(["sized"], [dest]) == [INVALID], sizes
+        assert untouched(dest), sizes
+    # The object is unharmed and reads with the right sizes.
+    code, got = get(b, "sized", [1000, 3096])
+    assert code == OK and np.array_equal(got, data)
+
+
+# ---- concurrency ---------------------------------------------------------------------------------
+
+
+def test_concurrent_threads(backend_factory):
+    b = backend_factory(16 * MiB)
+    n = 4
+    results: list[dict | BaseException] = [RuntimeError("did not run")] * n
+    start = threading.Barrier(n)
+
+    def run(i: int) -> None:
+        try:
+            start.wait()
+            results[i] = workload(b, i, n)
+        except BaseException as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a worker thread hung"
+    for i, r in enumerate(results):
+        assert not isinstance(r, BaseException), f"thread {i}: {r!r}"
+        assert r["errors"] == [], f"thread {i}: {r['errors'][:10]}"
+        assert r["verified"] > 0
+    # Everything every thread wrote is there, intact.
+    _assert_all_written(b, n)
+
+
+def test_concurrent_processes(shared_backend_factory, tmp_path):
+    make = shared_backend_factory
+    b = make(16 * MiB)
+    n = 3
+    worker = os.path.join(os.path.dirname(__file__), "worker.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker, json.dumps({"config": make.client_config(b), "worker": i, "workers": n})],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(tmp_path / f"w{i}.err", "wb"), text=True,
+        )
+        for i in range(n)
+    ]
+    try:
+        for i, p in enumerate(procs):
+            line = p.stdout.readline()
+            assert line.strip() == "ready", f"worker {i}: {line!r} {(tmp_path / f'w{i}.err').read_text()[-2000:]}"
+        for p in procs:  # start together
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        for i, p in enumerate(procs):
+            out, _ = p.communicate(timeout=60)
+            err = (tmp_path / f"w{i}.err").read_text()[-2000:]
+            assert p.returncode == 0, f"worker {i} exited with {p.returncode}: {err}"
+            r = json.loads(out.strip().splitlines()[-1])
+            assert r["errors"] == [], f"worker {i}: {r['errors'][:10]}"
+            assert r["verified"] > 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    # This process's client sees all of it, and so does a second client here.
+    _assert_all_written(b, n)
+    _assert_all_written(make.connect(b), n)
+
+
+def _assert_all_written(backend, n_workers: int, n_own: int = 32, n_shared: int = 16) -> None:
+    from conformance_helpers import segment_sizes, value_size
+
+    keys = [f"w{w}-{j}" for w in range(n_workers) for j in range(n_own)] + [f"shared-{j}" for j in range(n_shared)]
+    assert backend.batch_exists(keys) == [True] * len(keys)
+    dests = [empty_like_segments(segment_sizes(k, value_size(k))) for k in keys]
+    assert backend.batch_get_into(keys, dests) == [OK] * len(keys)
+    for k, d in zip(keys, dests):
+        assert np.array_equal(joined(d), payload(k, value_size(k))), k

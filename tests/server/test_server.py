@@ -1,0 +1,347 @@
+"""`kvpool server` and `backend: server`: start-up, flags, data path, shutdown, stats."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import urllib.request
+
+import numpy as np
+import pytest
+from srvutil import arena_files, payload, payload_ok, wait_for
+
+from kvpool.backends.base import create_backend
+from kvpool.config import DEFAULT_SERVER_SOCKET, load_config
+from kvpool.errors import ConfigError, ErrorCode
+from kvpool.store import protocol as P
+from kvpool.store import shm
+from kvpool.store.server import ServerConfig, add_arguments, config_from_args
+
+OK = 0
+
+
+def parse_flags(*argv: str) -> ServerConfig:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return config_from_args(parser.parse_args(list(argv)))
+
+
+# ---- start-up, files, shutdown -------------------------------------------------------------
+
+
+def test_starts_fast_with_private_files_and_cleans_up_on_sigterm(start_server, make_client, sock_path):
+    server = start_server()
+    # The spec asks for under a second; the bound is looser so a loaded CI box does not flake.
+    assert server.startup_s < 2.0, server.startup_s
+    assert stat.S_IMODE(os.stat(sock_path).st_mode) == 0o600
+    [name] = arena_files(sock_path)
+    arena_path = os.path.join(shm.SHM_DIR, name)
+    assert stat.S_IMODE(os.stat(arena_path).st_mode) == 0o600
+    assert os.path.getsize(arena_path) == 16 << 20
+
+    client = make_client(name="vllm-dp0-tp0-pp0")
+    assert client.connected
+    assert client.server_info.arena_name == name and client.server_info.server_pid == server.pid
+    client.close()
+    assert wait_for(lambda: "client disconnected: vllm-dp0-tp0-pp0" in server.log(), 5)
+    assert server.log().count("client connected: vllm-dp0-tp0-pp0") == 1
+
+    assert server.stop() == 0
+    assert not os.path.exists(sock_path)
+    assert not os.path.exists(sock_path + ".lock")
+    assert arena_files(sock_path) == []
+    assert "kvpool server stopped" in server.log()
+
+
+def test_kvpool_server_subcommand(start_server, make_client):
+    server = start_server("--memory_size", "2MB", entry=("-m", "kvpool.cli", "server"))
+    assert make_client().server_info.arena_size == 2 << 20
+    server.proc.send_signal(signal.SIGINT)  # Ctrl-C takes the same clean path as SIGTERM
+    assert server.wait() == 0 and "received SIGINT" in server.log()
+
+
+def test_socket_mode_widens_socket_and_arena(start_server, sock_path):
+    start_server("--socket-mode", "0660")
+    assert stat.S_IMODE(os.stat(sock_path).st_mode) == 0o660
+    [name] = arena_files(sock_path)
+    assert stat.S_IMODE(os.stat(os.path.join(shm.SHM_DIR, name)).st_mode) == 0o660
+
+
+def test_second_server_on_a_live_socket_exits_with_a_clear_error(start_server, make_client):
+    first = start_server()
+    second = start_server(expect_ready=False)
+    assert second.wait() == 1
+    assert f"another kvpool server (pid {first.pid}) is serving on" in second.log()
+    assert first.alive() and make_client().ping() == OK
+
+
+def test_stale_socket_and_arena_of_a_killed_server_are_taken_over(start_server, make_client, sock_path):
+    first = start_server()
+    old = arena_files(sock_path)
+    first.kill()
+    assert os.path.exists(sock_path) and arena_files(sock_path) == old  # what SIGKILL leaves behind
+    second = start_server()
+    assert "took over stale socket" in second.log()
+    assert arena_files(sock_path) == [shm.arena_name(sock_path, second.pid)]
+    assert make_client().ping() == OK
+
+
+@pytest.mark.parametrize("bad", [
+    ["--memory-size", "12XB"],
+    ["--eviction_ratio", "0"],
+    ["--socket-mode", "0644x"],
+    ["--enable_offload"],
+    ["--default_kv_lease_ttl", "0"],
+    ["--memory-size", "1KB"],
+    ["--memory-size", "100TB"],  # more than /dev/shm holds: refused, not a SIGBUS later
+    ["--socket", "/nonexistent-dir/kvpool.sock"],
+])
+def test_bad_flags_stop_start_up_naming_the_flag(start_server, bad):
+    server = start_server(*bad, expect_ready=False)
+    assert server.wait() == 2
+    assert "kvpool server: error: [INVALID_PARAMS -600]" in server.log()
+
+
+def test_metrics_port_in_use_is_a_clear_error(start_server, sock_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = start_server("--metrics_port", str(taken.getsockname()[1]), expect_ready=False)
+        assert server.wait() == 2
+    assert "metrics_port=" in server.log() and "a free TCP port on 127.0.0.1" in server.log()
+    assert not os.path.exists(sock_path) and arena_files(sock_path) == []  # nothing left behind
+
+
+def test_flags_in_spec_spelling_and_with_dashes(tmp_path):
+    spec = parse_flags("--global_segment_size", "1GB", "--eviction_high_watermark_ratio", "0.8",
+                       "--eviction_ratio", "0.2", "--default_kv_lease_ttl", "7000", "--client_ttl", "3",
+                       "--metrics_port", "0", "--socket", "/tmp/x.sock")
+    dashed = parse_flags("--memory-size", "1GB", "--eviction-high-watermark-ratio", "0.8",
+                         "--eviction-ratio", "0.2", "--default-kv-lease-ttl", "7000", "--client-ttl", "3",
+                         "--metrics-port", "0", "--socket", "/tmp/x.sock")
+    assert spec == dashed
+    assert (spec.memory_size, spec.eviction_high_watermark_ratio, spec.eviction_ratio) == (1 << 30, 0.8, 0.2)
+    assert (spec.default_kv_lease_ttl_ms, spec.client_ttl_s, spec.metrics_port) == (7000, 3.0, 0)
+    ssd = os.path.realpath(tmp_path)
+    off = parse_flags("--enable_offload", "--offload-path", ssd, "--offload-quota", "2GB",
+                      "--offload-eviction-policy", "fifo")
+    assert (off.offload_path, off.offload_quota, off.offload_eviction_policy) == (ssd, 2 << 30, "fifo")
+    assert parse_flags().socket_path == DEFAULT_SERVER_SOCKET == load_config({}).server_socket
+    with pytest.raises(ConfigError, match="offload-path"):
+        parse_flags("--enable_offload", "--offload-path", "relative/dir")
+
+
+# ---- data path ---------------------------------------------------------------------------------
+
+
+def test_put_get_exists_through_the_shared_arena(start_server, make_client):
+    start_server()
+    writer, reader = make_client(name="writer"), make_client(name="reader")
+    keys = [f"key{i}" for i in range(20)]
+    data = {k: payload(k, 1000 + 37 * i) for i, k in enumerate(keys)}
+    # Several segments per value, as vLLM passes one view per layer.
+    values = [[data[k][:100], data[k][100:555], data[k][555:]] for k in keys]
+    assert writer.put(keys, values) == [OK] * 20
+    assert writer.put(keys[:2], values[:2]) == [OK, OK]  # existing key: no-op success
+    assert reader.exists(keys + ["absent"], lease=True) == [True] * 20 + [False]
+    outs = {k: np.zeros(data[k].size, np.uint8) for k in keys}
+    codes = reader.get_into(keys + ["absent"], [[outs[k][:10], outs[k][10:]] for k in keys]
+                            + [[np.zeros(10, np.uint8)]])
+    assert codes == [OK] * 20 + [int(ErrorCode.OBJECT_NOT_FOUND)]
+    assert all(np.array_equal(outs[k], data[k]) for k in keys)
+
+
+def test_one_client_shared_by_threads(start_server, make_client):
+    import threading
+
+    start_server()
+    client = make_client()
+    errors: list[str] = []
+
+    def work(t: int) -> None:
+        for i in range(40):
+            keys = [f"t{t}-{i}-{j}" for j in range(4)]
+            if client.put(keys, [[payload(k, 3000)] for k in keys]) != [OK] * 4:
+                errors.append(f"put {keys}")
+            outs = [np.zeros(3000, np.uint8) for _ in keys]
+            if client.get_into(keys, [[o] for o in outs]) != [OK] * 4 or not all(
+                payload_ok(k, o) for k, o in zip(keys, outs)
+            ):
+                errors.append(f"get {keys}")
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+
+
+def test_edge_values_and_bad_arguments(start_server, make_client):
+    start_server("--memory-size", "8MB")
+    c = make_client()
+    big = payload("big", 3 << 20)
+    assert c.put(["empty", "big"], [[np.zeros(0, np.uint8)], [big]]) == [OK, OK]
+    out = np.zeros(3 << 20, np.uint8)
+    assert c.get_into(["empty", "big"], [[np.zeros(0, np.uint8)], [out]]) == [OK, OK]
+    assert payload_ok("big", out)
+    # sizes that do not add up, a key too long, an empty key, mismatched lists
+    assert c.get_into(["big"], [[np.zeros(10, np.uint8)]]) == [int(ErrorCode.INVALID_PARAMS)]
+    long_key = "x" * (P.MAX_KEY_BYTES + 1)
+    assert c.put([long_key, ""], [[big[:10]], [big[:10]]]) == [int(ErrorCode.INVALID_KEY)] * 2
+    assert c.exists([long_key, "", "big"]) == [False, False, True]
+    assert c.put(["a", "b"], [[big[:10]]]) == [int(ErrorCode.INVALID_PARAMS)] * 2
+    # read-only destination
+    ro = np.zeros(3 << 20, np.uint8)
+    ro.flags.writeable = False
+    assert c.get_into(["big"], [[ro]]) == [int(ErrorCode.INVALID_PARAMS)]
+    # a value larger than the whole pool
+    assert c.put(["huge"], [[np.zeros(9 << 20, np.uint8)]]) == [int(ErrorCode.NO_AVAILABLE_HANDLE)]
+    # batches larger than one frame may hold are split by the client
+    many = [f"m{i}" for i in range(P.MAX_BATCH + 10)]
+    assert c.exists(many) == [False] * len(many)
+
+
+def test_full_pool_of_leased_objects_refuses_puts_without_corrupting(start_server, make_client):
+    start_server("--memory-size", "1MB", "--default_kv_lease_ttl", "60000")
+    c = make_client()
+    keys = [f"k{i}" for i in range(7)]
+    assert c.put(keys, [[payload(k, 128 << 10)] for k in keys]) == [OK] * 7
+    assert c.exists(keys, lease=True) == [True] * 7  # lookup leases pin all of them
+    assert c.put(["new"], [[payload("new", 300 << 10)]]) == [int(ErrorCode.NO_AVAILABLE_HANDLE)]
+    outs = [np.zeros(128 << 10, np.uint8) for _ in keys]
+    assert c.get_into(keys, [[o] for o in outs]) == [OK] * 7
+    assert all(payload_ok(k, o) for k, o in zip(keys, outs))
+
+
+def test_commit_and_release_only_what_this_connection_was_given(start_server, make_client):
+    start_server()
+    a, b = make_client(name="a"), make_client(name="b")
+    alloc = a.allocate(["k"], [64])
+    assert alloc.codes == [OK]
+    assert b.commit(alloc.handles) == [int(ErrorCode.OBJECT_NOT_FOUND)]
+    assert b.exists(["k"]) == [False]
+    a.arena[alloc.offsets[0] : alloc.offsets[0] + 64] = payload("k", 64)
+    assert a.commit(alloc.handles) == [OK]
+    lease = a.acquire(["k"])
+    assert lease.codes == [OK] and lease.lease_ids[0] > 0
+    assert b.release(lease.lease_ids) == [int(ErrorCode.OBJECT_NOT_FOUND)]
+    assert a.release(lease.lease_ids) == [OK]
+    assert a.release(lease.lease_ids) == [int(ErrorCode.OBJECT_NOT_FOUND)]
+
+
+def test_expired_lease_is_reported_at_release(start_server, make_client):
+    start_server("--default_kv_lease_ttl", "50")
+    c = make_client()
+    assert c.put(["k"], [[payload("k", 64)]]) == [OK]
+    lease = c.acquire(["k"])
+    import time
+
+    time.sleep(0.15)
+    assert c.release(lease.lease_ids) == [int(ErrorCode.LEASE_EXPIRED)]
+
+
+def test_backend_server_from_config(start_server, sock_path):
+    start_server()
+    cfg = load_config({"backend": "server", "server_socket": sock_path})
+    a = create_backend(cfg, "vllm-dp0-tp0-pp0")
+    b = create_backend(cfg, "vllm-dp0-tp1-pp0")
+    try:
+        assert a.name == "server" and a.shared_across_processes is True
+        v = payload("blk", 4096)
+        assert a.batch_put(["blk"], [[v[:2048], v[2048:]]]) == [OK]
+        assert b.batch_exists(["blk", "nope"], lease=True) == [True, False]
+        out = np.zeros(4096, np.uint8)
+        assert b.batch_get_into(["blk"], [[out]]) == [OK] and np.array_equal(out, v)
+        stats = b.stats()
+        assert stats["object_count"] == 1 and stats["connected_clients"] == 2
+    finally:
+        a.close()
+        b.close()
+
+
+def test_backend_without_a_server_starts_and_misses(sock_path):
+    cfg = load_config({"backend": "server", "server_socket": sock_path})
+    backend = create_backend(cfg, "lonely")
+    try:
+        assert backend.batch_exists(["a"]) == [False]
+        assert backend.batch_put(["a"], [[np.zeros(8, np.uint8)]]) == [int(ErrorCode.RPC_FAIL)]
+        assert backend.batch_get_into(["a"], [[np.zeros(8, np.uint8)]]) == [int(ErrorCode.RPC_FAIL)]
+        assert backend.stats() == {}
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("value", ["relative.sock", "", 5, "/" + "x" * 120])
+def test_server_socket_config_is_validated(value):
+    with pytest.raises(ConfigError) as exc:
+        load_config({"backend": "server", "server_socket": value})
+    assert exc.value.key == "server_socket" and "absolute Unix socket path" in str(exc.value)
+
+
+# ---- metrics and `kvpool stats` ------------------------------------------------------------------
+
+
+def _listening_addresses(port: int) -> list[str]:
+    """Local addresses listening on TCP ``port``, from /proc/net/tcp{,6} (hex, as the kernel writes)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            addr, p = local.split(":")
+            if int(p, 16) == port and state == "0A":
+                found.append(addr)
+    return found
+
+
+def test_metrics_endpoint_on_loopback_only(start_server, make_client):
+    server = start_server("--metrics_port", "0")
+    port = int(server.log().split("metrics http://127.0.0.1:")[1].split()[0])
+    assert _listening_addresses(port) == ["0100007F"]  # 127.0.0.1, nothing else
+    c = make_client()
+    c.put(["k"], [[payload("k", 100)]])
+    c.get_into(["k", "x"], [[np.zeros(100, np.uint8)], [np.zeros(1, np.uint8)]])
+    base = f"http://127.0.0.1:{port}"
+    assert urllib.request.urlopen(base + "/healthz").read() == b"ok\n"
+    metrics = urllib.request.urlopen(base + "/metrics").read().decode()
+    assert "# TYPE kvpool_hits_total counter\nkvpool_hits_total 1\n" in metrics
+    assert "kvpool_misses_total 1\n" in metrics and "kvpool_object_count 1\n" in metrics
+    stats = json.loads(urllib.request.urlopen(base + "/stats").read())
+    assert stats["object_count"] == 1 and stats["connected_clients"] == 1
+
+
+def _kvpool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvpool.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_kvpool_stats_json_table_and_errors(start_server, make_client, sock_path):
+    server = start_server("--metrics_port", "0")
+    port = int(server.log().split("metrics http://127.0.0.1:")[1].split()[0])
+    c = make_client(name="statsclient")
+    c.put(["k"], [[payload("k", 1000)]])
+    c.exists(["k", "x"])
+    out = _kvpool("stats", "--socket", sock_path, "--json")
+    assert out.returncode == 0, out.stderr
+    s = json.loads(out.stdout)
+    assert s["object_count"] == 1 and s["lookup_keys"] == 2 and s["lookup_hit_rate"] == 0.5
+    assert s["memory_capacity"] == 16 << 20 and s["memory_used"] >= 1000
+    assert [x["name"] for x in s["client_list"]] == ["statsclient"]
+    via_http = json.loads(_kvpool("stats", "--metrics-url", f"http://127.0.0.1:{port}", "--json").stdout)
+    assert via_http["object_count"] == 1
+    table = _kvpool("stats", "--socket", sock_path)
+    assert table.returncode == 0 and "memory" in table.stdout and "hit rate" in table.stdout
+    server.stop()
+    gone = _kvpool("stats", "--socket", sock_path)
+    assert gone.returncode == 1 and "cannot reach a kvpool server" in gone.stderr
