@@ -515,6 +515,10 @@ def environment() -> dict[str, Any]:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                 text=True, timeout=5).stdout.strip() or None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        if commit and dirty:
+            commit += "+uncommitted changes"
     except (OSError, subprocess.SubprocessError):
         pass
     mem = None
@@ -641,8 +645,9 @@ def main(argv: list[str] | None = None) -> int:
             for i, (label, size) in enumerate(SIZES.items()):
                 t = time.monotonic()
                 raw = runners[case](size, lookups if i == 0 else 0)
-                results["raw"].setdefault(case, {})[label] = raw
                 entry["sizes"][label] = _summary(raw)
+                raw.pop("lookup_ms", None)  # summarised above; thousands of samples do not belong in git
+                results["raw"].setdefault(case, {})[label] = raw
                 s = entry["sizes"][label]
                 print(f"{case:7s} {label:7s} put {s['put_gbps']:6.2f} GB/s  get {s['get_gbps']:6.2f} GB/s"
                       f"  ({time.monotonic() - t:.1f} s)", flush=True)

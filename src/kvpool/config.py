@@ -153,6 +153,10 @@ class KVPoolConfig:
     consumer_is_to_load: bool = False
     consumer_is_to_put: bool = False
     producer_is_to_load: bool = False
+    # Finish a step's saves before the step returns. On by default for producers: in PD
+    # disaggregation the proxy sends the decode request the moment the prefill answers, so the
+    # prefill's blocks must already be findable then.
+    save_sync: bool = False
     prefill_pp_size: int | None = None
     prefill_pp_layer_partition: tuple[int, ...] | None = None
     discard_partial_chunks: bool = True
@@ -242,6 +246,7 @@ def load_config(extra: Mapping[str, Any] | None, kv_role: str | None = "kv_both"
         consumer_is_to_load=_parse_bool("consumer_is_to_load", extra.get("consumer_is_to_load", False)),
         consumer_is_to_put=_parse_bool("consumer_is_to_put", extra.get("consumer_is_to_put", False)),
         producer_is_to_load=_parse_bool("producer_is_to_load", extra.get("producer_is_to_load", False)),
+        save_sync=_parse_bool("save_sync", extra.get("save_sync", role == "kv_producer")),
         prefill_pp_size=pp_size,
         prefill_pp_layer_partition=partition,
         discard_partial_chunks=discard,

@@ -95,3 +95,26 @@ class KeyScheme:
     def all_rank_keys(self, block_hash: bytes) -> list[str]:
         """The keys of every shard and PP stage for one block: a block is a hit only if all exist."""
         return [self.key(block_hash, s, p) for p in range(self.pp_size) for s in range(self.kv_shards)]
+
+
+def prefill_stage_schemes(scheme: KeyScheme, num_layers: int, prefill_pp_size: int,
+                          partition: Sequence[int]) -> list[tuple[KeyScheme, range]]:
+    """Where a decode node without PP puts a block so that PP prefill stages find it.
+
+    Each prefill stage reads only its own layers under its own `pp` key, so the decode node
+    writes one value per stage: that stage's slice of the layers under that stage's key.
+    `partition` gives the layers per stage (the caller takes vLLM's split when none is configured).
+    """
+    if len(partition) != prefill_pp_size or sum(partition) != num_layers:
+        from kvpool.errors import ConfigError
+
+        raise ConfigError(
+            "prefill_pp_layer_partition", ",".join(map(str, partition)),
+            f"layer counts that add up to the model's {num_layers} layers",
+        )
+    targets, start = [], 0
+    for stage, count in enumerate(partition):
+        targets.append((dataclasses.replace(scheme, pp_rank=stage, pp_size=prefill_pp_size),
+                        range(start, start + count)))
+        start += count
+    return targets

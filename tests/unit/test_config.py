@@ -125,6 +125,7 @@ def full_extra(ssd: str) -> dict:
         "consumer_is_to_load": "true",
         "consumer_is_to_put": "false",
         "producer_is_to_load": "true",
+        "save_sync": "true",
         "prefill_pp_size": "2",
         "prefill_pp_layer_partition": "30,31",
         "discard_partial_chunks": "true",
@@ -155,6 +156,7 @@ def test_every_key_parses_from_strings(tmp_path):
         consumer_is_to_load=True,
         consumer_is_to_put=False,
         producer_is_to_load=True,
+        save_sync=True,
         prefill_pp_size=2,
         prefill_pp_layer_partition=(30, 31),
         discard_partial_chunks=True,
@@ -177,7 +179,7 @@ def test_native_json_types_parse_the_same(tmp_path):
     ssd = real_dir(tmp_path)
     native = {
         "lookup_rpc_port": 1, "load_async": True, "consumer_is_to_load": True, "consumer_is_to_put": False,
-        "producer_is_to_load": True, "prefill_pp_size": 2, "prefill_pp_layer_partition": [30, 31],
+        "producer_is_to_load": True, "save_sync": True, "prefill_pp_size": 2, "prefill_pp_layer_partition": [30, 31],
         "discard_partial_chunks": True, "inject_load_failure_every": 3, "stats_log_interval_s": 5,
         "local_cpu_size": 4 * GiB, "eviction_high_watermark_ratio": 0.8, "eviction_ratio": 0.25,
         "default_kv_lease_ttl_ms": 5000, "ssd_offload_path": ssd, "ssd_quota": 10 * GiB,
@@ -508,3 +510,10 @@ def test_hash_seed_check(monkeypatch):
     assert exc.value.key == "prefix_caching_hash_algo" and "PYTHONHASHSEED" in str(exc.value)
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     check_hash_seed("xxhash")  # the spec's ritual still works
+
+
+def test_save_sync_defaults_on_for_producers_only():
+    assert load_config({}, "kv_producer").save_sync is True
+    assert load_config({}, "kv_both").save_sync is False
+    assert load_config({}, "kv_consumer").save_sync is False
+    assert load_config({"save_sync": "false"}, "kv_producer").save_sync is False

@@ -13,7 +13,7 @@ from kvpool.backends import Backend, create_backend
 from kvpool.backends.faults import FaultInjectingBackend
 from kvpool.config import KVPoolConfig
 from kvpool.errors import ConfigError, ErrorCode
-from kvpool.keys import KeyScheme, model_key_name
+from kvpool.keys import KeyScheme, model_key_name, prefill_stage_schemes
 from kvpool.vllm.layout import KVLayout
 from kvpool.vllm.lookup import LookupServer
 from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
@@ -40,6 +40,9 @@ class PoolWorker:
         self.backend: Backend | None = None
         self.layout: KVLayout | None = None
         self.scheme: KeyScheme | None = None
+        # (key scheme, layers) per value a block is saved as: one for this rank's own key, or one
+        # per prefill PP stage when a decode node puts for PP prefill nodes.
+        self._put_targets: list[tuple[KeyScheme, range]] = []
         self._lookup: LookupServer | None = None
         self._transfer = TransferThread()
         self._lock = threading.Lock()  # guards the sets below, shared with the transfer thread
@@ -72,6 +75,14 @@ class PoolWorker:
             tp_rank=self.tp_rank, tp_size=self.tp_size, kv_shards=kv_shards,
             pp_rank=self.pp_rank, pp_size=self.pp_size,
         )
+        self._put_targets = [(self.scheme, range(len(self.layout.layers)))]
+        if self.config.consumer_is_to_put and self.config.prefill_pp_size and self.pp_size == 1:
+            from vllm.distributed.utils import get_pp_indices
+
+            n, size = len(self.layout.layers), self.config.prefill_pp_size
+            partition = self.config.prefill_pp_layer_partition or [
+                end - start for start, end in (get_pp_indices(n, p, size) for p in range(size))]
+            self._put_targets = prefill_stage_schemes(self.scheme, n, size, partition)
         backend = create_backend(self.config, client_name=f"vllm-dp{self.dp_rank}-tp{self.tp_rank}-pp{self.pp_rank}")
         if (self.tp_size > 1 or self.pp_size > 1) and not backend.shared_across_processes:
             backend.close()
@@ -163,16 +174,25 @@ class PoolWorker:
             return
         for task in meta.saves:
             self._transfer.submit(SAVE, task.req_id, lambda t=task: self._save(t))
+        if self.config.save_sync and meta.saves:
+            # The step's output (for a prefill node: the answer the proxy is waiting for) is
+            # only returned once its blocks are in the pool, so a decode node finds them.
+            if not self._transfer.wait({t.req_id for t in meta.saves}, timeout=DRAIN_TIMEOUT_S):
+                logger.error("kvpool: saves of this step did not finish in %.0f s", DRAIN_TIMEOUT_S)
 
     def _save(self, task: BlockTask) -> None:
-        assert self.scheme is not None and self.backend is not None and self.layout is not None
+        for scheme, layers in self._put_targets:
+            self._save_values(task, scheme, layers)
+
+    def _save_values(self, task: BlockTask, scheme: KeyScheme, layers: range) -> None:
+        assert self.backend is not None and self.layout is not None
         t0 = time.perf_counter()
-        keys = self.scheme.keys(task.block_hashes)
+        keys = scheme.keys(task.block_hashes)
         try:
             present = self.backend.batch_exists(keys)
             todo = [i for i, p in enumerate(present) if not p]
             codes = self.backend.batch_put(
-                [keys[i] for i in todo], [self.layout.block_buffers(task.block_ids[i]) for i in todo]
+                [keys[i] for i in todo], [self.layout.stage_buffers(task.block_ids[i], layers) for i in todo]
             )
         except Exception as e:
             logger.warning("kvpool save of %d blocks for %s failed: %s", len(keys), task.req_id, e)
@@ -184,7 +204,8 @@ class PoolWorker:
             logger.warning("kvpool: %d of %d blocks of %s were not saved (%s)",
                            failed, len(todo), task.req_id, ErrorCode(first_bad).name)
         saved = len(todo) - failed
-        self._count(save_blocks=saved, save_bytes=saved * self.layout.block_bytes,
+        value_bytes = sum(s.shape[1] for layer in self.layout.layers[layers.start:layers.stop] for s in layer.segments)
+        self._count(save_blocks=saved, save_bytes=saved * value_bytes,
                     save_time_s=time.perf_counter() - t0, save_skipped_blocks=len(keys) - len(todo),
                     save_failed_blocks=failed)
 
