@@ -31,6 +31,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm" tests
 
 bench: $(STAMP)
+	$(BIN)/python benchmarks/store.py
 	$(BIN)/python benchmarks/ttft.py
 
 clean:
