@@ -18,11 +18,18 @@ def main(argv: list[str] | None = None) -> int:
 
     server.add_arguments(sub.add_parser("server", help="run the host-shared pool daemon (backend: server)"))
     statsview.add_arguments(sub.add_parser("stats", help="show a running server's usage, hit rate and clients"))
+    from kvpool.proxy import config as proxy_config  # stdlib only; the web stack loads on use
+
+    proxy_config.add_arguments(sub.add_parser("proxy", help="run the PD-disaggregation proxy (prefill, then decode)"))
     args = parser.parse_args(argv)
     if args.cmd == "server":
         return server.run(args)
     if args.cmd == "stats":
         return statsview.run(args)
+    if args.cmd == "proxy":
+        from kvpool.proxy.app import run as run_proxy
+
+        return run_proxy(args)
     if args.cmd == "version":
         from importlib.metadata import version
 

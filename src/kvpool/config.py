@@ -16,7 +16,7 @@ from kvpool.errors import ConfigError
 
 BACKENDS = ("local", "server", "mooncake", "yuanrong", "memcache", "redis")
 # Backends whose adapters ship in this release; the others are named so the error says so.
-IMPLEMENTED_BACKENDS = ("local", "server")
+IMPLEMENTED_BACKENDS = BACKENDS
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 SSD_POLICIES = ("none", "fifo", "lru")
 
@@ -143,6 +143,17 @@ class LocalBackendConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RedisBackendConfig:
+    """`backend: redis`: a Redis (or Valkey) server the operator already runs."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_ttl_s: float = 0.0  # 0: objects never expire (Redis' maxmemory-policy evicts them)
+    # Values above this are split into chunk keys; well under Redis' proto-max-bulk-len (512MB).
+    redis_chunk_size: int = 64 << 20
+    redis_timeout_s: float = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
 class KVPoolConfig:
     """Everything kvpool reads from `kv_connector_extra_config` (and `kv_role`)."""
 
@@ -167,6 +178,12 @@ class KVPoolConfig:
     # load-failure paths of vLLM (recompute / fail) against a real store.
     inject_load_failure_every: int = 0
     stats_log_interval_s: float = 10.0
+    redis: RedisBackendConfig = dataclasses.field(default_factory=RedisBackendConfig)
+    # The distributed backends' own files; unset: the spec's environment variable names them
+    # (MOONCAKE_CONFIG_PATH, YR_CONFIG_PATH, MMC_LOCAL_CONFIG_PATH). Read when the backend is built.
+    mooncake_config_path: str | None = None
+    yuanrong_config_path: str | None = None
+    mmc_local_config_path: str | None = None
 
     @property
     def saves(self) -> bool:
@@ -190,7 +207,8 @@ class KVPoolConfig:
 
 
 _LOCAL_KEYS = {f.name for f in dataclasses.fields(LocalBackendConfig)}
-_TOP_KEYS = {f.name for f in dataclasses.fields(KVPoolConfig)} - {"kv_role", "local"}
+_REDIS_KEYS = {f.name for f in dataclasses.fields(RedisBackendConfig)}
+_TOP_KEYS = {f.name for f in dataclasses.fields(KVPoolConfig)} - {"kv_role", "local", "redis"}
 # Accepted for compatibility with the reference connector's configs.
 _ALIASES = {"mooncake_rpc_port": "lookup_rpc_port", "default_kv_lease_ttl": "default_kv_lease_ttl_ms"}
 
@@ -206,9 +224,9 @@ def load_config(extra: Mapping[str, Any] | None, kv_role: str | None = "kv_both"
             if new in extra:
                 raise ConfigError(old, extra[old], f"not both {old} and {new}; use {new}")
             extra[new] = extra.pop(old)
-    unknown = sorted(set(extra) - _TOP_KEYS - _LOCAL_KEYS)
+    unknown = sorted(set(extra) - _TOP_KEYS - _LOCAL_KEYS - _REDIS_KEYS)
     if unknown:
-        known = ", ".join(sorted(_TOP_KEYS | _LOCAL_KEYS))
+        known = ", ".join(sorted(_TOP_KEYS | _LOCAL_KEYS | _REDIS_KEYS))
         raise ConfigError(unknown[0], extra[unknown[0]], f"a known kv_connector_extra_config key ({known})")
 
     backend = extra.get("backend", "local")
@@ -256,6 +274,10 @@ def load_config(extra: Mapping[str, Any] | None, kv_role: str | None = "kv_both"
             "inject_load_failure_every", extra.get("inject_load_failure_every", 0)
         ),
         stats_log_interval_s=_parse_seconds("stats_log_interval_s", extra.get("stats_log_interval_s", 10)),
+        redis=_load_redis(extra),
+        mooncake_config_path=_parse_file_path("mooncake_config_path", extra.get("mooncake_config_path")),
+        yuanrong_config_path=_parse_file_path("yuanrong_config_path", extra.get("yuanrong_config_path")),
+        mmc_local_config_path=_parse_file_path("mmc_local_config_path", extra.get("mmc_local_config_path")),
     )
 
 
@@ -288,4 +310,34 @@ def _load_local(extra: Mapping[str, Any]) -> LocalBackendConfig:
         ssd_offload_path=path,
         ssd_quota=quota,
         ssd_eviction_policy=policy,
+    )
+
+
+def _parse_file_path(key: str, value: Any) -> str | None:
+    """An optional absolute path of an existing file (a backend's config file)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not os.path.isabs(value):
+        raise ConfigError(key, value, "an absolute path of an existing file, e.g. /etc/kvpool/mooncake.json")
+    if not os.path.isfile(value):
+        raise ConfigError(key, value, "an existing file (it does not exist or is not a regular file)")
+    return value
+
+
+def _load_redis(extra: Mapping[str, Any]) -> RedisBackendConfig:
+    d = RedisBackendConfig()
+    url = extra.get("redis_url", d.redis_url)
+    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError("redis_url", url, "a URL redis://[user:password@]host:port/db, rediss://... or unix:///path.sock")
+    chunk = parse_size("redis_chunk_size", extra.get("redis_chunk_size", d.redis_chunk_size))
+    if not 1 << 20 <= chunk <= 512 << 20:
+        raise ConfigError("redis_chunk_size", extra.get("redis_chunk_size"),
+                          "a byte size from 1MB to 512MB (Redis' proto-max-bulk-len), e.g. \"64MB\"")
+    timeout = _parse_float("redis_timeout_s", extra.get("redis_timeout_s", d.redis_timeout_s),
+                           lambda f: 0.0 < f < float("inf"), "a number of seconds > 0")
+    return RedisBackendConfig(
+        redis_url=url,
+        redis_ttl_s=_parse_seconds("redis_ttl_s", extra.get("redis_ttl_s", d.redis_ttl_s)),
+        redis_chunk_size=chunk,
+        redis_timeout_s=timeout,
     )

@@ -30,17 +30,27 @@ import pytest
 from kvpool.backends import Backend, create_backend
 from kvpool.config import load_config
 
-BACKENDS = ["local", "server"]
+BACKENDS = ["local", "server", "redis"]
 # Backends whose pool several processes (each with its own client) share.
-MULTIPROCESS_BACKENDS = ["server"]
+MULTIPROCESS_BACKENDS = ["server", "redis"]
 
 SERVER_MODULE = "kvpool.store.server"
 
 
 class BackendFactory:
-    """Builds pools of one backend; closes every client (then every service) at teardown."""
+    """Builds pools of one backend; closes every client (then every service) at teardown.
+
+    Capability flags: a store that genuinely cannot give one of the pool engine's guarantees
+    says so here, and the tests check what it does give instead (see each test). Never turn one
+    off to hide a bug.
+    """
 
     name = "base"
+    # A lease (`batch_exists(..., lease=True)`, a read) keeps an object from being evicted for
+    # the lease TTL, and a pool full of leased objects refuses puts with NO_AVAILABLE_HANDLE.
+    leases_pin = True
+    # Eviction is exact LRU: the least recently used objects go first, strictly.
+    exact_lru = True
 
     def __init__(self, workdir: str) -> None:
         self.workdir = workdir
@@ -172,7 +182,52 @@ def _tail(path: str, n: int = 3000) -> str:
         return f"(no log: {exc})"
 
 
-_FACTORIES: dict[str, type[BackendFactory]] = {"local": LocalFactory, "server": ServerFactory}
+class RedisFactory(BackendFactory):
+    """A real `redis-server` per pool (tests/services.py): maxmemory = start-up footprint + capacity,
+    `allkeys-lru`. Redis has no leases (a lease refreshes LRU recency only) and its LRU is sampled
+    with a 1 s clock, so `leases_pin` and `exact_lru` do not hold."""
+
+    name = "redis"
+    leases_pin = False
+    exact_lru = False
+
+    def __init__(self, workdir: str) -> None:
+        super().__init__(workdir)
+        self._services: list = []
+        self._urls: dict[int, str] = {}
+
+    def __call__(self, capacity_bytes: int) -> Backend:
+        from services import RedisService, ServiceError
+
+        try:
+            svc = RedisService(os.path.join(self.workdir, f"redis{len(self._services)}"), capacity=capacity_bytes)
+        except ServiceError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        self._services.append(svc)
+        backend = create_backend(load_config({"backend": "redis", "redis_url": svc.url}), self._client_name())
+        self._urls[id(backend)] = svc.url
+        return self._track(backend)
+
+    def client_config(self, backend: Backend) -> dict[str, Any]:
+        return {"backend": "redis", "redis_url": self._urls[id(backend)]}
+
+    def connect(self, backend: Backend) -> Backend:
+        other = super().connect(backend)
+        self._urls[id(other)] = self._urls[id(backend)]
+        return other
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            for svc in self._services:
+                svc.stop()
+            self._services.clear()
+
+
+_FACTORIES: dict[str, type[BackendFactory]] = {
+    "local": LocalFactory, "server": ServerFactory, "redis": RedisFactory,
+}
 
 
 def _factory(name: str) -> Iterator[BackendFactory]:

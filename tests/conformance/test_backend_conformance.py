@@ -162,6 +162,14 @@ def test_pool_full_of_leased_objects_is_no_available_handle(backend_factory):
             break
         stored.append(key)
         assert b.batch_exists([key], lease=True) == [True]
+    if not backend_factory.leases_pin:
+        # A store without leases (Redis) evicts instead: every put that fits succeeds, the pool
+        # never holds more than its capacity, the newest value is there and what is left is intact.
+        assert codes == [OK] * len(codes), codes
+        present = [k for k, f in zip(stored, b.batch_exists(stored)) if f]
+        assert stored[-1] in present and len(present) <= cap // size, present
+        assert_intact(b, present, size)
+        return
     assert codes[-1] == NO_HANDLE, f"a pool of {cap} bytes took {len(stored)} leased values of {size}: {codes}"
     assert 1 <= len(stored) <= cap // size
     assert_intact(b, stored, size)
@@ -175,9 +183,18 @@ def test_lru_eviction_past_high_watermark(backend_factory):
         if i:
             # Keep v0 the most recently used: LRU must evict the others first.
             code, got = get(b, "v0", [size])
-            assert code == OK and np.array_equal(got, payload("v0", size)), f"v0 lost before put {i}"
+            if backend_factory.exact_lru or code != NOT_FOUND:  # sampled LRU may drop v0 (below)
+                assert code == OK and np.array_equal(got, payload("v0", size)), f"v0 lost before put {i}"
         assert b.batch_put([key], [[payload(key, size)]]) == [OK], f"put {i} failed instead of evicting"
     present = [k for k, f in zip(keys, b.batch_exists(keys)) if f]
+    if not backend_factory.exact_lru:
+        # Sampled LRU (Redis: 1 s clock, a few keys sampled per eviction) cannot promise which of
+        # several equally old values goes first (v0 included); it must still evict (the pool
+        # stays within its capacity), keep the newest value, and keep every survivor intact.
+        assert keys[-1] in present and "v1" not in present, present
+        assert 2 <= len(present) < cap // size
+        assert_intact(b, present, size)
+        return
     assert "v0" in present and keys[-1] in present
     assert "v1" not in present, "the least recently used value survived while newer ones were written"
     assert 2 <= len(present) < cap // size
@@ -196,6 +213,12 @@ def test_leased_object_is_not_evicted(backend_factory):
     for key in fill:  # one at a time, as a running instance does; never touching "leased"
         assert b.batch_put([key], [[payload(key, size)]]) == [OK]
     assert b.batch_exists(["unleased"]) == [False], "the fill did not pressure the pool"
+    if not backend_factory.leases_pin:
+        # No leases (Redis): the leased value may be evicted like any other; if it is still
+        # there it must be intact, and a read of it is a clean miss otherwise.
+        code, got = get(b, "leased", [size])
+        assert code == OK and np.array_equal(got, payload("leased", size)) or code == NOT_FOUND, code
+        return
     assert_intact(b, ["leased"], size)
 
 

@@ -40,16 +40,18 @@ class Engine:
     """A vLLM engine in a child process (see engine_server.py)."""
 
     def __init__(self, model: str, kv_transfer_config: dict | None = None, prefix_caching: bool = False,
-                 dtype: str = "float32", max_num_batched_tokens: int = 512, env: dict | None = None) -> None:
+                 dtype: str = "float32", max_num_batched_tokens: int = 512, env: dict | None = None,
+                 tensor_parallel_size: int = 1) -> None:
         spec = {
             "model": model, "dtype": dtype, "enforce_eager": True, "max_model_len": 4096,
             "block_size": BLOCK, "enable_prefix_caching": prefix_caching,
             "max_num_batched_tokens": max_num_batched_tokens, "seed": 0,
+            "tensor_parallel_size": tensor_parallel_size,
         }
         if kv_transfer_config is not None:
             spec["kv_transfer_config"] = kv_transfer_config
-        full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0-1",
-                        VLLM_CPU_NUM_OF_RESERVED_CPU="0", **(env or {}))
+        full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+                    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **(env or {})}
         self.log: list[str] = []
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "engine_server.py"), json.dumps(spec)],

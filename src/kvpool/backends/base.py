@@ -55,4 +55,24 @@ def create_backend(config: KVPoolConfig, client_name: str) -> Backend:
         from kvpool.backends.server import ServerBackend
 
         return ServerBackend(config.server_socket, client_name)
-    raise ConfigError("backend", config.backend, "a backend this kvpool release ships: local, server")
+    # The distributed stores: each module imports its client library only when built, and
+    # raises ConfigError naming the pip package when it is missing.
+    if config.backend == "redis":
+        from kvpool.backends.redis import RedisBackend
+
+        return RedisBackend(config.redis, client_name)
+    if config.backend == "mooncake":
+        from kvpool.backends.mooncake import MooncakeBackend
+
+        return MooncakeBackend.from_config(config, client_name)
+    if config.backend == "yuanrong":
+        from kvpool.backends.yuanrong import YuanrongBackend
+
+        return YuanrongBackend.from_config(config, client_name)
+    if config.backend == "memcache":
+        from kvpool.backends.memcache import MemcacheBackend
+
+        return MemcacheBackend.from_config(config, client_name)
+    raise ConfigError(
+        "backend", config.backend, "a backend this kvpool release ships: local, server, mooncake, yuanrong, memcache, redis"
+    )

@@ -1,0 +1,353 @@
+"""`backend: redis` — a Redis (or Valkey) server the operator already runs.
+
+Layout of one pooled object under its key `K`:
+
+- values up to `redis_chunk_size` (64MB by default): one string `K` = 16-byte header + bytes;
+- larger values: chunk strings `K#chunk:{nonce}:{i}` written first, then `K` = header naming the
+  chunk count, chunk size and nonce. The header is written last with `SET NX`, so a reader never
+  sees a partly written object, the first writer of a key wins (an existing key is an OK no-op)
+  and two writers of one key never share chunk keys (each has its own nonce); the loser deletes
+  its chunks. A chunk evicted or expired on its own makes the object a miss, and its header is
+  then removed.
+
+Every call is one pipeline (one round trip) per phase: `EXISTS` (or `TOUCH` for a lease, which
+refreshes the key's LRU clock), `SET NX [EX ttl]`, `GET` (plus one pipeline for chunks).
+
+Capacity: Redis' `maxmemory` (minus `used_memory_startup`) is read from `INFO memory` on connect.
+Redis needs a value's size twice while writing it (query buffer, then object), so a value above
+half of that could never be stored and would make Redis evict everything before failing with
+OOM: it is refused up front with NO_AVAILABLE_HANDLE. What Redis refuses (`OOM ... maxmemory`,
+with `maxmemory-policy noeviction`) is NO_AVAILABLE_HANDLE too. Redis has no leases: a lease
+here only refreshes LRU recency; eviction follows Redis' own (approximate) LRU policy.
+
+A server that is down or slow never raises: lookups are misses, puts and gets fail with
+RPC_FAIL / RPC_TIMEOUT (vLLM recomputes), and the next call reconnects.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvpool.backends.base import Backend, Buffers
+from kvpool.config import RedisBackendConfig
+from kvpool.errors import ConfigError, ErrorCode
+
+logger = logging.getLogger(__name__)
+
+OK = int(ErrorCode.OK)
+NOT_FOUND = int(ErrorCode.OBJECT_NOT_FOUND)
+INVALID = int(ErrorCode.INVALID_PARAMS)
+NO_HANDLE = int(ErrorCode.NO_AVAILABLE_HANDLE)
+RPC_FAIL = int(ErrorCode.RPC_FAIL)
+RPC_TIMEOUT = int(ErrorCode.RPC_TIMEOUT)
+INTERNAL = int(ErrorCode.INTERNAL_ERROR)
+
+MAGIC = b"kvp1"
+INLINE, CHUNKED = 0, 1
+# magic, kind, 3 pad bytes, total size
+_HEAD = struct.Struct("<4sB3xQ")
+# chunk count, chunk size, nonce
+_CHUNKS = struct.Struct("<IQ16s")
+HEADER_SIZE = _HEAD.size  # 16
+# Capacity (INFO memory) is re-read this often, so a CONFIG SET maxmemory is noticed.
+_INFO_REFRESH_S = 30.0
+
+
+def _import_redis() -> Any:
+    try:
+        import redis
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ConfigError(
+            "backend", "redis", f"the redis client library installed (pip install 'kvpool[redis]' or pip install redis): {exc}"
+        ) from exc
+    return redis
+
+
+def chunk_key(key: str, nonce: bytes, i: int) -> str:
+    return f"{key}#chunk:{nonce.hex()}:{i}"
+
+
+def _total(bufs: Buffers) -> int:
+    return sum(int(b.nbytes) for b in bufs)
+
+
+def _copy_out(data: memoryview | bytes, dests: Buffers) -> None:
+    src = np.frombuffer(data, dtype=np.uint8)
+    pos = 0
+    for d in dests:
+        n = int(d.nbytes)
+        if n:
+            d[...] = src[pos : pos + n]
+        pos += n
+
+
+class RedisBackend(Backend):
+    """A redis-py client behind the Backend protocol (thread-safe: redis-py pools connections)."""
+
+    name = "redis"
+    shared_across_processes = True
+
+    def __init__(self, config: RedisBackendConfig, client_name: str) -> None:
+        redis = _import_redis()
+        self._redis = redis
+        self.config = config
+        self.client_name = client_name
+        self.r = redis.Redis.from_url(
+            config.redis_url,
+            socket_timeout=config.redis_timeout_s,
+            socket_connect_timeout=min(config.redis_timeout_s, 2.0),
+            client_name=client_name.replace(" ", "_")[:64] or None,
+            health_check_interval=30,
+        )
+        self._ttl_ms = int(config.redis_ttl_s * 1000) or None
+        self._capacity: int | None = None
+        self._capacity_at = 0.0
+        self._stats = {"puts": 0, "put_bytes": 0, "gets": 0, "get_bytes": 0, "misses": 0, "failures": 0}
+        try:
+            self.r.ping()
+            self._refresh_capacity(force=True)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # Not fatal: vLLM runs without hits until the server is back, as with `server`.
+            logger.warning("kvpool redis: %s is not reachable yet (%s); lookups miss until it is", config.redis_url, exc)
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _refresh_capacity(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._capacity_at < _INFO_REFRESH_S:
+            return
+        self._capacity_at = now
+        try:
+            info = self.r.info("memory")
+        except self._redis.ResponseError:  # INFO disabled (some managed services): no client-side check
+            self._capacity = None
+            return
+        maxmemory = int(info.get("maxmemory", 0) or 0)
+        startup = int(info.get("used_memory_startup", 0) or 0)
+        # Redis holds a value twice while it is written (the client's query buffer, then the
+        # object), and both count against maxmemory: a value above half of the memory left after
+        # start-up makes Redis evict everything and then fail with OOM (seen with Redis 7.0).
+        self._capacity = max(maxmemory - startup, 0) // 2 if maxmemory else None
+
+    def _code_of(self, exc: BaseException) -> int:
+        redis = self._redis
+        if isinstance(exc, redis.TimeoutError):
+            return RPC_TIMEOUT
+        if isinstance(exc, redis.ConnectionError):
+            return RPC_FAIL
+        if isinstance(exc, redis.exceptions.OutOfMemoryError) or (
+            isinstance(exc, redis.ResponseError) and "maxmemory" in str(exc)
+        ):
+            return NO_HANDLE
+        return INTERNAL
+
+    def _failed(self, exc: BaseException, what: str) -> int:
+        code = self._code_of(exc)
+        self._stats["failures"] += 1
+        logger.warning("kvpool redis: %s failed on %s: [%s] %s", what, self.config.redis_url, ErrorCode(code).name, exc)
+        return code
+
+    # ---- protocol -----------------------------------------------------------------------------
+
+    def batch_exists(self, keys: Sequence[str], lease: bool = False) -> list[bool]:
+        if not keys:
+            return []
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            for k in keys:
+                # TOUCH answers like EXISTS and refreshes the key's LRU clock (EXISTS does not).
+                pipe.touch(k) if lease else pipe.exists(k)
+            return [bool(n) for n in pipe.execute()]
+        except self._redis.RedisError as exc:
+            self._failed(exc, "exists")
+            return [False] * len(keys)
+
+    def batch_put(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        if not keys:
+            return []
+        try:
+            self._refresh_capacity()
+        except self._redis.RedisError as exc:
+            return [self._failed(exc, "put")] * len(keys)
+        codes = [OK] * len(keys)
+        chunk = self.config.redis_chunk_size
+        px = self._ttl_ms
+        # Chunks expire a little after their header, so a header never outlives its chunks' TTL
+        # by design (eviction can still take a chunk alone: that read is then a miss).
+        chunk_px = px + 60_000 if px else None
+        pipe = self.r.pipeline(transaction=False)
+        plan: list[tuple[int, int, list[str]]] = []  # (key index, header command index, chunk keys)
+        ncmd = 0
+        for i, (key, bufs) in enumerate(zip(keys, values)):
+            size = _total(bufs)
+            if self._capacity is not None and size + HEADER_SIZE > self._capacity:
+                codes[i] = NO_HANDLE
+                continue
+            if size <= chunk:
+                blob = bytearray(HEADER_SIZE + size)
+                _HEAD.pack_into(blob, 0, MAGIC, INLINE, size)
+                dst = np.frombuffer(blob, dtype=np.uint8)
+                pos = HEADER_SIZE
+                for b in bufs:
+                    n = int(b.nbytes)
+                    if n:
+                        dst[pos : pos + n] = b.reshape(-1).view(np.uint8)
+                    pos += n
+                pipe.set(key, blob, nx=True, px=px)
+                plan.append((i, ncmd, []))
+                ncmd += 1
+                continue
+            nonce = os.urandom(16)
+            data = np.empty(size, dtype=np.uint8)
+            pos = 0
+            for b in bufs:
+                n = int(b.nbytes)
+                if n:
+                    data[pos : pos + n] = b.reshape(-1).view(np.uint8)
+                pos += n
+            mv = memoryview(data)
+            nchunks = (size + chunk - 1) // chunk
+            ckeys = [chunk_key(key, nonce, c) for c in range(nchunks)]
+            for c, ck in enumerate(ckeys):
+                pipe.set(ck, mv[c * chunk : (c + 1) * chunk], px=chunk_px)
+            ncmd += nchunks
+            head = _HEAD.pack(MAGIC, CHUNKED, size) + _CHUNKS.pack(nchunks, chunk, nonce)
+            pipe.set(key, head, nx=True, px=px)
+            plan.append((i, ncmd, ckeys))
+            ncmd += 1
+        if not plan:
+            return codes
+        try:
+            results = pipe.execute(raise_on_error=False)
+        except self._redis.RedisError as exc:
+            code = self._failed(exc, "put")
+            for i, _, _ in plan:
+                codes[i] = code
+            return codes
+        losers: list[str] = []
+        for i, at, ckeys in plan:
+            res = results[at]
+            failed_chunk = next((r for r in results[at - len(ckeys) : at] if isinstance(r, Exception)), None)
+            if isinstance(res, Exception) or failed_chunk is not None:
+                codes[i] = self._failed(res if isinstance(res, Exception) else failed_chunk, "put")
+                losers.extend(ckeys)
+            elif res is None:  # the key existed: an OK no-op, our chunks are not needed
+                losers.extend(ckeys)
+            else:
+                self._stats["puts"] += 1
+                self._stats["put_bytes"] += _total(values[i])
+        if losers:
+            try:
+                self.r.unlink(*losers)
+            except self._redis.RedisError:
+                pass  # they expire (TTL) or are evicted like any key
+        return codes
+
+    def batch_get_into(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} buffer lists")
+        if not keys:
+            return []
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            for k in keys:
+                pipe.get(k)
+            blobs = pipe.execute(raise_on_error=False)
+        except self._redis.RedisError as exc:
+            return [self._failed(exc, "get")] * len(keys)
+        codes = [OK] * len(keys)
+        chunked: list[tuple[int, int, list[str], bytes]] = []
+        for i, (key, blob, dests) in enumerate(zip(keys, blobs, values)):
+            if isinstance(blob, Exception):
+                codes[i] = self._failed(blob, "get")
+                continue
+            if blob is None:
+                codes[i] = NOT_FOUND
+                continue
+            if len(blob) < HEADER_SIZE:
+                codes[i] = INTERNAL
+                logger.error("kvpool redis: key %r holds %d bytes, not a kvpool object", key, len(blob))
+                continue
+            magic, kind, size = _HEAD.unpack_from(blob, 0)
+            if magic != MAGIC or kind not in (INLINE, CHUNKED):
+                codes[i] = INTERNAL
+                logger.error("kvpool redis: key %r is not a kvpool object (another application's key?)", key)
+                continue
+            if _total(dests) != size:
+                codes[i] = INVALID
+                continue
+            if kind == INLINE:
+                if len(blob) != HEADER_SIZE + size:
+                    codes[i] = INTERNAL
+                    continue
+                _copy_out(memoryview(blob)[HEADER_SIZE:], dests)
+                self._stats["gets"] += 1
+                self._stats["get_bytes"] += size
+            else:
+                nchunks, _, nonce = _CHUNKS.unpack_from(blob, HEADER_SIZE)
+                chunked.append((i, size, [chunk_key(key, nonce, c) for c in range(nchunks)], bytes(blob)))
+        if chunked:
+            self._get_chunks(keys, values, codes, chunked)
+        self._stats["misses"] += sum(1 for c in codes if c == NOT_FOUND)
+        return codes
+
+    def _get_chunks(self, keys, values, codes, chunked) -> None:
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            for _, _, ckeys, _ in chunked:
+                for ck in ckeys:
+                    pipe.get(ck)
+            parts = pipe.execute(raise_on_error=False)
+        except self._redis.RedisError as exc:
+            code = self._failed(exc, "get")
+            for i, _, _, _ in chunked:
+                codes[i] = code
+            return
+        pos = 0
+        for i, size, ckeys, head in chunked:
+            mine = parts[pos : pos + len(ckeys)]
+            pos += len(ckeys)
+            err = next((p for p in mine if isinstance(p, Exception)), None)
+            if err is not None:
+                codes[i] = self._failed(err, "get")
+                continue
+            if any(p is None for p in mine) or sum(len(p) for p in mine) != size:
+                # A chunk was evicted or expired alone: the object is gone. Drop its header
+                # (only if it is still this object) so lookups stop finding it.
+                codes[i] = NOT_FOUND
+                self._drop_header(keys[i], head)
+                continue
+            out = np.empty(size, dtype=np.uint8)
+            at = 0
+            for p in mine:
+                out[at : at + len(p)] = np.frombuffer(p, dtype=np.uint8)
+                at += len(p)
+            _copy_out(memoryview(out), values[i])
+            self._stats["gets"] += 1
+            self._stats["get_bytes"] += size
+
+    _DROP = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+    def _drop_header(self, key: str, head: bytes) -> None:
+        try:
+            self.r.eval(self._DROP, 1, key, head)
+        except self._redis.RedisError as exc:  # EVAL may be disabled; the key then ages out
+            logger.debug("kvpool redis: could not drop orphan header %r: %s", key, exc)
+
+    def stats(self) -> dict[str, float]:
+        return dict(self._stats)
+
+    def close(self) -> None:
+        try:
+            self.r.close()
+        except Exception:  # noqa: BLE001 - closing a dead connection is not an error
+            pass

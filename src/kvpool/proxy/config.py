@@ -1,0 +1,152 @@
+"""`kvpool proxy` arguments and the validated config they become.
+
+The instance arguments follow vLLM-Ascend's ``load_balance_proxy_server_example.py`` (the
+spec's "启动代理服务器" step): ``--prefiller-hosts H1 H2 --prefiller-ports P1 P2`` pairs the
+i-th host with the i-th port. One host with several ports means that host for every port
+(``--prefiller-hosts localhost --prefiller-ports 8100 8101``). Any other mismatch is an error.
+
+This module imports nothing beyond the standard library, so ``kvpool --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from kvpool.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """One vLLM instance's OpenAI server, as ``host:port``."""
+
+    host: str
+    port: int
+
+    @property
+    def key(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host  # IPv6 literal
+        return f"{host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.key}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProxyConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefillers: tuple[Endpoint, ...] = ()
+    decoders: tuple[Endpoint, ...] = ()
+    # A request that fails on one instance (connection error, timeout, 5xx) is tried on
+    # another up to this many more times; 0 = one attempt only.
+    max_retries: int = 3
+    # Seconds to wait before each retry.
+    retry_delay: float = 0.2
+    # Seconds between background `GET /health` probes of every instance.
+    health_interval: float = 2.0
+    # Seconds to wait for a TCP connection to an instance.
+    connect_timeout: float = 10.0
+    # Seconds an instance may stay silent: the wait for a non-streaming answer, or between
+    # two chunks of a stream. Past it the attempt fails (and is retried, if it can be).
+    timeout: float = 600.0
+    log_level: str = "INFO"
+
+
+def _port(key: str, value: object) -> int:
+    try:
+        port = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise ConfigError(key, value, "expected a TCP port number (1-65535)") from None
+    if not 1 <= port <= 65535:
+        raise ConfigError(key, value, "expected a TCP port number (1-65535)")
+    return port
+
+
+def _host(key: str, value: object) -> str:
+    if not isinstance(value, str) or not value.strip() or any(c.isspace() for c in value):
+        raise ConfigError(key, value, "expected a host name or IP address")
+    return value.strip().strip("[]")
+
+
+def endpoints(role: str, hosts: Sequence[str], ports: Sequence[object]) -> tuple[Endpoint, ...]:
+    """Pair ``--{role}-hosts`` with ``--{role}-ports``: N hosts with N ports, or one host for all."""
+    hkey, pkey = f"--{role}-hosts", f"--{role}-ports"
+    hosts, ports = list(hosts), list(ports)
+    if not hosts and not ports:
+        return ()
+    if not ports:
+        raise ConfigError(pkey, "no ports", f"{hkey} needs ports to go with its {len(hosts)} host(s)")
+    if not hosts:
+        raise ConfigError(hkey, "no hosts", f"{pkey} needs hosts to go with its {len(ports)} port(s)")
+    if len(hosts) == 1:
+        hosts = hosts * len(ports)
+    elif len(hosts) != len(ports):
+        raise ConfigError(f"{hkey}/{pkey}", f"{len(hosts)} hosts and {len(ports)} ports",
+                          "give one host per port, or a single host for all the ports")
+    result = [Endpoint(_host(hkey, h), _port(pkey, p)) for h, p in zip(hosts, ports)]
+    seen: set[str] = set()
+    for ep in result:
+        if ep.key in seen:
+            raise ConfigError(f"--{role}-hosts/--{role}-ports", ep.key, "an instance is listed twice")
+        seen.add(ep.key)
+    return tuple(result)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = ProxyConfig()
+    parser.add_argument("--host", default=d.host,
+                        help=f"address to listen on (default {d.host}; 0.0.0.0 listens on every interface)")
+    parser.add_argument("--port", type=int, default=d.port, help=f"port to listen on (default {d.port})")
+    parser.add_argument("--prefiller-hosts", nargs="*", default=[], metavar="HOST",
+                        help="prefill (kv_producer) instances' hosts: one per --prefiller-ports entry, or one for all")
+    parser.add_argument("--prefiller-ports", nargs="*", default=[], metavar="PORT",
+                        help="prefill instances' OpenAI server ports")
+    parser.add_argument("--decoder-hosts", nargs="*", default=[], metavar="HOST",
+                        help="decode (kv_consumer) instances' hosts: one per --decoder-ports entry, or one for all")
+    parser.add_argument("--decoder-ports", nargs="*", default=[], metavar="PORT",
+                        help="decode instances' OpenAI server ports")
+    parser.add_argument("--max-retries", type=int, default=d.max_retries,
+                        help="after a failed attempt (connection error, timeout, 5xx), try another instance "
+                             f"up to this many more times (default {d.max_retries})")
+    parser.add_argument("--retry-delay", type=float, default=d.retry_delay,
+                        help=f"seconds to wait before each retry (default {d.retry_delay})")
+    parser.add_argument("--health-interval", type=float, default=d.health_interval,
+                        help="seconds between GET /health probes; a failed instance returns to rotation "
+                             f"when a probe succeeds (default {d.health_interval})")
+    parser.add_argument("--connect-timeout", type=float, default=d.connect_timeout,
+                        help=f"seconds to wait for a connection to an instance (default {d.connect_timeout})")
+    parser.add_argument("--timeout", type=float, default=d.timeout,
+                        help="seconds an instance may stay silent (whole non-streaming answer, or between "
+                             f"stream chunks) before the attempt fails (default {d.timeout})")
+    parser.add_argument("--log-level", default=d.log_level, type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    """The validated config; :class:`ConfigError` names the argument that is wrong."""
+    if not 0 <= args.port <= 65535:
+        raise ConfigError("--port", args.port, "expected a TCP port number (0-65535)")
+    if args.max_retries < 0:
+        raise ConfigError("--max-retries", args.max_retries, "expected 0 or more")
+    if not (math.isfinite(args.retry_delay) and args.retry_delay >= 0):
+        raise ConfigError("--retry-delay", args.retry_delay, "expected a number of seconds >= 0")
+    for name in ("health_interval", "connect_timeout", "timeout"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError("--" + name.replace("_", "-"), value, "expected a number of seconds > 0")
+    return ProxyConfig(
+        host=_host("--host", args.host),
+        port=args.port,
+        prefillers=endpoints("prefiller", args.prefiller_hosts, args.prefiller_ports),
+        decoders=endpoints("decoder", args.decoder_hosts, args.decoder_ports),
+        max_retries=args.max_retries,
+        retry_delay=args.retry_delay,
+        health_interval=args.health_interval,
+        connect_timeout=args.connect_timeout,
+        timeout=args.timeout,
+        log_level=args.log_level,
+    )

@@ -1,0 +1,434 @@
+"""Sending one client request through a prefill instance and then a decode instance.
+
+Prefill request: the client's body with ``max_tokens=1`` (and ``max_completion_tokens=1`` if
+the body has it), ``stream=false``, ``n=1``, no ``stream_options``/``min_tokens``, and
+``kv_transfer_params={"do_remote_decode": true, ...}`` as vLLM's P2P connectors (NIXL,
+Mooncake transfer) expect; kvpool's connector ignores it.
+
+Decode request: the client's body as it came, plus the ``kv_transfer_params`` the prefill
+answered with (when it answered any). Its answer or SSE stream goes back to the client.
+
+Cached tokens reported: when the prefill's answer has
+``usage.prompt_tokens_details.cached_tokens`` (vLLM reports it with
+``--enable-prompt-tokens-details``), that number (the prompt tokens the prefill did not have to
+compute: prefix-cache and pool hits) becomes ``usage.prompt_tokens_details.cached_tokens`` of
+the answer the client gets, in the non-streaming body and in every stream chunk that has a
+``usage``. The decoder's own count (in PD it loaded nearly the whole prompt, so it is close to
+the prompt length), when it reported one, moves to ``prompt_tokens_details.decode_cached_tokens``.
+When the prefill reported none, the decoder's usage is passed on untouched. The response header
+``x-kvpool-prefill-cached-tokens`` carries the prefill's number too.
+
+Failures: a connection error, a timeout, a dropped connection or a 5xx answer fails the attempt;
+the instance is marked down and the request is tried on another instance, up to
+``--max-retries`` more times, ``--retry-delay`` seconds apart. A 4xx answer is the client's
+problem: it is passed back as it is, without retrying. When every attempt failed the client gets
+the last 5xx answer as it was, or 502 (connection errors) / 504 (timeouts) with an
+OpenAI-shaped error body. Once a stream has started it cannot be retried: a failure mid-stream
+ends it with an SSE ``error`` event and ``data: [DONE]``.
+
+Client disconnects: while the proxy waits for the prefill or a non-streaming decode, the route
+watches for the client going away and cancels the upstream request (closing its connection,
+which makes vLLM abort it); during a stream, :class:`UpstreamStream` does the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import anyio
+import httpx
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from kvpool.proxy.config import ProxyConfig
+from kvpool.proxy.registry import Instance, Lease, Registry, Role
+
+logger = logging.getLogger("kvpool.proxy")
+
+# What a P2P transfer connector (vLLM's NixlConnector, MooncakeConnector) expects on the
+# prefill request; the same dict vLLM's own disaggregation proxies send.
+PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+HEADER_PREFILLER = "x-kvpool-prefiller"
+HEADER_DECODER = "x-kvpool-decoder"
+HEADER_PREFILL_CACHED = "x-kvpool-prefill-cached-tokens"
+
+
+def error_response(status: int, message: str, kind: str = "proxy_error") -> JSONResponse:
+    """An OpenAI-shaped error answer made by the proxy itself."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
+                        status_code=status)
+
+
+class UpstreamFailed(Exception):
+    """Every attempt failed; :meth:`response` is what the client gets."""
+
+    def __init__(self, status: int, message: str, upstream: httpx.Response | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.upstream = upstream  # the last 5xx answer, body read, when there was one
+
+    def response(self) -> Response:
+        if self.upstream is not None:
+            return passthrough(self.upstream)
+        return error_response(self.status, self.message, "upstream_timeout" if self.status == 504 else "bad_gateway")
+
+
+def passthrough(resp: httpx.Response, headers: Mapping[str, str] | None = None) -> Response:
+    """An upstream answer (body already read) passed back as it is."""
+    return Response(resp.content, status_code=resp.status_code, headers=dict(headers or {}),
+                    media_type=resp.headers.get("content-type"))
+
+
+# ---------------------------------------------------------------------------- payloads
+
+def prefill_payload(body: Mapping[str, Any]) -> dict[str, Any]:
+    payload = dict(body)
+    payload["max_tokens"] = 1
+    if "max_completion_tokens" in payload:
+        payload["max_completion_tokens"] = 1
+    payload["stream"] = False
+    payload["n"] = 1
+    payload.pop("stream_options", None)
+    payload.pop("min_tokens", None)  # min_tokens > max_tokens is a 400
+    payload["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    return payload
+
+
+def decode_payload(body: Mapping[str, Any], kv_transfer_params: Any) -> dict[str, Any]:
+    payload = dict(body)
+    if kv_transfer_params:
+        payload["kv_transfer_params"] = kv_transfer_params
+    return payload
+
+
+def _text_tokens(value: Any) -> int:
+    """A rough token count of a prompt or message content (4 characters a token)."""
+    if isinstance(value, str):
+        return len(value) // 4 + 1
+    if isinstance(value, list):
+        if value and all(isinstance(v, int) for v in value):
+            return len(value)  # token ids
+        return sum(_text_tokens(v) for v in value)
+    if isinstance(value, dict):
+        return _text_tokens(value.get("text") or value.get("content") or "")
+    return 0
+
+
+def prompt_tokens(body: Mapping[str, Any]) -> int:
+    if "messages" in body:
+        return _text_tokens(body.get("messages") or [])
+    return _text_tokens(body.get("prompt", ""))
+
+
+def output_tokens(body: Mapping[str, Any]) -> int:
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 16
+
+
+def cached_tokens(data: Any) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of an answer, if it has one."""
+    usage = data.get("usage") if isinstance(data, dict) else None
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def merge_usage(data: Any, prefill_cached: int) -> bool:
+    """Put the prefill's cached-token count into ``data["usage"]`` (see the module docstring)."""
+    usage = data.get("usage") if isinstance(data, dict) else None
+    if not isinstance(usage, dict):
+        return False
+    details = usage.get("prompt_tokens_details")
+    details = dict(details) if isinstance(details, dict) else {}
+    decode_cached = details.get("cached_tokens")
+    if isinstance(decode_cached, int):
+        details["decode_cached_tokens"] = decode_cached
+    details["cached_tokens"] = prefill_cached
+    usage["prompt_tokens_details"] = details
+    return True
+
+
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
+
+
+class SSEUsageRewriter:
+    """Rewrites the ``usage`` of SSE events as they pass; everything else goes through unchanged.
+
+    Each complete event is emitted as soon as its end arrives, so the stream keeps its pace.
+    """
+
+    def __init__(self, prefill_cached: int) -> None:
+        self.prefill_cached = prefill_cached
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        self._buf += chunk
+        out: list[bytes] = []
+        while True:
+            m = _EVENT_END.search(self._buf)
+            if m is None:
+                break
+            out.append(self._event(self._buf[:m.start()]) + self._buf[m.start():m.end()])
+            self._buf = self._buf[m.end():]
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        rest, self._buf = self._buf, b""
+        return self._event(rest) if rest.strip() else rest
+
+    def _event(self, event: bytes) -> bytes:
+        if b'"usage"' not in event:
+            return event
+        lines = event.splitlines()
+        for i, line in enumerate(lines):
+            if not line.startswith(b"data:"):
+                continue
+            try:
+                data = json.loads(line[5:].strip())
+            except ValueError:
+                return event
+            if not merge_usage(data, self.prefill_cached):
+                return event
+            lines[i] = b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+            return b"\n".join(lines)
+        return event
+
+
+def sse_error_event(message: str, status: int = 502) -> bytes:
+    err = {"error": {"message": message, "type": "proxy_error", "param": None, "code": status}}
+    return b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------- streaming
+
+class UpstreamStream(Response):
+    """Passes an upstream stream to the client chunk by chunk.
+
+    It always watches for the client disconnecting (whatever the ASGI server's spec version)
+    and then stops at once: the upstream response is closed, which closes its connection, so
+    the instance sees the disconnect and aborts the request. ``on_close`` runs exactly once
+    when the stream ends, however it ends.
+    """
+
+    def __init__(self, upstream: httpx.Response, on_close: Callable[[], None],
+                 on_error: Callable[[str], None], rewriter: SSEUsageRewriter | None,
+                 headers: Mapping[str, str]) -> None:
+        self.upstream = upstream
+        self.on_close = on_close
+        self.on_error = on_error
+        self.rewriter = rewriter
+        self.status_code = upstream.status_code
+        self.media_type = upstream.headers.get("content-type")
+        self.background = None
+        self.init_headers(dict(headers))
+        self.is_sse = (self.media_type or "").startswith("text/event-stream")
+
+    async def _pump(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        try:
+            async for chunk in self.upstream.aiter_bytes():
+                out = self.rewriter.feed(chunk) if self.rewriter else chunk
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+            tail = self.rewriter.flush() if self.rewriter else b""
+        except httpx.HTTPError as exc:  # the instance died or stalled mid-stream
+            reason = f"stream broken: {type(exc).__name__}: {exc}"
+            self.on_error(reason)
+            logger.warning("decode stream from %s ended early: %s", self.upstream.url, reason)
+            tail = (self.rewriter.flush() if self.rewriter else b"") + (sse_error_event(reason) if self.is_sse else b"")
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def pump() -> None:
+                    try:
+                        await self._pump(send)
+                    except OSError:  # the client went away (ASGI spec >= 2.4 servers)
+                        pass
+                    tg.cancel_scope.cancel()
+
+                async def watch() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    logger.info("client disconnected; closing the stream from %s", self.upstream.url)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(pump)
+                tg.start_soon(watch)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.upstream.aclose()
+            self.on_close()
+
+
+# ---------------------------------------------------------------------------- forwarding
+
+class Forwarder:
+    def __init__(self, registry: Registry, client: httpx.AsyncClient, config: ProxyConfig) -> None:
+        self.registry = registry
+        self.client = client
+        self.config = config
+
+    async def _attempts(self, role: Role, send: Callable[[Instance], Awaitable[httpx.Response]],
+                        tokens: int) -> tuple[Instance, httpx.Response, Lease]:
+        """Send to the least-loaded instance of ``role``, retrying elsewhere on failure.
+
+        Returns an answer below 500 with the lease still held; the caller releases it (and
+        closes the answer, if it is a stream).
+        """
+        tried: list[Instance] = []
+        failure: UpstreamFailed | None = None
+        for attempt in range(self.config.max_retries + 1):
+            inst = self.registry.pick(role, exclude=tried)
+            if inst is None:
+                raise UpstreamFailed(503, f"no {role.value} instance is configured")
+            if attempt:
+                logger.info("retrying on %s instance %s (retry %d of %d)", role.value, inst.key, attempt,
+                            self.config.max_retries)
+            tried.append(inst)
+            lease = self.registry.lease(inst, tokens)
+            try:
+                resp = await send(inst)
+            except httpx.TimeoutException as exc:
+                lease.release()
+                reason = f"{type(exc).__name__} after {self.config.timeout:g}s" if not isinstance(
+                    exc, httpx.ConnectTimeout) else f"ConnectTimeout after {self.config.connect_timeout:g}s"
+                failure = UpstreamFailed(504, f"{role.value} instance {inst.key}: {reason}")
+            except httpx.HTTPError as exc:
+                lease.release()
+                reason = f"{type(exc).__name__}: {exc}".rstrip(": ")
+                failure = UpstreamFailed(502, f"{role.value} instance {inst.key}: {reason}")
+            except BaseException:
+                lease.release()
+                raise
+            else:
+                if resp.status_code < 500:
+                    if not inst.healthy:
+                        self.registry.mark_up(inst)
+                    return inst, resp, lease
+                try:
+                    await resp.aread()
+                except httpx.HTTPError:
+                    pass
+                finally:
+                    await resp.aclose()
+                    lease.release()
+                reason = f"HTTP {resp.status_code}"
+                failure = UpstreamFailed(resp.status_code, f"{role.value} instance {inst.key}: {reason}", resp)
+            self.registry.mark_down(inst, reason)
+            logger.warning("%s attempt %d on %s failed: %s", role.value, attempt + 1, inst.key, reason)
+            if attempt < self.config.max_retries and self.config.retry_delay > 0:
+                await asyncio.sleep(self.config.retry_delay)
+        assert failure is not None
+        raise failure
+
+    def _headers(self, incoming: Mapping[str, str], request_id: str) -> dict[str, str]:
+        headers = {"x-request-id": request_id}
+        if "authorization" in incoming:
+            headers["authorization"] = incoming["authorization"]
+        return headers
+
+    async def completion(self, path: str, body: dict[str, Any], incoming: Mapping[str, str]) -> Response:
+        """One ``/v1/completions`` or ``/v1/chat/completions`` request, prefill then decode."""
+        request_id = incoming.get("x-request-id") or uuid.uuid4().hex
+        headers = self._headers(incoming, request_id)
+        n_prompt = prompt_tokens(body)
+
+        # Prefill: a whole (non-streaming) answer, lease released as soon as it is in.
+        pbody = prefill_payload(body)
+
+        async def send_prefill(inst: Instance) -> httpx.Response:
+            return await self.client.post(inst.base_url + path, json=pbody, headers=headers)
+
+        try:
+            pinst, presp, p_lease = await self._attempts(Role.PREFILL, send_prefill, n_prompt)
+        except UpstreamFailed as exc:
+            return exc.response()
+        p_lease.release()
+        out_headers = {"x-request-id": request_id, HEADER_PREFILLER: pinst.key}
+        if presp.status_code != 200:
+            return passthrough(presp, out_headers)  # 4xx: the request is wrong; no decode
+        try:
+            pdata = presp.json()
+        except ValueError:
+            return error_response(502, f"prefill instance {pinst.key} answered with a body that is not JSON",
+                                  "bad_gateway")
+        kv_params = pdata.get("kv_transfer_params") if isinstance(pdata, dict) else None
+        prefill_cached = cached_tokens(pdata)
+        if prefill_cached is not None:
+            out_headers[HEADER_PREFILL_CACHED] = str(prefill_cached)
+
+        # Decode: the original request (plus the prefill's kv_transfer_params).
+        dbody = decode_payload(body, kv_params)
+        stream = bool(body.get("stream"))
+        dtokens = n_prompt + output_tokens(body)
+
+        async def send_decode(inst: Instance) -> httpx.Response:
+            req = self.client.build_request("POST", inst.base_url + path, json=dbody, headers=headers)
+            return await self.client.send(req, stream=stream)
+
+        try:
+            dinst, dresp, dlease = await self._attempts(Role.DECODE, send_decode, dtokens)
+        except UpstreamFailed as exc:
+            return exc.response()
+        out_headers[HEADER_DECODER] = dinst.key
+        if not stream:
+            dlease.release()
+            if dresp.status_code == 200 and prefill_cached is not None:
+                try:
+                    ddata = dresp.json()
+                except ValueError:
+                    ddata = None
+                if merge_usage(ddata, prefill_cached):
+                    return JSONResponse(ddata, headers=out_headers)
+            return passthrough(dresp, out_headers)
+
+        if dresp.status_code != 200:  # 4xx: passed back as it is
+            try:
+                await dresp.aread()
+            except httpx.HTTPError as exc:
+                return error_response(502, f"decode instance {dinst.key}: {type(exc).__name__}", "bad_gateway")
+            finally:
+                await dresp.aclose()
+                dlease.release()
+            return passthrough(dresp, out_headers)
+        ctype = dresp.headers.get("content-type", "")
+        rewriter = (SSEUsageRewriter(prefill_cached)
+                    if prefill_cached is not None and ctype.startswith("text/event-stream") else None)
+        return UpstreamStream(dresp, on_close=dlease.release,
+                              on_error=lambda reason: self.registry.mark_down(dinst, reason),
+                              rewriter=rewriter, headers=out_headers)
+
+    async def get(self, role: Role, path: str, incoming: Mapping[str, str]) -> Response:
+        """A GET (``/v1/models``) answered by one instance of ``role``, with retries."""
+        headers = self._headers(incoming, incoming.get("x-request-id") or uuid.uuid4().hex)
+
+        async def send(inst: Instance) -> httpx.Response:
+            return await self.client.get(inst.base_url + path, headers=headers)
+
+        try:
+            _, resp, lease = await self._attempts(role, send, 0)
+        except UpstreamFailed as exc:
+            return exc.response()
+        lease.release()
+        return passthrough(resp)

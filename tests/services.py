@@ -1,0 +1,290 @@
+"""Launchers for the real services the distributed backends talk to, for tests and benchmarks.
+
+Every service binds 127.0.0.1 on free ports, logs into a work directory and is stopped by
+`stop()` (also at interpreter exit, should a test forget). A missing binary or package raises
+`ServiceError` with the install command: the tests turn that into a failure, never a skip.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HOST = "127.0.0.1"
+_LIVE: list["Service"] = []
+
+
+class ServiceError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports (held open together, so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((HOST, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def port_open(port: int, host: str = HOST, timeout: float = 0.2) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def tail(path: str | Path, n: int = 3000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:]
+    except OSError as exc:
+        return f"(no log: {exc})"
+
+
+def which(binary: str, install: str) -> str:
+    """The path of `binary` (the virtualenv's bin first), or ServiceError saying how to install it."""
+    here = Path(sys.executable).parent / binary
+    if here.exists():
+        return str(here)
+    found = shutil.which(binary)
+    if not found:
+        raise ServiceError(f"{binary} not found on PATH; install it: {install}")
+    return found
+
+
+class Service:
+    """One subprocess with a log file; `stop()` sends SIGTERM, then SIGKILL after a grace period."""
+
+    name = "service"
+
+    def __init__(self, workdir: str | Path) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen | None = None
+        self.log = self.workdir / f"{self.name}.log"
+
+    def _spawn(self, argv: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None) -> None:
+        self.argv = argv
+        self.proc = subprocess.Popen(
+            argv, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=env, cwd=cwd or self.workdir, start_new_session=True,
+        )
+        _LIVE.append(self)
+
+    def _wait_port(self, port: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not port_open(port):
+            if self.proc is not None and self.proc.poll() is not None:
+                raise ServiceError(f"{self.name} exited with {self.proc.returncode}: {self.argv}\n{tail(self.log)}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServiceError(f"{self.name} did not listen on {HOST}:{port} within {timeout} s\n{tail(self.log)}")
+            time.sleep(0.02)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace: float = 5.0) -> None:
+        proc, self.proc = self.proc, None
+        if self in _LIVE:
+            _LIVE.remove(self)
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def kill(self) -> None:
+        """Stop abruptly (SIGKILL), as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for s in list(_LIVE):
+        try:
+            s.stop(grace=2.0)
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+
+
+# ---- Redis ---------------------------------------------------------------------------------------
+
+
+class RedisService(Service):
+    """`redis-server` (Debian package redis-server) on a free loopback port, no persistence.
+
+    `capacity` (bytes) sets `maxmemory` to Redis' start-up footprint plus `capacity`, with
+    `allkeys-lru` eviction, so a pool of `capacity` bytes of values behaves like one.
+    """
+
+    name = "redis"
+
+    def __init__(self, workdir: str | Path, capacity: int | None = None, policy: str = "allkeys-lru") -> None:
+        super().__init__(workdir)
+        binary = which("redis-server", "apt-get install -y redis-server")
+        self.port = free_port()
+        self._spawn([
+            binary, "--bind", HOST, "--port", str(self.port), "--save", "", "--appendonly", "no",
+            "--dir", str(self.workdir), "--protected-mode", "yes", "--maxmemory-policy", policy,
+            "--maxmemory-samples", "10", "--daemonize", "no", "--loglevel", "warning",
+        ])
+        self._wait_port(self.port, 10)
+        if capacity is not None:
+            import redis
+
+            r = redis.Redis(host=HOST, port=self.port)
+            try:
+                startup = int(r.info("memory")["used_memory_startup"])
+                r.config_set("maxmemory", startup + capacity)
+            finally:
+                r.close()
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}/0"
+
+
+# ---- Mooncake ------------------------------------------------------------------------------------
+
+
+def mooncake_master_binary() -> str:
+    """`mooncake_master`, shipped by the mooncake-transfer-engine(-non-cuda) wheel."""
+    try:
+        import mooncake
+    except ImportError as exc:
+        raise ServiceError(f"mooncake is not installed: pip install mooncake-transfer-engine-non-cuda ({exc})") from None
+    pkg = Path(mooncake.__file__).parent / "mooncake_master"
+    if pkg.exists():
+        return str(pkg)
+    return which("mooncake_master", "pip install mooncake-transfer-engine-non-cuda")
+
+
+class MooncakeMaster(Service):
+    """`mooncake_master` with the spec's eviction and lease flags, bound to 127.0.0.1."""
+
+    name = "mooncake_master"
+
+    def __init__(self, workdir: str | Path, lease_ttl_ms: int = 11000, extra: list[str] | None = None) -> None:
+        super().__init__(workdir)
+        self.port, self.metrics_port = free_ports(2)
+        self.lease_ttl_ms = lease_ttl_ms
+        self._spawn([
+            mooncake_master_binary(),
+            "--port", str(self.port), "--rpc_address", HOST,
+            "--metrics_host", HOST, "--metrics_port", str(self.metrics_port),
+            "--eviction_high_watermark_ratio", "0.9", "--eviction_ratio", "0.1",
+            "--default_kv_lease_ttl", str(lease_ttl_ms),
+            *(extra or []),
+        ])
+        self._wait_port(self.port, 20)
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    def write_config(self, path: str | Path, global_segment_size: int | str, local_buffer_size: int | str = "16MB",
+                     **fields: object) -> str:
+        """A mooncake.json in the spec's format, for a client of this master over TCP."""
+        cfg = {
+            "metadata_server": "P2PHANDSHAKE",
+            "protocol": "tcp",
+            "device_name": "",
+            "master_server_address": self.address,
+            "global_segment_size": global_segment_size,
+            "local_buffer_size": local_buffer_size,
+            "preferred_segment": False,
+            "prefer_alloc_in_same_node": True,
+            **fields,
+        }
+        Path(path).write_text(json.dumps(cfg, indent=2))
+        return str(path)
+
+
+# ---- openYuanrong datasystem ----------------------------------------------------------------------
+
+
+def dscli_binary() -> str:
+    return which("dscli", "pip install openyuanrong-datasystem")
+
+
+class YuanrongWorker(Service):
+    """A datasystem worker with its own metastore (no etcd), started and stopped with `dscli`."""
+
+    name = "yuanrong"
+
+    def __init__(self, workdir: str | Path, shared_memory_mb: int = 512, timeout: float = 60) -> None:
+        super().__init__(workdir)
+        self.port, self.meta_port = free_ports(2)
+        self.log_dir = self.workdir / "worker-logs"
+        self.log_dir.mkdir(exist_ok=True)
+        argv = [
+            dscli_binary(), "start", "-w",
+            "--worker_address", self.address,
+            "--metastore_address", f"{HOST}:{self.meta_port}",
+            "--start_metastore_service", "true",
+            "--shared_memory_size_mb", str(shared_memory_mb),
+            "--log_dir", str(self.log_dir),
+        ]
+        self.argv = argv
+        res = subprocess.run(argv, cwd=self.workdir, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, timeout=timeout)
+        _LIVE.append(self)
+        if res.returncode != 0 or not port_open(self.port):
+            self.stop()
+            raise ServiceError(f"dscli start exited with {res.returncode}: {argv}\n{tail(self.log)}\n"
+                               f"{self.worker_log_tail()}")
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    def worker_log_tail(self) -> str:
+        logs = sorted(self.log_dir.rglob("*.INFO*")) + sorted(self.log_dir.rglob("*.log"))
+        return "".join(f"--- {p}\n{tail(p, 1500)}" for p in logs[:3])
+
+    def alive(self) -> bool:
+        return self in _LIVE and port_open(self.port)
+
+    def stop(self, grace: float = 30.0) -> None:
+        if self not in _LIVE:
+            return
+        _LIVE.remove(self)
+        subprocess.run([dscli_binary(), "stop", "--worker_address", self.address], cwd=self.workdir,
+                       stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, timeout=grace, check=False)
+
+    def kill(self) -> None:
+        self.stop()
