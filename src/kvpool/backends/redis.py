@@ -107,7 +107,8 @@ class RedisBackend(Backend):
             health_check_interval=30,
         )
         self._ttl_ms = int(config.redis_ttl_s * 1000) or None
-        self._capacity: int | None = None
+        self._capacity: int | None = None  # largest value Redis can take (None: no maxmemory)
+        self._round_bytes = config.redis_chunk_size  # payload bytes per pipeline (see _rounds)
         self._capacity_at = 0.0
         self._stats = {"puts": 0, "put_bytes": 0, "gets": 0, "get_bytes": 0, "misses": 0, "failures": 0}
         try:
@@ -128,13 +129,31 @@ class RedisBackend(Backend):
             info = self.r.info("memory")
         except self._redis.ResponseError:  # INFO disabled (some managed services): no client-side check
             self._capacity = None
+            self._round_bytes = self.config.redis_chunk_size
             return
         maxmemory = int(info.get("maxmemory", 0) or 0)
         startup = int(info.get("used_memory_startup", 0) or 0)
         # Redis holds a value twice while it is written (the client's query buffer, then the
         # object), and both count against maxmemory: a value above half of the memory left after
         # start-up makes Redis evict everything and then fail with OOM (seen with Redis 7.0).
-        self._capacity = max(maxmemory - startup, 0) // 2 if maxmemory else None
+        memory = max(maxmemory - startup, 0)
+        self._capacity = memory // 2 if maxmemory else None
+        # Query and reply buffers count against maxmemory too: a pipeline carrying more than a
+        # small share of it makes Redis evict stored objects to buffer the batch.
+        self._round_bytes = min(self.config.redis_chunk_size, max(memory // 16, 64 << 10)) if maxmemory else (
+            self.config.redis_chunk_size)
+
+    def _rounds(self, sizes: list[int]) -> list[tuple[int, int]]:
+        """Split a batch into [start, end) runs of at most `_round_bytes` payload (one key at least)."""
+        runs, start, acc = [], 0, 0
+        for i, n in enumerate(sizes):
+            if i > start and acc + n > self._round_bytes:
+                runs.append((start, i))
+                start, acc = i, 0
+            acc += n
+        if start < len(sizes):
+            runs.append((start, len(sizes)))
+        return runs
 
     def _code_of(self, exc: BaseException) -> int:
         redis = self._redis
@@ -178,6 +197,12 @@ class RedisBackend(Backend):
             self._refresh_capacity()
         except self._redis.RedisError as exc:
             return [self._failed(exc, "put")] * len(keys)
+        codes: list[int] = []
+        for a, z in self._rounds([_total(v) for v in values]):
+            codes.extend(self._put_round(keys[a:z], values[a:z]))
+        return codes
+
+    def _put_round(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
         codes = [OK] * len(keys)
         chunk = self.config.redis_chunk_size
         px = self._ttl_ms
@@ -255,8 +280,12 @@ class RedisBackend(Backend):
     def batch_get_into(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} buffer lists")
-        if not keys:
-            return []
+        codes: list[int] = []
+        for a, z in self._rounds([_total(v) for v in values]):
+            codes.extend(self._get_round(keys[a:z], values[a:z]))
+        return codes
+
+    def _get_round(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
         try:
             pipe = self.r.pipeline(transaction=False)
             for k in keys:

@@ -1,0 +1,94 @@
+"""Fixtures for the proxy tests: test peers (stand-in vLLM instances) and the real proxy, in-process.
+
+The proxy under test is `kvpool.proxy.app.create_app` served by uvicorn on a free 127.0.0.1
+port, exactly as `kvpool proxy` serves it; the clients are plain httpx over TCP.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from proxy_peers import Peer, PeerBehavior, ServerThread
+
+from kvpool.proxy.app import create_app
+from kvpool.proxy.config import Endpoint, ProxyConfig
+
+# Fast settings for tests: short probe interval and retry delay, bounded waits.
+TEST_DEFAULTS: dict[str, Any] = dict(max_retries=2, retry_delay=0.01, health_interval=0.2,
+                                     connect_timeout=2.0, timeout=10.0, log_level="WARNING")
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.01)
+
+
+class ProxyHandle:
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.app = create_app(config)
+        self.server = ServerThread(self.app, config.port).start()
+        self.url = self.server.url
+        self.client = httpx.Client(base_url=self.url, timeout=10.0, trust_env=False)
+
+    @property
+    def state(self) -> Any:
+        return self.app.state.proxy
+
+    def post(self, path: str, body: dict[str, Any], **kw: Any) -> httpx.Response:
+        return self.client.post(path, json=body, **kw)
+
+    def instances(self) -> dict[str, dict[str, Any]]:
+        """GET /instances, keyed by "prefill:PORT" / "decode:PORT"."""
+        snap = self.client.get("/instances").json()
+        return {f"{i['type']}:{i['port']}": i for role in snap.values() for i in role}
+
+    def stop(self) -> None:
+        self.client.close()
+        self.server.stop()
+
+
+def _endpoints(items: list[Peer | int]) -> tuple[Endpoint, ...]:
+    return tuple(Endpoint("127.0.0.1", p.port if isinstance(p, Peer) else p) for p in items)
+
+
+@pytest.fixture
+def make_peer() -> Iterator[Callable[..., Peer]]:
+    peers: list[Peer] = []
+
+    def factory(name: str, port: int = 0, **behavior: Any) -> Peer:
+        peer = Peer(name, PeerBehavior(**behavior), port=port).start()
+        peers.append(peer)
+        return peer
+
+    yield factory
+    for peer in peers:
+        if peer.behavior.gate is not None:
+            peer.behavior.gate.set()
+        for gate in peer.behavior.chunk_gates or []:
+            gate.set()
+        peer.stop()
+
+
+@pytest.fixture
+def start_proxy() -> Iterator[Callable[..., ProxyHandle]]:
+    proxies: list[ProxyHandle] = []
+
+    def factory(prefill: list[Peer | int], decode: list[Peer | int], **overrides: Any) -> ProxyHandle:
+        settings = {**TEST_DEFAULTS, **overrides}
+        config = ProxyConfig(host="127.0.0.1", port=0, prefillers=_endpoints(prefill),
+                             decoders=_endpoints(decode), **settings)
+        handle = ProxyHandle(config)
+        proxies.append(handle)
+        return handle
+
+    yield factory
+    for handle in proxies:
+        handle.stop()
