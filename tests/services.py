@@ -153,10 +153,11 @@ class RedisService(Service):
 
     name = "redis"
 
-    def __init__(self, workdir: str | Path, capacity: int | None = None, policy: str = "allkeys-lru") -> None:
+    def __init__(self, workdir: str | Path, capacity: int | None = None, policy: str = "allkeys-lru",
+                 port: int | None = None) -> None:
         super().__init__(workdir)
         binary = which("redis-server", "apt-get install -y redis-server")
-        self.port = free_port()
+        self.port = port or free_port()
         self._spawn([
             binary, "--bind", HOST, "--port", str(self.port), "--save", "", "--appendonly", "no",
             "--dir", str(self.workdir), "--protected-mode", "yes", "--maxmemory-policy", policy,

@@ -30,9 +30,9 @@ import pytest
 from kvpool.backends import Backend, create_backend
 from kvpool.config import load_config
 
-BACKENDS = ["local", "server", "redis"]
+BACKENDS = ["local", "server", "redis", "mooncake"]
 # Backends whose pool several processes (each with its own client) share.
-MULTIPROCESS_BACKENDS = ["server", "redis"]
+MULTIPROCESS_BACKENDS = ["server", "redis", "mooncake"]
 
 SERVER_MODULE = "kvpool.store.server"
 
@@ -51,6 +51,12 @@ class BackendFactory:
     leases_pin = True
     # Eviction is exact LRU: the least recently used objects go first, strictly.
     exact_lru = True
+    # The smallest pool the store can make (Mooncake: 16MB segments). Tests size their values
+    # from `capacity(wanted)`, the capacity they really get.
+    min_capacity = 0
+
+    def capacity(self, wanted: int) -> int:
+        return max(wanted, self.min_capacity)
 
     def __init__(self, workdir: str) -> None:
         self.workdir = workdir
@@ -225,8 +231,69 @@ class RedisFactory(BackendFactory):
             self._services.clear()
 
 
+class MooncakeFactory(BackendFactory):
+    """A real `mooncake_master` per pool, started with the spec's flags (eviction 0.9/0.1, lease
+    11 s) on 127.0.0.1. The first client mounts the pool's whole capacity as its segment; every
+    further client (`connect`, worker processes) mounts none, so the capacity is exact and the
+    objects outlive those clients (Mooncake drops a client's segment, and what it holds, when the
+    client closes)."""
+
+    name = "mooncake"
+    min_capacity = 16 << 20
+
+    def __init__(self, workdir: str) -> None:
+        super().__init__(workdir)
+        self._masters: list = []
+        self._clients: dict[int, str] = {}
+
+    def __call__(self, capacity_bytes: int) -> Backend:
+        from services import MooncakeMaster, ServiceError
+
+        n = len(self._masters)
+        try:
+            master = MooncakeMaster(os.path.join(self.workdir, f"master{n}"))
+        except ServiceError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        self._masters.append(master)
+        holder = master.write_config(os.path.join(self.workdir, f"holder{n}.json"), self.capacity(capacity_bytes))
+        client = master.write_config(os.path.join(self.workdir, f"client{n}.json"), 0)
+        backend = create_backend(load_config({"backend": "mooncake", "mooncake_config_path": holder}),
+                                 self._client_name())
+        self._clients[id(backend)] = client
+        return self._track(backend)
+
+    def client_config(self, backend: Backend) -> dict[str, Any]:
+        return {"backend": "mooncake", "mooncake_config_path": self._clients[id(backend)]}
+
+    def connect(self, backend: Backend) -> Backend:
+        other = super().connect(backend)
+        self._clients[id(other)] = self._clients[id(backend)]
+        return other
+
+    def close(self) -> None:
+        try:
+            _close_in_parallel(self._backends)  # Mooncake's close() takes ~1 s each
+            self._backends.clear()
+        finally:
+            for master in self._masters:
+                master.stop()
+            self._masters.clear()
+
+
+def _close_in_parallel(backends: list[Backend]) -> None:
+    import concurrent.futures
+
+    if not backends:
+        return
+    with concurrent.futures.ThreadPoolExecutor(len(backends)) as pool:
+        errors = [f.exception() for f in [pool.submit(b.close) for b in backends]]
+    errors = [repr(e) for e in errors if e is not None]
+    if errors:
+        raise AssertionError("; ".join(errors))
+
+
 _FACTORIES: dict[str, type[BackendFactory]] = {
-    "local": LocalFactory, "server": ServerFactory, "redis": RedisFactory,
+    "local": LocalFactory, "server": ServerFactory, "redis": RedisFactory, "mooncake": MooncakeFactory,
 }
 
 

@@ -6,7 +6,6 @@ port, exactly as `kvpool proxy` serves it; the clients are plain httpx over TCP.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,14 +19,6 @@ from kvpool.proxy.config import Endpoint, ProxyConfig
 # Fast settings for tests: short probe interval and retry delay, bounded waits.
 TEST_DEFAULTS: dict[str, Any] = dict(max_retries=2, retry_delay=0.01, health_interval=0.2,
                                      connect_timeout=2.0, timeout=10.0, log_level="WARNING")
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
 
 
 class ProxyHandle:
@@ -74,6 +65,8 @@ def make_peer() -> Iterator[Callable[..., Peer]]:
             peer.behavior.gate.set()
         for gate in peer.behavior.chunk_gates or []:
             gate.set()
+        peer.server.request_stop()
+    for peer in peers:
         peer.stop()
 
 
@@ -90,5 +83,8 @@ def start_proxy() -> Iterator[Callable[..., ProxyHandle]]:
         return handle
 
     yield factory
+    for handle in proxies:
+        handle.client.close()
+        handle.server.request_stop()
     for handle in proxies:
         handle.stop()

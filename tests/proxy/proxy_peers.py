@@ -33,6 +33,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for(cond: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.01)
+
+
 class ServerThread:
     """An ASGI app served by uvicorn in a daemon thread on 127.0.0.1."""
 
@@ -58,11 +66,12 @@ class ServerThread:
             time.sleep(0.005)
         return self
 
-    def stop(self) -> None:
-        if not self.thread.is_alive():
-            self.sock.close()
-            return
+    def request_stop(self) -> None:
         self.server.should_exit = True
+
+    def stop(self) -> None:
+        """Stop and wait; several servers stop faster with request_stop() on all, then stop()."""
+        self.request_stop()
         self.thread.join(3)
         if self.thread.is_alive():
             self.server.force_exit = True
@@ -84,6 +93,7 @@ class PeerBehavior:
     chunk_gates: list[threading.Event] | None = None  # chunk i+1 is sent only after chunk_gates[i] is set
     endless: bool = False  # stream a chunk every 20 ms until the client goes away
     reject_prompt: str | None = None  # answer 400 to this prompt
+    crash_after: int | None = None  # the stream breaks off (connection dropped) after this many chunks
 
 
 @dataclasses.dataclass
@@ -211,6 +221,8 @@ class Peer:
                 yield self._chunk(body, chat, f"{self.name}-chunk{i} ", "length" if last else None)
                 if last:
                     break
+                if b.crash_after is not None and i + 1 >= b.crash_after:
+                    raise RuntimeError(f"{self.name} crashes mid-stream (a test peer's planned failure)")
                 if b.endless:
                     await asyncio.sleep(0.02)
                 elif b.chunk_gates is not None:

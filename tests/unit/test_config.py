@@ -14,11 +14,13 @@ import pytest
 
 from kvpool.config import (
     _LOCAL_KEYS,
+    _REDIS_KEYS,
     _TOP_KEYS,
     BACKENDS,
     IMPLEMENTED_BACKENDS,
     KVPoolConfig,
     LocalBackendConfig,
+    RedisBackendConfig,
     load_config,
     parse_size,
 )
@@ -139,14 +141,29 @@ def full_extra(ssd: str) -> dict:
         "ssd_quota": "10GB",
         "ssd_eviction_policy": "fifo",
         "server_socket": "/tmp/kvpool-test.sock",
+        "redis_url": "redis://10.0.0.5:6380/2",
+        "redis_ttl_s": "3600",
+        "redis_chunk_size": "32MB",
+        "redis_timeout_s": "2.5",
+        **backend_files(ssd),
     }
+
+
+def backend_files(directory: str) -> dict:
+    """The backend-file keys, naming files that exist (their content is read by the backends)."""
+    out = {}
+    for key in ("mooncake_config_path", "yuanrong_config_path", "mmc_local_config_path"):
+        path = os.path.join(directory, key + ".conf")
+        Path(path).write_text("{}")
+        out[key] = path
+    return out
 
 
 def test_every_key_parses_from_strings(tmp_path):
     ssd = real_dir(tmp_path)
     extra = full_extra(ssd)
     # The test covers every key config.py accepts: a new key must be added here (and documented).
-    assert set(extra) == _TOP_KEYS | _LOCAL_KEYS
+    assert set(extra) == _TOP_KEYS | _LOCAL_KEYS | _REDIS_KEYS
     cfg = load_config(extra, "kv_consumer")
     assert cfg == KVPoolConfig(
         kv_role="kv_consumer",
@@ -172,6 +189,12 @@ def test_every_key_parses_from_strings(tmp_path):
             ssd_eviction_policy="fifo",
         ),
         server_socket="/tmp/kvpool-test.sock",
+        redis=RedisBackendConfig(
+            redis_url="redis://10.0.0.5:6380/2", redis_ttl_s=3600.0, redis_chunk_size=32 << 20, redis_timeout_s=2.5
+        ),
+        mooncake_config_path=os.path.join(ssd, "mooncake_config_path.conf"),
+        yuanrong_config_path=os.path.join(ssd, "yuanrong_config_path.conf"),
+        mmc_local_config_path=os.path.join(ssd, "mmc_local_config_path.conf"),
     )
 
 
@@ -184,6 +207,8 @@ def test_native_json_types_parse_the_same(tmp_path):
         "local_cpu_size": 4 * GiB, "eviction_high_watermark_ratio": 0.8, "eviction_ratio": 0.25,
         "default_kv_lease_ttl_ms": 5000, "ssd_offload_path": ssd, "ssd_quota": 10 * GiB,
         "ssd_eviction_policy": "fifo", "server_socket": "/tmp/kvpool-test.sock",
+        "redis_url": "redis://10.0.0.5:6380/2", "redis_ttl_s": 3600, "redis_chunk_size": 32 << 20,
+        "redis_timeout_s": 2.5, **backend_files(ssd),
     }
     assert load_config(native, "kv_consumer") == load_config(full_extra(ssd), "kv_consumer")
 
@@ -262,17 +287,55 @@ def test_unknown_backend():
     assert_config_error({"backend": "foo"}, "backend", "foo", "one of local, server, mooncake, yuanrong, memcache, redis")
 
 
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if b not in IMPLEMENTED_BACKENDS])
-def test_backend_not_shipped_yet(backend):
-    # The spec's default (`mooncake`) is a known name, so the error says it is not shipped rather
-    # than that it does not exist.
-    assert_config_error({"backend": backend}, "backend", backend, "a backend this kvpool release ships: local")
+def test_every_known_backend_ships():
+    # The spec's default (`mooncake`) and every other name in BACKENDS has an adapter.
+    assert IMPLEMENTED_BACKENDS == BACKENDS
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backend_name_parses(backend):
+    assert load_config({"backend": backend}).backend == backend
+
+
+def test_redis_defaults():
+    cfg = load_config({"backend": "redis"}).redis
+    assert cfg == RedisBackendConfig(redis_url="redis://127.0.0.1:6379/0", redis_ttl_s=0.0,
+                                     redis_chunk_size=64 << 20, redis_timeout_s=5.0)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("redis_url", "http://host:6379", "a URL redis://"),
+        ("redis_url", "127.0.0.1:6379", "a URL redis://"),
+        ("redis_url", 6379, "a URL redis://"),
+        ("redis_chunk_size", "600MB", "from 1MB to 512MB"),
+        ("redis_chunk_size", "512KB", "from 1MB to 512MB"),
+        ("redis_chunk_size", "lots", "non-negative byte count"),
+        ("redis_ttl_s", "-1", "a number of seconds >= 0"),
+        ("redis_timeout_s", "0", "a number of seconds > 0"),
+        ("redis_timeout_s", "soon", "a number of seconds > 0"),
+    ],
+)
+def test_bad_redis_values(key, value, expected):
+    assert_config_error({"backend": "redis", key: value}, key, value, expected)
+
+
+@pytest.mark.parametrize("key", ["mooncake_config_path", "yuanrong_config_path", "mmc_local_config_path"])
+def test_backend_file_paths(key, tmp_path):
+    assert_config_error({key: "mooncake.json"}, key, "mooncake.json", "an absolute path of an existing file")
+    missing = str(tmp_path / "missing.json")
+    assert_config_error({key: missing}, key, missing, "an existing file")
+    assert_config_error({key: str(tmp_path)}, key, str(tmp_path), "an existing file")
+    f = tmp_path / "ok.json"
+    f.write_text("{}")
+    assert getattr(load_config({key: str(f)}), key) == str(f)
 
 
 def test_unknown_key_lists_the_known_ones():
     err = assert_config_error({"backend": "local", "local_cpu_sise": "1GB"}, "local_cpu_sise", "1GB",
                               "a known kv_connector_extra_config key")
-    for key in _TOP_KEYS | _LOCAL_KEYS:
+    for key in _TOP_KEYS | _LOCAL_KEYS | _REDIS_KEYS:
         assert key in err.expected
 
 
@@ -495,7 +558,7 @@ def test_kv_consumer_ignores_producer_is_to_load():
 
 def test_every_accepted_key_is_documented():
     doc = (REPO / "docs" / "configuration.md").read_text()
-    missing = [k for k in sorted(_TOP_KEYS | _LOCAL_KEYS | {"mooncake_rpc_port", "default_kv_lease_ttl"})
+    missing = [k for k in sorted(_TOP_KEYS | _LOCAL_KEYS | _REDIS_KEYS | {"mooncake_rpc_port", "default_kv_lease_ttl"})
                if f"`{k}`" not in doc]
     assert not missing, f"docs/configuration.md does not document: {missing}"
 

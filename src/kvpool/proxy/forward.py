@@ -85,7 +85,8 @@ class UpstreamFailed(Exception):
     def response(self) -> Response:
         if self.upstream is not None:
             return passthrough(self.upstream)
-        return error_response(self.status, self.message, "upstream_timeout" if self.status == 504 else "bad_gateway")
+        kind = {503: "service_unavailable", 504: "upstream_timeout"}.get(self.status, "bad_gateway")
+        return error_response(self.status, self.message, kind)
 
 
 def passthrough(resp: httpx.Response, headers: Mapping[str, str] | None = None) -> Response:

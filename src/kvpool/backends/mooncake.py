@@ -1,0 +1,560 @@
+"""`backend: mooncake` — Mooncake Store (`mooncake_master` + `MooncakeDistributedStore`).
+
+Configured as in the spec: `MOONCAKE_CONFIG_PATH` (or `mooncake_config_path` in
+`kv_connector_extra_config`) names a mooncake.json with `metadata_server`, `protocol`,
+`device_name`, `master_server_address`, `global_segment_size`, `local_buffer_size`,
+`preferred_segment`, `prefer_alloc_in_same_node`, `enable_ssd_offload`, `ssd_offload_path`
+(and optionally `local_hostname`); `MOONCAKE_MASTER` and `MOONCAKE_GLOBAL_SEGMENT_SIZE` beat the
+file. With `ASCEND_ENABLE_USE_FABRIC_MEM=1` every fabric-memory size must be a multiple of 1GB.
+`load_mooncake_config` checks all of it without importing Mooncake (`kvpool doctor` uses it).
+
+Data path: zero-copy batch calls (`batch_put_from_multi_buffers`,
+`batch_get_into_multi_buffers`) straight between the caller's buffers and the store's segments;
+with the TCP transport Mooncake copies from any memory, with RDMA/Ascend the buffers are
+registered (`register_buffer`) the first time they are seen. A get first asks the master for
+the replicas (`batch_get_replica_desc`, one RPC that also grants the lease) so a destination of
+the wrong size is refused (INVALID_PARAMS) before a byte is written.
+
+Mooncake facts this adapter works around (measured with mooncake-transfer-engine 0.3.13):
+- `setup()` blocks ~90 s when the master is not there: the master's port is probed first (1 s
+  timeout) and, while it does not answer, calls fail fast and setup is retried at most every
+  `_RETRY_S` seconds. A master that goes away is seen by `health_check()` (a local flag), so
+  calls fail fast (misses, RPC_FAIL) instead of each waiting ~4 s for an RPC timeout; the client
+  re-mounts its segment by itself when a master is back.
+- Objects of size 0 are refused by the master: an empty value is stored as a 1-byte marker
+  object under `KEY#kvpool-empty`.
+- Eviction runs on a master thread every few ms, after a put found no room: a put that failed
+  with NO_AVAILABLE_HANDLE is retried briefly so eviction can make room, as the pool engine does
+  synchronously.
+- `batch_is_exist` grants a lease like a read: every lookup leases its hits.
+- Objects live in the segment of the client that holds them: they vanish when that client
+  (vLLM worker) stops. A client with `global_segment_size` 0 only reads and writes others'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvpool.backends.base import Backend, Buffers
+from kvpool.config import KVPoolConfig, parse_size
+from kvpool.errors import ConfigError, ErrorCode
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+MiB = 1 << 20
+# Mooncake's own defaults (vLLM's MooncakeStoreConnector uses the same segment size).
+DEFAULT_GLOBAL_SEGMENT_SIZE = 3355443200
+# Only Mooncake's copying calls use the local buffer; kvpool's zero-copy calls do not.
+DEFAULT_LOCAL_BUFFER_SIZE = 16 * MiB
+# Measured: setup() fails ("Total size must be at least 16777216") below this.
+MIN_SEGMENT_SIZE = 16 * MiB
+# MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES when unset (per the spec).
+DEFAULT_OFFLOAD_BUFFER = 1342177280
+PROTOCOLS = ("tcp", "rdma", "ascend", "nvlink", "efa", "cxl")
+KNOWN_FIELDS = (
+    "local_hostname", "metadata_server", "protocol", "device_name", "master_server_address",
+    "global_segment_size", "local_buffer_size", "preferred_segment", "prefer_alloc_in_same_node",
+    "enable_ssd_offload", "ssd_offload_path",
+)
+EMPTY_SUFFIX = "#kvpool-empty"
+
+OK = int(ErrorCode.OK)
+NOT_FOUND = int(ErrorCode.OBJECT_NOT_FOUND)
+INVALID = int(ErrorCode.INVALID_PARAMS)
+NO_HANDLE = int(ErrorCode.NO_AVAILABLE_HANDLE)
+RPC_FAIL = int(ErrorCode.RPC_FAIL)
+INTERNAL = int(ErrorCode.INTERNAL_ERROR)
+_OURS = {int(c) for c in ErrorCode}
+# Mooncake codes with no twin in ours.
+_MAP = {
+    -703: NOT_FOUND,  # REPLICA_IS_NOT_READY: still being written, not readable yet
+    -705: OK,  # OBJECT_ALREADY_EXISTS: a put of an existing key is a no-op
+    -800: RPC_FAIL,  # TRANSFER_FAIL
+    -1010: RPC_FAIL,  # ETCD_OPERATION_ERROR and friends: metadata service trouble
+}
+_RETRY_S = 5.0
+# A put refused for room is retried after these pauses (the master evicts every ~10 ms).
+_NO_ROOM_BACKOFF_S = (0.01, 0.02, 0.04)
+
+
+def map_code(rc: int) -> int:
+    """A Mooncake result (negative code, or bytes transferred) -> one of kvpool's codes."""
+    if rc >= 0:
+        return OK
+    if rc in _MAP:
+        return _MAP[rc]
+    return rc if rc in _OURS else INTERNAL
+
+
+# ---- configuration -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MooncakeConfig:
+    """mooncake.json after the environment's overrides, validated."""
+
+    path: str | None
+    master_server_address: str
+    local_hostname: str = "127.0.0.1"
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: str = "tcp"
+    device_name: str = ""
+    global_segment_size: int = DEFAULT_GLOBAL_SEGMENT_SIZE
+    local_buffer_size: int = DEFAULT_LOCAL_BUFFER_SIZE
+    preferred_segment: bool = False
+    prefer_alloc_in_same_node: bool = True
+    enable_ssd_offload: bool = False
+    ssd_offload_path: str | None = None
+    fabric_mem: bool = False
+    # Fields of the file kvpool does not use (other tools' settings): reported, not fatal.
+    ignored_fields: tuple[str, ...] = ()
+    # Where each effective value came from, e.g. {"master_server_address": "MOONCAKE_MASTER"}.
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _bool_field(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ConfigError(key, value, "true or false (in mooncake.json)")
+
+
+def parse_host_port(key: str, value: Any) -> tuple[str, int]:
+    """"host:port" (IPv6 as "[::1]:port") -> (host, port)."""
+    expected = 'host:port of the service, e.g. "127.0.0.1:50088"'
+    if not isinstance(value, str) or ":" not in value:
+        raise ConfigError(key, value, expected)
+    host, _, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(key, value, expected)
+    return host, int(port)
+
+
+def _default_local_hostname(master_host: str) -> str:
+    """The local address that routes to the master (127.0.0.1 for a master on this host)."""
+    try:
+        if master_host in ("localhost",) or master_host.startswith("127."):
+            return "127.0.0.1"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master_host, 9))  # UDP: no packet is sent
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def load_mooncake_config(path: str | None = None, env: Mapping[str, str] | None = None) -> MooncakeConfig:
+    """Read mooncake.json (`path`, else $MOONCAKE_CONFIG_PATH), apply the environment, validate.
+
+    Raises ConfigError naming the field (or environment variable), the value and what is expected.
+    """
+    env = os.environ if env is None else env
+    sources: dict[str, str] = {}
+    if path is None:
+        path = env.get("MOONCAKE_CONFIG_PATH") or None
+        where = "MOONCAKE_CONFIG_PATH"
+    else:
+        where = "mooncake_config_path"
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(where, path, f"a readable mooncake.json (JSON object): {exc}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(where, path, "a mooncake.json holding a JSON object")
+        sources.update({k: path for k in raw})
+    elif not env.get("MOONCAKE_MASTER"):
+        raise ConfigError(
+            "MOONCAKE_CONFIG_PATH", None,
+            "the path of mooncake.json (export MOONCAKE_CONFIG_PATH=/path/mooncake.json, or set "
+            "mooncake_config_path in kv_connector_extra_config); with no file, MOONCAKE_MASTER at least",
+        )
+
+    master = raw.get("master_server_address")
+    if env.get("MOONCAKE_MASTER"):
+        master, sources["master_server_address"] = env["MOONCAKE_MASTER"], "MOONCAKE_MASTER"
+    master_key = sources.get("master_server_address", "master_server_address")
+    if master_key != "MOONCAKE_MASTER":
+        master_key = "master_server_address"
+    if master is None:
+        raise ConfigError("master_server_address", None,
+                          'the master\'s host:port in mooncake.json (or MOONCAKE_MASTER), e.g. "127.0.0.1:50088"')
+    master_host, _ = parse_host_port(master_key, master)
+
+    protocol = raw.get("protocol", "tcp")
+    if not isinstance(protocol, str) or protocol.strip().lower() not in PROTOCOLS:
+        raise ConfigError("protocol", protocol, f"one of {', '.join(PROTOCOLS)} (tcp on hosts without RDMA/NPU)")
+    protocol = protocol.strip().lower()
+
+    seg_key, seg_value = "global_segment_size", raw.get("global_segment_size", DEFAULT_GLOBAL_SEGMENT_SIZE)
+    if env.get("MOONCAKE_GLOBAL_SEGMENT_SIZE"):
+        seg_key, seg_value = "MOONCAKE_GLOBAL_SEGMENT_SIZE", env["MOONCAKE_GLOBAL_SEGMENT_SIZE"]
+        sources["global_segment_size"] = "MOONCAKE_GLOBAL_SEGMENT_SIZE"
+    segment = parse_size(seg_key, seg_value)
+    if 0 < segment < MIN_SEGMENT_SIZE:
+        raise ConfigError(seg_key, seg_value,
+                          "0 (this client stores nothing itself) or at least 16MB: Mooncake refuses smaller segments")
+    local_buffer = parse_size("local_buffer_size", raw.get("local_buffer_size", DEFAULT_LOCAL_BUFFER_SIZE))
+
+    fabric = _truthy(env.get("ASCEND_ENABLE_USE_FABRIC_MEM"))
+    enable_ssd = _bool_field("enable_ssd_offload", raw.get("enable_ssd_offload", False))
+    ssd_path = raw.get("ssd_offload_path")
+    if enable_ssd:
+        if ssd_path is None:
+            raise ConfigError("ssd_offload_path", None,
+                              "an existing absolute directory, required when enable_ssd_offload is true")
+        from kvpool.store.disk import validate_offload_path
+
+        validate_offload_path(ssd_path)
+    offload_buffer = env.get("MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES")
+    if offload_buffer is not None and not offload_buffer.strip().isdigit():
+        raise ConfigError("MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES", offload_buffer,
+                          "a byte count written as digits, e.g. 1073741824: Mooncake ignores '10G'/'10GB' and "
+                          "silently falls back to 1280MB")
+    if fabric:
+        if segment % GiB:
+            raise ConfigError(seg_key, seg_value,
+                              "a multiple of 1GB (1073741824 bytes), e.g. \"1GB\" or \"20GB\", required when "
+                              "ASCEND_ENABLE_USE_FABRIC_MEM=1 (Mooncake does not round up; adxl MallocMem fails)")
+        if enable_ssd:
+            n = int(offload_buffer) if offload_buffer is not None else DEFAULT_OFFLOAD_BUFFER
+            if n % GiB:
+                raise ConfigError(
+                    "MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES", offload_buffer,
+                    f"a multiple of 1GB when ASCEND_ENABLE_USE_FABRIC_MEM=1 and enable_ssd_offload is true "
+                    f"(unset means {DEFAULT_OFFLOAD_BUFFER}, 1280MB, which is not); e.g. 1073741824",
+                )
+        local_buffer = 0  # unused with fabric memory: vLLM-Ascend passes 0 to setup()
+
+    for key in ("metadata_server", "device_name", "local_hostname"):
+        if key in raw and not isinstance(raw[key], str):
+            raise ConfigError(key, raw[key], "a string (in mooncake.json)")
+    metadata = raw.get("metadata_server", "P2PHANDSHAKE")
+    if not metadata:
+        raise ConfigError("metadata_server", metadata, '"P2PHANDSHAKE" or the URL of a metadata server')
+    return MooncakeConfig(
+        path=path,
+        master_server_address=master,
+        local_hostname=raw.get("local_hostname") or _default_local_hostname(master_host),
+        metadata_server=metadata,
+        protocol=protocol,
+        device_name=raw.get("device_name", ""),
+        global_segment_size=segment,
+        local_buffer_size=local_buffer,
+        preferred_segment=_bool_field("preferred_segment", raw.get("preferred_segment", False)),
+        prefer_alloc_in_same_node=_bool_field("prefer_alloc_in_same_node", raw.get("prefer_alloc_in_same_node", True)),
+        enable_ssd_offload=enable_ssd,
+        ssd_offload_path=ssd_path if enable_ssd else None,
+        fabric_mem=fabric,
+        ignored_fields=tuple(sorted(k for k in raw if k not in KNOWN_FIELDS)),
+        sources=sources,
+    )
+
+
+def probe(host: str, port: int, timeout: float = 1.0) -> str | None:
+    """None if a TCP connection to host:port succeeds within `timeout`, else why not."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+# ---- backend -------------------------------------------------------------------------------------
+
+
+def _import_store() -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+    except ImportError as exc:
+        raise ConfigError(
+            "backend", "mooncake",
+            "Mooncake installed: pip install 'kvpool[mooncake]' (CPU: mooncake-transfer-engine-non-cuda; CUDA: "
+            f"mooncake-transfer-engine), and on Debian apt-get install libibverbs1 ({exc})",
+        ) from exc
+    return MooncakeDistributedStore, ReplicateConfig
+
+
+def _spans(bufs: Buffers) -> tuple[list[int], list[int], int]:
+    """Non-empty buffers of one value -> (pointers, sizes, total)."""
+    ptrs, sizes = [], []
+    for b in bufs:
+        n = int(b.nbytes)
+        if n:
+            if not b.flags.c_contiguous:
+                raise ValueError("kvpool buffers must be contiguous")
+            ptrs.append(int(b.ctypes.data))
+            sizes.append(n)
+    return ptrs, sizes, sum(sizes)
+
+
+class MooncakeBackend(Backend):
+    """One `MooncakeDistributedStore` client per process (vLLM worker)."""
+
+    name = "mooncake"
+    shared_across_processes = True
+
+    @classmethod
+    def from_config(cls, config: KVPoolConfig, client_name: str) -> "MooncakeBackend":
+        return cls(load_mooncake_config(config.mooncake_config_path), client_name)
+
+    def __init__(self, config: MooncakeConfig, client_name: str) -> None:
+        self._Store, self._ReplicateConfig = _import_store()
+        self.config = config
+        self.client_name = client_name
+        self._master = parse_host_port("master_server_address", config.master_server_address)
+        self._lock = threading.Lock()
+        self.store: Any = None
+        self._next_try = 0.0
+        self._registered: set[tuple[int, int]] = set()
+        self._marker = np.zeros(1, dtype=np.uint8)  # the byte of an empty value's marker object
+        self._stats = {"puts": 0, "put_bytes": 0, "gets": 0, "get_bytes": 0, "misses": 0, "failures": 0,
+                       "setup_failures": 0}
+        self._ssd_path = None
+        if config.enable_ssd_offload and config.ssd_offload_path:
+            # One directory per process (the spec's rank_N/): ranks never share files.
+            self._ssd_path = os.path.join(config.ssd_offload_path, client_name)
+            os.makedirs(self._ssd_path, exist_ok=True)
+        if not self._connect():
+            logger.warning(
+                "kvpool mooncake: master %s is not reachable yet; lookups miss and loads/saves fail until it is "
+                "(retried every %.0f s)", config.master_server_address, _RETRY_S,
+            )
+
+    # ---- connection ---------------------------------------------------------------------------
+
+    def _connect(self) -> bool:
+        """Set the store up if the master answers; False (and retry later) otherwise."""
+        why = probe(*self._master)
+        if why is not None:
+            self._next_try = time.monotonic() + _RETRY_S
+            self._stats["setup_failures"] += 1
+            logger.debug("kvpool mooncake: master %s: %s", self.config.master_server_address, why)
+            return False
+        cfg = self.config
+        store = self._Store()
+        setup: dict[str, Any] = {
+            "local_hostname": cfg.local_hostname,
+            "metadata_server": cfg.metadata_server,
+            "global_segment_size": cfg.global_segment_size,
+            "local_buffer_size": cfg.local_buffer_size,
+            "protocol": cfg.protocol,
+            "rdma_devices": cfg.device_name,
+            "master_server_addr": cfg.master_server_address,
+        }
+        if self._ssd_path:
+            setup.update(enable_ssd_offload=True, ssd_offload_path=self._ssd_path)
+        rc = store.setup(setup)
+        if rc != 0:
+            self._next_try = time.monotonic() + _RETRY_S
+            self._stats["setup_failures"] += 1
+            logger.error("kvpool mooncake: setup(%s) failed with %s (%s)", setup, rc, _name(rc))
+            try:
+                store.close()
+            except Exception:  # noqa: BLE001
+                pass
+            return False
+        rep = self._ReplicateConfig()
+        rep.replica_num = 1
+        rep.prefer_alloc_in_same_node = cfg.prefer_alloc_in_same_node
+        if cfg.preferred_segment and cfg.global_segment_size:
+            rep.preferred_segment = store.get_hostname()
+        self._replicate = rep
+        self.store = store
+        return True
+
+    def _ready(self) -> bool:
+        """Whether calls can go to the master now (fast: a local flag)."""
+        if self.store is None:
+            with self._lock:
+                if self.store is None and time.monotonic() >= self._next_try:
+                    self._connect()
+            if self.store is None:
+                return False
+        return self.store.health_check() == 0
+
+    def _register(self, ptrs: list[int], sizes: list[int]) -> None:
+        # TCP copies from any memory; RDMA/Ascend need registered memory.
+        if self.config.protocol == "tcp":
+            return
+        for p, n in zip(ptrs, sizes):
+            if (p, n) not in self._registered:
+                rc = self.store.register_buffer(p, n)
+                if rc != 0:
+                    logger.warning("kvpool mooncake: register_buffer(%#x, %d) failed with %s", p, n, rc)
+                self._registered.add((p, n))
+
+    # ---- protocol -----------------------------------------------------------------------------
+
+    def batch_exists(self, keys: Sequence[str], lease: bool = False) -> list[bool]:
+        # Mooncake leases every hit of batch_is_exist, with or without `lease`.
+        if not keys:
+            return []
+        if not self._ready():
+            return [False] * len(keys)
+        n = len(keys)
+        res = self.store.batch_is_exist(list(keys) + [k + EMPTY_SUFFIX for k in keys])
+        if any(r < 0 for r in res[:n]):
+            self._stats["failures"] += 1
+        return [res[i] == 1 or res[n + i] == 1 for i in range(n)]
+
+    def batch_put(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        if not keys:
+            return []
+        if not self._ready():
+            return [RPC_FAIL] * len(keys)
+        codes = [OK] * len(keys)
+        # First writer wins across both forms of a key (value, or empty marker).
+        present = self.batch_exists(keys)
+        todo: dict[str, int] = {}  # store key -> index (the first of duplicates wins)
+        spans: dict[str, tuple[list[int], list[int]]] = {}
+        for i, (key, bufs) in enumerate(zip(keys, values)):
+            if present[i]:
+                continue
+            ptrs, sizes, total = _spans(bufs)
+            skey = key if total else key + EMPTY_SUFFIX
+            if skey in todo or (key in todo) or (key + EMPTY_SUFFIX in todo):
+                continue  # the same key twice in one batch: the first value wins, both OK
+            if not total:
+                ptrs, sizes = [int(self._marker.ctypes.data)], [1]
+            todo[skey] = i
+            spans[skey] = (ptrs, sizes)
+        pending = list(todo)
+        for pause in (*_NO_ROOM_BACKOFF_S, None):
+            if not pending:
+                break
+            ptrs = [spans[k][0] for k in pending]
+            sizes = [spans[k][1] for k in pending]
+            for p, s in zip(ptrs, sizes):
+                self._register(p, s)
+            res = self.store.batch_put_from_multi_buffers(pending, ptrs, sizes, self._replicate)
+            retry = []
+            for skey, rc in zip(pending, res):
+                code = map_code(rc)
+                if code == NO_HANDLE and pause is not None:
+                    retry.append(skey)
+                    continue
+                codes[todo[skey]] = code
+                if code == OK:
+                    self._stats["puts"] += 1
+                    self._stats["put_bytes"] += sum(spans[skey][1])
+                else:
+                    self._stats["failures"] += 1
+                    if code != NO_HANDLE:
+                        logger.warning("kvpool mooncake: put %r failed with %s (%s)", skey, rc, _name(rc))
+            pending = retry
+            if pending and pause is not None:
+                time.sleep(pause)
+        return codes
+
+    def batch_get_into(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} buffer lists")
+        if not keys:
+            return []
+        if not self._ready():
+            return [RPC_FAIL] * len(keys)
+        codes = [NOT_FOUND] * len(keys)
+        want = [_spans(v) for v in values]
+        # Sizes (and leases) of every key, in both forms, in one RPC.
+        names = list(dict.fromkeys([*keys, *(k + EMPTY_SUFFIX for k in keys)]))
+        try:
+            desc = self.store.batch_get_replica_desc(names)
+        except Exception as exc:  # noqa: BLE001 - a binding error must not take vLLM down
+            logger.warning("kvpool mooncake: batch_get_replica_desc failed: %r", exc)
+            return [RPC_FAIL] * len(keys)
+        fetch: list[int] = []
+        for i, key in enumerate(keys):
+            total = want[i][2]
+            size = _object_size(desc.get(key))
+            if size is not None:
+                if size != total:
+                    codes[i] = INVALID
+                else:
+                    fetch.append(i)
+            elif key + EMPTY_SUFFIX in desc:
+                codes[i] = OK if total == 0 else INVALID
+        fetch = [i for i in fetch if want[i][2]]
+        if fetch:
+            ptrs = [want[i][0] for i in fetch]
+            sizes = [want[i][1] for i in fetch]
+            for p, s in zip(ptrs, sizes):
+                self._register(p, s)
+            res = self.store.batch_get_into_multi_buffers([keys[i] for i in fetch], ptrs, sizes)
+            for i, rc in zip(fetch, res):
+                if rc >= 0 and rc != want[i][2]:
+                    codes[i] = INVALID  # cannot happen after the size check; never call it OK
+                    logger.error("kvpool mooncake: get %r returned %d bytes, expected %d", keys[i], rc, want[i][2])
+                else:
+                    codes[i] = map_code(rc)
+                if codes[i] == OK:
+                    self._stats["gets"] += 1
+                    self._stats["get_bytes"] += want[i][2]
+                elif codes[i] != NOT_FOUND:
+                    # LEASE_EXPIRED and transfer failures: a load error for vLLM, never a crash.
+                    self._stats["failures"] += 1
+                    logger.warning("kvpool mooncake: get %r failed with %s (%s)", keys[i], rc, _name(rc))
+        self._stats["misses"] += sum(1 for c in codes if c == NOT_FOUND)
+        return codes
+
+    def stats(self) -> dict[str, float]:
+        return dict(self._stats)
+
+    def close(self) -> None:
+        store, self.store = self.store, None
+        self._next_try = float("inf")  # never reconnect after close
+        if store is None:
+            return
+        for p, n in self._registered:
+            try:
+                store.unregister_buffer(p)
+            except Exception:  # noqa: BLE001
+                pass
+        self._registered.clear()
+        store.close()
+
+
+def _object_size(replicas: Any) -> int | None:
+    """The object's size from its replica descriptors (None: not stored)."""
+    if not replicas:
+        return None
+    for r in replicas:
+        try:
+            if r.is_memory_replica():
+                return int(r.get_memory_descriptor().buffer_descriptor.size)
+            d = r.get_disk_descriptor()
+            for attr in ("object_size", "file_size", "size"):
+                if hasattr(d, attr):
+                    return int(getattr(d, attr))
+        except Exception:  # noqa: BLE001 - unknown descriptor kinds
+            continue
+    return None
+
+
+def _name(rc: int) -> str:
+    try:
+        return ErrorCode(rc).name
+    except ValueError:
+        return {-703: "REPLICA_IS_NOT_READY", -705: "OBJECT_ALREADY_EXISTS", -800: "TRANSFER_FAIL"}.get(rc, "UNKNOWN")

@@ -1,0 +1,171 @@
+"""`backend: redis` beyond the conformance suite: chunked values, TTL, a server that goes away,
+Redis' own OOM refusal, keys that are not kvpool objects. Against a real redis-server."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvpool.backends import create_backend
+from kvpool.config import load_config
+from kvpool.errors import ErrorCode
+from services import RedisService, ServiceError
+
+MiB = 1 << 20
+OK, NOT_FOUND, NO_HANDLE = ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND, ErrorCode.NO_AVAILABLE_HANDLE
+
+
+@pytest.fixture
+def redis_service(tmp_path):
+    try:
+        svc = RedisService(tmp_path / "redis")
+    except ServiceError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    yield svc
+    svc.stop()
+
+
+def backend(url: str, **extra):
+    return create_backend(load_config({"backend": "redis", "redis_url": url, **extra}), "test-redis")
+
+
+def raw(svc):
+    import redis
+
+    return redis.Redis(host="127.0.0.1", port=svc.port)
+
+
+def data(n: int, seed: int = 0) -> np.ndarray:
+    return np.frombuffer(np.random.default_rng(seed).bytes(n), dtype=np.uint8)
+
+
+def test_values_above_the_chunk_size_are_chunked_and_read_back(redis_service):
+    b = backend(redis_service.url, redis_chunk_size="1MB")
+    big = data(2 * MiB + 12345)
+    segs = [big[:100], big[100 : MiB + 7], big[MiB + 7 :]]
+    assert b.batch_put(["big", "small"], [segs, [big[:10]]]) == [OK, OK]
+    keys = sorted(k.decode() for k in raw(redis_service).keys("*"))
+    assert len(keys) == 5, keys  # header + 3 chunks + small
+    assert sum(k.startswith("big#chunk:") for k in keys) == 3
+    out = [np.empty(big.size, np.uint8)]
+    assert b.batch_get_into(["big"], [out]) == [OK]
+    assert np.array_equal(out[0], big)
+    # A second put of the key is an OK no-op and leaves no stray chunks behind.
+    assert b.batch_put(["big"], [[data(3 * MiB, 1)]]) == [OK]
+    assert len(raw(redis_service).keys("big#chunk:*")) == 3
+    out = [np.empty(MiB, np.uint8), np.empty(big.size - MiB, np.uint8)]
+    assert b.batch_get_into(["big"], [out]) == [OK]
+    assert np.array_equal(np.concatenate(out), big)
+    b.close()
+
+
+def test_concurrent_writers_of_one_chunked_key(redis_service):
+    vals = [data(3 * MiB + 1, seed) for seed in range(4)]
+    backends = [backend(redis_service.url, redis_chunk_size="1MB") for _ in vals]
+    codes: list = [None] * len(vals)
+    start = threading.Barrier(len(vals))
+
+    def put(i: int) -> None:
+        start.wait()
+        codes[i] = backends[i].batch_put(["race"], [[vals[i]]])
+
+    threads = [threading.Thread(target=put, args=(i,)) for i in range(len(vals))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert codes == [[OK]] * len(vals)
+    out = [np.empty(vals[0].size, np.uint8)]
+    assert backends[0].batch_get_into(["race"], [out]) == [OK]
+    assert any(np.array_equal(out[0], v) for v in vals), "the bytes are a mix of writers"
+    assert len(raw(redis_service).keys("race#chunk:*")) == 4  # only the winner's chunks remain
+    for b in backends:
+        b.close()
+
+
+def test_a_chunk_evicted_alone_makes_the_object_a_miss(redis_service):
+    b = backend(redis_service.url, redis_chunk_size="1MB")
+    assert b.batch_put(["torn"], [[data(2 * MiB + 1)]]) == [OK]
+    r = raw(redis_service)
+    r.delete(sorted(r.keys("torn#chunk:*"))[1])
+    dest = [np.full(2 * MiB + 1, 0xA5, np.uint8)]
+    assert b.batch_get_into(["torn"], [dest]) == [NOT_FOUND]
+    assert (dest[0] == 0xA5).all(), "a torn object wrote into the destination"
+    assert b.batch_exists(["torn"]) == [False], "the orphan header was not dropped"
+    assert b.batch_put(["torn"], [[data(2 * MiB + 1)]]) == [OK]  # can be stored again
+    assert b.batch_get_into(["torn"], [[np.empty(2 * MiB + 1, np.uint8)]]) == [OK]
+    b.close()
+
+
+def test_ttl(redis_service):
+    b = backend(redis_service.url, redis_ttl_s="0.3", redis_chunk_size="1MB")
+    assert b.batch_put(["t", "tc"], [[data(100)], [data(MiB + 1)]]) == [OK, OK]
+    r = raw(redis_service)
+    assert 0 < r.pttl("t") <= 300
+    assert all(r.pttl(k) > 300 for k in r.keys("tc#chunk:*"))  # chunks outlive their header
+    time.sleep(0.45)
+    assert b.batch_exists(["t", "tc"]) == [False, False]
+    b.close()
+
+
+def test_server_down_is_misses_and_rpc_fail_then_recovers(tmp_path):
+    svc = RedisService(tmp_path / "r1")
+    port = svc.port
+    b = backend(svc.url, redis_timeout_s="1")
+    assert b.batch_put(["k"], [[data(1000)]]) == [OK]
+    svc.stop()
+    t0 = time.monotonic()
+    assert b.batch_exists(["k", "j"], lease=True) == [False, False]
+    assert b.batch_put(["x"], [[data(10)]]) == [ErrorCode.RPC_FAIL]
+    dest = [np.full(1000, 0xA5, np.uint8)]
+    assert b.batch_get_into(["k"], [dest]) == [ErrorCode.RPC_FAIL]
+    assert (dest[0] == 0xA5).all()
+    assert time.monotonic() - t0 < 5, "calls to a dead server must not hang"
+    svc = RedisService(tmp_path / "r2", port=port)  # a fresh (empty) server on the same port
+    try:
+        assert b.batch_exists(["k"]) == [False]
+        assert b.batch_put(["k"], [[data(1000)]]) == [OK]
+        assert b.batch_get_into(["k"], [[np.empty(1000, np.uint8)]]) == [OK]
+    finally:
+        b.close()
+        svc.stop()
+
+
+def test_unreachable_at_start_is_not_fatal(tmp_path):
+    from services import free_port
+
+    b = backend(f"redis://127.0.0.1:{free_port()}/0", redis_timeout_s="0.5")
+    assert b.batch_exists(["a"]) == [False]
+    assert b.batch_put(["a"], [[data(10)]]) == [ErrorCode.RPC_FAIL]
+    b.close()
+
+
+def test_noeviction_oom_is_no_available_handle(tmp_path):
+    svc = RedisService(tmp_path / "r", capacity=2 * MiB, policy="noeviction")
+    try:
+        b = backend(svc.url)
+        codes = []
+        for i in range(40):
+            codes += b.batch_put([f"f{i}"], [[data(128 << 10, i)]])
+            if codes[-1] != OK:
+                break
+        assert codes[-1] == NO_HANDLE and set(codes[:-1]) == {OK}, codes
+        stored = [f"f{i}" for i in range(len(codes) - 1)]
+        dests = [[np.empty(128 << 10, np.uint8)] for _ in stored]
+        assert b.batch_get_into(stored, dests) == [OK] * len(stored)
+        assert all(np.array_equal(d[0], data(128 << 10, i)) for i, d in enumerate(dests))
+        b.close()
+    finally:
+        svc.stop()
+
+
+def test_foreign_key_is_an_error_not_data(redis_service):
+    raw(redis_service).set("foreign", b"not a kvpool object at all")
+    b = backend(redis_service.url)
+    dest = [np.full(10, 0xA5, np.uint8)]
+    assert b.batch_get_into(["foreign"], [dest]) == [ErrorCode.INTERNAL_ERROR]
+    assert (dest[0] == 0xA5).all()
+    b.close()

@@ -1,0 +1,54 @@
+"""The commands themselves, as a user runs them: `kvpool proxy` and `python -m kvpool.proxy`."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+from proxy_peers import free_port
+
+
+def test_python_m_kvpool_proxy_rejects_mismatched_lists_with_a_clear_message():
+    out = subprocess.run([sys.executable, "-m", "kvpool.proxy", "--prefiller-hosts", "h1", "h2",
+                          "--prefiller-ports", "8100", "8101", "8102", "--decoder-hosts", "h",
+                          "--decoder-ports", "8200"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("kvpool proxy: error: --prefiller-hosts/--prefiller-ports: give one host per "
+                                  "port, or a single host for all the ports (got 2 hosts and 3 ports)")
+
+
+def test_kvpool_proxy_serves_with_the_spec_arguments(make_peer):
+    p, d = make_peer("P", cached_tokens=3), make_peer("D")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvpool.cli", "proxy", "--host", "localhost", "--port", str(port),
+         "--prefiller-hosts", "localhost", "--prefiller-ports", str(p.port),
+         "--decoder-hosts", "localhost", "--decoder-ports", str(d.port), "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=10) as client:
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    if client.get("/healthcheck").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not come up"
+                time.sleep(0.05)
+            resp = client.post("/v1/completions", json={
+                "model": "m", "prompt": "Hello. I have a question. The president of the United States is",
+                "max_completion_tokens": 20, "temperature": 0.0})
+            assert resp.status_code == 200
+            assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 3
+        assert p.completions()[0].body["max_completion_tokens"] == 1
+        assert d.completions()[0].body["max_completion_tokens"] == 20
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=10)
+    # uvicorn shuts down gracefully on SIGTERM and then re-raises it, so -SIGTERM is a clean exit.
+    assert proc.returncode in (0, -signal.SIGTERM), out
+    assert "Traceback" not in out, out

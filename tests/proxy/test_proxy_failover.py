@@ -1,0 +1,214 @@
+"""Load balancing, failures, health, timeouts, client disconnects and instance add/remove."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+from proxy_peers import free_port, wait_for
+
+BODY = {"model": "test-model", "prompt": "a shared prefix and a question", "max_tokens": 8}
+
+
+def _count(peers) -> list[int]:
+    return [len(p.completions()) for p in peers]
+
+
+def test_concurrent_requests_spread_over_the_least_loaded_instances(make_peer, start_proxy):
+    gate_p, gate_d = threading.Event(), threading.Event()
+    p1, p2 = make_peer("P1", gate=gate_p), make_peer("P2", gate=gate_p)
+    d1, d2 = make_peer("D1", gate=gate_d), make_peer("D2", gate=gate_d)
+    proxy = start_proxy([p1, p2], [d1, d2])
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(proxy.post, "/v1/completions", BODY) for _ in range(6)]
+        wait_for(lambda: sum(_count([p1, p2])) == 6, what="6 prefills in flight")
+        assert _count([p1, p2]) == [3, 3]  # in flight: 3 and 3, never 4 and 2
+        inst = proxy.instances()
+        assert inst[f"prefill:{p1.port}"]["in_flight"] == 3 and inst[f"prefill:{p2.port}"]["in_flight"] == 3
+        gate_p.set()
+        wait_for(lambda: sum(_count([d1, d2])) == 6, what="6 decodes in flight")
+        assert _count([d1, d2]) == [3, 3]
+        gate_d.set()
+        assert all(f.result().status_code == 200 for f in futures)
+    assert all(i["in_flight"] == 0 and i["token_load"] == 0 for i in proxy.instances().values())
+
+
+def test_a_busy_instance_gets_no_new_requests_until_it_is_free(make_peer, start_proxy):
+    """Least-loaded, not round-robin: P1 holds one request, so the next five all go to P2."""
+    gate = threading.Event()
+    p1, p2 = make_peer("P1", gate=gate), make_peer("P2")
+    d = make_peer("D")
+    proxy = start_proxy([p1, p2], [d])
+    with ThreadPoolExecutor(6) as pool:
+        held = pool.submit(proxy.post, "/v1/completions", BODY)
+        wait_for(lambda: len(p1.completions()) == 1, what="P1 holding a request")
+        for _ in range(5):
+            assert proxy.post("/v1/completions", BODY).status_code == 200
+        assert _count([p1, p2]) == [1, 5]
+        gate.set()
+        assert held.result().status_code == 200
+
+
+def test_connection_refused_is_retried_on_another_prefiller_which_takes_over(make_peer, start_proxy):
+    port = free_port()  # a prefiller that is down: nothing listens there
+    p_dead = make_peer("P-dead", port=port)
+    p_up, d = make_peer("P-up"), make_peer("D")
+    # A long probe interval so that requests, not the probe, find the dead instance.
+    proxy = start_proxy([p_dead, p_up], [d], health_interval=300, max_retries=1)
+    wait_for(lambda: p_dead.health_probes >= 1, what="the start-up probe")
+    p_dead.stop()
+    for _ in range(4):
+        resp = proxy.post("/v1/completions", BODY)
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-kvpool-prefiller"] == f"127.0.0.1:{p_up.port}"
+    inst = proxy.instances()[f"prefill:{port}"]
+    assert inst["healthy"] is False and inst["failures"] == 1  # tried once, then out of rotation
+    assert "ConnectError" in inst["last_error"]
+    assert len(p_up.completions()) == 4 and len(d.completions()) == 4
+
+
+def test_a_down_instance_leaves_the_rotation_and_rejoins_when_healthy(make_peer, start_proxy):
+    port = free_port()
+    p_up, d = make_peer("P-up"), make_peer("D")
+    proxy = start_proxy([port, p_up], [d])  # the first prefiller is not started yet
+    wait_for(lambda: proxy.instances()[f"prefill:{port}"]["healthy"] is False, what="probe marks it down")
+    assert proxy.client.get("/healthcheck").json()["healthy_prefill_instances"] == 1
+    for _ in range(3):
+        assert proxy.post("/v1/completions", BODY).status_code == 200
+    assert proxy.instances()[f"prefill:{port}"]["requests"] == 0  # out of rotation: never tried
+    late = make_peer("P-late", port=port)  # it comes up
+    wait_for(lambda: proxy.instances()[f"prefill:{port}"]["healthy"] is True, what="probe re-admits it")
+    for _ in range(4):
+        assert proxy.post("/v1/completions", BODY).status_code == 200
+    assert len(late.completions()) == 2 and len(p_up.completions()) == 5  # back in the rotation
+
+
+def test_5xx_is_retried_elsewhere_and_when_all_fail_the_client_gets_the_error(make_peer, start_proxy):
+    p = make_peer("P")
+    d_bad, d_good = make_peer("D-bad", status=500), make_peer("D-good")
+    proxy = start_proxy([p], [d_bad, d_good], health_interval=300)
+    for _ in range(3):
+        resp = proxy.post("/v1/completions", BODY)
+        assert resp.status_code == 200 and resp.json()["choices"][0]["text"].startswith("D-good")
+    assert len(d_bad.completions()) == 1  # failed once, then out of rotation
+    assert proxy.instances()[f"decode:{d_bad.port}"]["last_error"] == "HTTP 500"
+
+    # One decoder, always failing: 1 attempt + max_retries, then its last answer goes back.
+    d_only = make_peer("D-only", status=503)
+    proxy = start_proxy([p], [d_only], max_retries=2)
+    resp = proxy.post("/v1/completions", BODY)
+    assert resp.status_code == 503 and "D-only fails with 503" in resp.json()["error"]["message"]
+    assert len(d_only.completions()) == 3
+
+
+def test_all_prefillers_down_gives_502_quickly(make_peer, start_proxy):
+    d = make_peer("D")
+    proxy = start_proxy([free_port(), free_port()], [d], max_retries=3)
+    t0 = time.monotonic()
+    resp = proxy.post("/v1/completions", BODY)
+    assert time.monotonic() - t0 < 3
+    assert resp.status_code == 502
+    err = resp.json()["error"]
+    assert err["type"] == "bad_gateway" and "prefill instance" in err["message"]
+    assert d.completions() == []
+
+
+def test_a_silent_instance_times_out_instead_of_hanging(make_peer, start_proxy):
+    p, d = make_peer("P", delay=30), make_peer("D")
+    proxy = start_proxy([p], [d], timeout=0.5, max_retries=1)
+    t0 = time.monotonic()
+    resp = proxy.post("/v1/completions", BODY)
+    assert time.monotonic() - t0 < 5
+    assert resp.status_code == 504 and resp.json()["error"]["type"] == "upstream_timeout"
+    assert len(p.completions()) == 2  # tried, timed out, retried, timed out
+
+
+def test_client_disconnect_mid_stream_closes_the_upstream_stream(make_peer, start_proxy):
+    p, d = make_peer("P"), make_peer("D", endless=True)
+    proxy = start_proxy([p], [d])
+    body = dict(BODY, stream=True)
+    with proxy.client.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        chunks = resp.iter_bytes()  # kept referenced: dropping it would close the connection already
+        assert b"D-chunk0" in next(chunks)
+        assert b"D-chunk1" in next(chunks)
+        assert proxy.instances()[f"decode:{d.port}"]["in_flight"] == 1
+    # Leaving the block closed the connection mid-stream: the decoder must see it.
+    assert d.disconnected.wait(5), "the decoder's stream was not cancelled"
+    assert d.finished_streams == 0
+    wait_for(lambda: proxy.instances()[f"decode:{d.port}"]["in_flight"] == 0, what="decode lease released")
+    assert proxy.instances()[f"decode:{d.port}"]["healthy"] is True  # a client leaving is not a failure
+
+
+def test_a_stream_that_breaks_off_ends_with_an_error_event(make_peer, start_proxy):
+    p, d = make_peer("P"), make_peer("D", stream_chunks=5, crash_after=2)
+    proxy = start_proxy([p], [d], health_interval=300)
+    with proxy.client.stream("POST", "/v1/completions", json=dict(BODY, stream=True)) as resp:
+        assert resp.status_code == 200  # already sent when the stream broke: it cannot change
+        events = [e for e in resp.read().decode().split("\n\n") if e]
+    # What the decoder sent before it broke off (the peer may lose its last write), then the error.
+    assert 1 <= len(events) - 2 <= 2 and all("D-chunk" in e for e in events[:-2])
+    error = json.loads(events[-2][len("data: "):])["error"]
+    assert error["type"] == "proxy_error" and "stream broken" in error["message"]
+    assert events[-1] == "data: [DONE]"
+    inst = proxy.instances()[f"decode:{d.port}"]
+    assert inst["healthy"] is False and inst["in_flight"] == 0  # out of rotation until a probe passes
+
+
+def test_client_disconnect_during_prefill_cancels_it(make_peer, start_proxy):
+    gate = threading.Event()  # the prefill never answers on its own
+    p, d = make_peer("P", gate=gate), make_peer("D")
+    proxy = start_proxy([p], [d])
+    try:
+        proxy.post("/v1/completions", BODY, timeout=httpx.Timeout(5, read=0.5))
+        raise AssertionError("the request should have timed out")
+    except httpx.ReadTimeout:
+        pass  # the client gives up and closes its connection
+    assert p.disconnected.wait(5), "the prefill request was not cancelled"
+    wait_for(lambda: proxy.instances()[f"prefill:{p.port}"]["in_flight"] == 0, what="prefill lease released")
+    assert d.completions() == []
+
+
+def test_instances_can_be_added_listed_and_removed(make_peer, start_proxy):
+    p1, d1 = make_peer("P1"), make_peer("D1")
+    p2, d2 = make_peer("P2"), make_peer("D2")
+    proxy = start_proxy([p1], [d1])
+    resp = proxy.post("/instances/add", {"type": "prefill", "host": "127.0.0.1", "port": p2.port})
+    assert resp.status_code == 200
+    assert resp.json()["added"][0]["healthy"] is True  # probed on the spot
+    resp = proxy.post("/instances/add", {"type": "decode", "instances": [f"127.0.0.1:{d2.port}"]})
+    assert resp.status_code == 200 and len(resp.json()["decode_instances"]) == 2
+    again = proxy.post("/instances/add", {"type": "decode", "host": "127.0.0.1", "port": d2.port})
+    assert again.json()["added"] == [] and again.json()["already_present"] == [f"127.0.0.1:{d2.port}"]
+    assert set(proxy.instances()) == {f"prefill:{p1.port}", f"prefill:{p2.port}",
+                                      f"decode:{d1.port}", f"decode:{d2.port}"}
+    for _ in range(4):
+        assert proxy.post("/v1/completions", BODY).status_code == 200
+    assert _count([p1, p2, d1, d2]) == [2, 2, 2, 2]
+
+    resp = proxy.post("/instances/remove", {"type": "prefill", "host": "127.0.0.1", "port": p1.port})
+    assert resp.status_code == 200 and resp.json()["removed"] == [f"127.0.0.1:{p1.port}"]
+    for _ in range(3):
+        assert proxy.post("/v1/completions", BODY).status_code == 200
+    assert _count([p1, p2]) == [2, 5]
+
+    # An instance that is not up yet is added out of rotation and joins when it answers /health.
+    port = free_port()
+    resp = proxy.post("/instances/add", {"type": "decoder", "host": "127.0.0.1", "port": port})
+    assert resp.status_code == 200 and resp.json()["added"][0]["healthy"] is False
+    make_peer("D3", port=port)
+    wait_for(lambda: proxy.instances()[f"decode:{port}"]["healthy"] is True, what="the new decoder joins")
+
+    assert proxy.post("/instances/remove", {"type": "prefill", "host": "127.0.0.1", "port": 1}).status_code == 404
+    for bad in ({"type": "middle", "host": "h", "port": 1}, {"type": "prefill", "host": "h", "port": "x"},
+                {"type": "prefill"}, {"type": "decode", "instances": ["no-port"]}):
+        resp = proxy.post("/instances/add", bad)
+        assert resp.status_code == 400, bad
+        assert resp.json()["error"]["type"] == "invalid_request_error"
+    # No prefiller left: requests get a clear 503.
+    proxy.post("/instances/remove", {"type": "prefill", "host": "127.0.0.1", "port": p2.port})
+    resp = proxy.post("/v1/completions", BODY)
+    assert resp.status_code == 503 and "no prefill instance" in resp.json()["error"]["message"]
