@@ -78,7 +78,8 @@ def test_put_stores_buffers_back_to_back(backend_factory):
 
 
 def test_batch_mixed_hits_and_misses(backend_factory):
-    b = backend_factory(4 * MiB)
+    cap = backend_factory.capacity(4 * MiB)
+    b = backend_factory(cap)
     keys = [f"k{i}" for i in range(8)]
     stored = keys[::2]
     assert b.batch_put(stored, [[payload(k, 5000)] for k in stored]) == [OK] * 4
@@ -97,7 +98,7 @@ def test_batch_mixed_hits_and_misses(backend_factory):
             assert untouched(dest), key
     # A batch put with one unstorable value stores the others.
     more = ["m0", "m1", "m2"]
-    values = [[payload("m0", 100)], [payload("m1", 8 * MiB)], [payload("m2", 100)]]
+    values = [[payload("m0", 100)], [payload("m1", 2 * cap)], [payload("m2", 100)]]
     assert b.batch_put(more, values) == [OK, NO_HANDLE, OK]
     assert b.batch_exists(more) == [True, False, True]
 
@@ -135,7 +136,7 @@ def test_duplicate_put_is_ok_noop_and_keeps_first_bytes(backend_factory):
 
 
 def test_value_larger_than_pool_is_no_available_handle(backend_factory):
-    cap = 2 * MiB
+    cap = backend_factory.capacity(2 * MiB)
     b = backend_factory(cap)
     small = [f"s{i}" for i in range(4)]
     assert b.batch_put(small, [[payload(k, 64 * KiB)] for k in small]) == [OK] * 4
@@ -150,7 +151,8 @@ def test_value_larger_than_pool_is_no_available_handle(backend_factory):
 
 
 def test_pool_full_of_leased_objects_is_no_available_handle(backend_factory):
-    cap, size = 2 * MiB, 256 * KiB
+    cap = backend_factory.capacity(2 * MiB)
+    size = cap // 8
     b = backend_factory(cap)
     stored: list[str] = []
     codes = []
@@ -176,7 +178,8 @@ def test_pool_full_of_leased_objects_is_no_available_handle(backend_factory):
 
 
 def test_lru_eviction_past_high_watermark(backend_factory):
-    cap, size, n = 1 * MiB, 64 * KiB, 48  # 16 values fill the pool; write three pools' worth
+    cap = backend_factory.capacity(1 * MiB)
+    size, n = cap // 16, 48  # 16 values fill the pool; write three pools' worth
     b = backend_factory(cap)
     keys = [f"v{i}" for i in range(n)]
     for i, key in enumerate(keys):
@@ -205,7 +208,8 @@ def test_lru_eviction_past_high_watermark(backend_factory):
 
 
 def test_leased_object_is_not_evicted(backend_factory):
-    cap, size = 1 * MiB, 64 * KiB
+    cap = backend_factory.capacity(1 * MiB)
+    size = cap // 16
     b = backend_factory(cap)
     assert b.batch_put(["leased", "unleased"], [[payload("leased", size)], [payload("unleased", size)]]) == [OK, OK]
     assert b.batch_exists(["leased"], lease=True) == [True]

@@ -478,25 +478,28 @@ class MooncakeBackend(Backend):
             return [RPC_FAIL] * len(keys)
         codes = [NOT_FOUND] * len(keys)
         want = [_spans(v) for v in values]
-        # Sizes (and leases) of every key, in both forms, in one RPC.
-        names = list(dict.fromkeys([*keys, *(k + EMPTY_SUFFIX for k in keys)]))
+        # Sizes (and leases) of the keys in one RPC. (Mooncake logs an error line for each key
+        # it does not find, so the empty-value markers are looked up only for those.)
         try:
-            desc = self.store.batch_get_replica_desc(names)
+            desc = self.store.batch_get_replica_desc(list(dict.fromkeys(keys)))
         except Exception as exc:  # noqa: BLE001 - a binding error must not take vLLM down
             logger.warning("kvpool mooncake: batch_get_replica_desc failed: %r", exc)
             return [RPC_FAIL] * len(keys)
         fetch: list[int] = []
+        absent: list[int] = []
         for i, key in enumerate(keys):
-            total = want[i][2]
             size = _object_size(desc.get(key))
-            if size is not None:
-                if size != total:
-                    codes[i] = INVALID
-                else:
-                    fetch.append(i)
-            elif key + EMPTY_SUFFIX in desc:
-                codes[i] = OK if total == 0 else INVALID
-        fetch = [i for i in fetch if want[i][2]]
+            if size is None:
+                absent.append(i)
+            elif size != want[i][2]:
+                codes[i] = INVALID
+            else:
+                fetch.append(i)
+        if absent:
+            empty = self.store.batch_is_exist([keys[i] + EMPTY_SUFFIX for i in absent])
+            for i, e in zip(absent, empty):
+                if e == 1:
+                    codes[i] = OK if want[i][2] == 0 else INVALID
         if fetch:
             ptrs = [want[i][0] for i in fetch]
             sizes = [want[i][1] for i in fetch]
