@@ -116,8 +116,7 @@ class PoolWorker:
                 break
             i += len(ks)
             hits += 1
-        self._stats.add("lookups", 1)
-        self._stats.add("lookup_hit_blocks", hits)
+        self._count(lookups=1, lookup_hit_blocks=hits)
         return hits
 
     # ---- loads ------------------------------------------------------------------------------
