@@ -6,29 +6,39 @@
 
 On the `bench` model (~96M-parameter random Llama, built locally, nothing downloaded) it starts
 one vLLM OpenAI server at a time, every one with the same pinned CPU threads
-(`VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0`), and sends prompts of random
-token ids (exact lengths) with `max_tokens=1`, streaming, so TTFT is the time from sending the
-request to the first generated token. For every prompt it sends the prompt once (cold: the
-first time that server sees it), waits `--wait-s` (1 s: MooncakeStoreConnector saves
-asynchronously; every configuration waits the same), and sends it again (hit). The usage
-record's `cached_tokens` says whether the second request really hit.
+(`VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0`) and vLLM's own defaults
+otherwise (`--dtype auto`, i.e. bf16 on CPU; prefill chunks of 2048 tokens), and sends prompts
+of random token ids (exact lengths) with `max_tokens=1`, streaming: TTFT is the time from
+sending the request to the first generated token. For every prompt P:
+
+  cold  P, the first time this server sees it
+  hit   P again, `--wait-s` (1 s) later (MooncakeStoreConnector saves asynchronously; every
+        configuration waits the same)
+  ext   P + the token the cold request generated (a conversation's next turn), 1 s later.
+        P is block-aligned, so on `hit` a cache that works in whole blocks must recompute P's
+        last 128-token block (vLLM always computes at least one prompt token), while kvpool
+        serves all but one token; on `ext` every cache can serve all of P: like for like.
+
+The usage record's `cached_tokens` says whether a hit really hit; it is recorded.
 
 Configurations (one server each, in this order):
 
-  vllm      no KV connector, prefix caching ON: its first request is the "vLLM cold" reference,
-            its second is vLLM's own prefix-cache hit
-  kvpool    KVPoolConnector, backend local (in-process pool), prefix caching off
-  example   vLLM's ExampleConnector (safetensors files on disk), prefix caching off. It is known
-            to crash the engine on long prompts: a crash is recorded for that size and the
-            server is restarted for the remaining sizes
+  vllm      no KV connector, prefix caching ON: its cold request is the "vLLM cold" reference,
+            its hit and ext requests are vLLM's own prefix-cache hits
+  kvpool    KVPoolConnector, backend local (in-process pool, 8GB), prefix caching off
+  example   vLLM's ExampleConnector (safetensors files on disk), prefix caching off. A server
+            that crashes is recorded as `crashed` for that size and restarted for the next;
+            sizes where it crashed are rerun without chunked prefill (`example_unchunked`)
   mooncake  vLLM's MooncakeStoreConnector against a local `mooncake_master` over TCP, prefix
             caching off (needs `pip install mooncake-transfer-engine-non-cuda` and Debian's
             `libibverbs1`; if it cannot run, what failed is recorded and the rest goes on)
 
-Writes `benchmarks/results/ttft.json` (`ttft-quick.json` with --quick): every sample, the
-medians, the ratios, the targets and the environment; and `ttft.png` when matplotlib happens
-to be installed. The numbers come from whatever machine runs this; on a shared machine they
-are noisy (the load average is recorded with every sample).
+The machine may be shared: before each prompt the script waits (up to `--quiet-wait-s`) for
+the CPUs to be idle, measures how much CPU other jobs used during the prompt's requests, and
+retakes a disturbed prompt with a fresh one (`--retakes`). Writes
+`benchmarks/results/ttft.json` (`ttft-quick.json` with --quick): every sample, the medians,
+the ratios, the targets and the environment; and `ttft.png` when matplotlib happens to be
+installed.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
 import signal
 import socket
@@ -731,7 +742,7 @@ def count_params(model_dir: Path) -> int:
     return total
 
 
-def environment(model_dir: Path, mooncake_version: str | None) -> dict[str, Any]:
+def environment(model_dir: Path, mooncake_version: str | None, kvcache_gib: int) -> dict[str, Any]:
     def version(pkg: str) -> str | None:
         try:
             return importlib.metadata.version(pkg)
@@ -765,12 +776,31 @@ def environment(model_dir: Path, mooncake_version: str | None) -> dict[str, Any]
         "cpu_model": cpu_model,
         "memory_gib": mem_gib,
         "model": {"spec": dataclasses.asdict(spec), "params": count_params(model_dir),
-                  "kv_bytes_per_token": 2 * spec.num_hidden_layers * spec.num_key_value_heads
-                  * (spec.hidden_size // spec.num_attention_heads) * (4 if spec.dtype == "float32" else 2)},
-        "server_env": dict(DEFAULT_ENV),
-        "note": "2-core machine shared with other jobs (vLLM test runs at times): numbers are noisy; "
-                "see loadavg1 in every sample",
+                  "stored_dtype": spec.dtype},
+        "server_env": {**DEFAULT_ENV, "VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib)},
+        "note": "2-core machine shared with other jobs (vLLM test runs at times): numbers are noisy. "
+                "Every sample records others_cpu, the share of the CPUs that other jobs used during its "
+                "prompt's cold+hit+ext requests; prompts above --disturbed-threshold were retaken with a "
+                "fresh prompt (the discarded ones are kept under 'discarded')",
     }
+
+
+def served_dtype(results: dict[str, Any]) -> str | None:
+    """The dtype vLLM served the model in (`--dtype auto` downcasts fp32 to bf16 on CPU)."""
+    for r in results.values():
+        for path in r.get("server_logs", ()):
+            try:
+                text = Path(path).read_text(errors="replace")
+            except OSError:
+                continue
+            m = re.search(r"Downcasting torch\.(\w+) to torch\.(\w+)", text)
+            if m:
+                return m.group(2)
+            if "Initializing a V1 LLM engine" in text:
+                m = re.search(r"dtype=torch\.(\w+)", text)
+                if m:
+                    return m.group(1)
+    return None
 
 
 def plot(summary: dict[str, Any], sizes: list[str], path: Path) -> str | None:
@@ -846,7 +876,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = build_model(Path(tempfile.gettempdir()) / "kvpool-bench-model", SPECS["bench"])
 
     mooncake = mooncake_probe() if "mooncake" in configs else (None, None, None)
-    env = environment(model_dir, mooncake[1])
+    env = environment(model_dir, mooncake[1], args.kvcache_gib)
     log(f"model: {env['model']['params'] / 1e6:.1f}M parameters ({model_dir}); vLLM {env['vllm']}; "
         f"{env['cpu_count']} CPUs; sizes {sizes} x {reps} prompts; configs {configs}; workdir {workdir}")
     log("NOTE: numbers from a shared, noisy 2-core machine; one server at a time")
@@ -884,6 +914,13 @@ def main(argv: list[str] | None = None) -> int:
                                                     "traceback": traceback.format_exc()[-3000:]}
 
     summary = summarize(results, sizes)
+    spec = SPECS["bench"]
+    dtype = served_dtype(results)
+    env["model"]["served_dtype"] = dtype
+    if dtype is not None:
+        width = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype)
+        env["model"]["kv_bytes_per_token"] = width and (2 * spec.num_hidden_layers * spec.num_key_value_heads
+                                                        * (spec.hidden_size // spec.num_attention_heads) * width)
     report = {
         "benchmark": "ttft",
         "quick": args.quick,
@@ -907,7 +944,7 @@ def main(argv: list[str] | None = None) -> int:
     png = plot(summary, sizes, out_path.with_suffix(".png"))
 
     print()
-    print(f"TTFT on the bench model ({env['model']['params'] / 1e6:.1f}M params, fp32), vLLM {env['vllm']}, "
+    print(f"TTFT on the bench model ({env['model']['params'] / 1e6:.1f}M params, served as {dtype}), vLLM {env['vllm']}, "
           f"{env['cpu_count']} CPUs, {env['date_utc']}")
     print("NOTE: measured on a shared, noisy 2-core machine; medians of "
           f"{reps} prompt(s) per size; cold and hit {args.wait_s:g} s apart")

@@ -235,6 +235,45 @@ class MooncakeMaster(Service):
         return str(path)
 
 
+# ---- MemCache ------------------------------------------------------------------------------------
+
+
+class MemcacheMetaService(Service):
+    """MemCache's MetaService as the spec starts it, on free loopback ports."""
+
+    name = "mmc_meta"
+
+    def __init__(self, workdir: str | Path) -> None:
+        super().__init__(workdir)
+        import importlib.util
+
+        # Not imported here: MemCache reads MMC_LOCAL_CONFIG_PATH once, when it is first imported.
+        if importlib.util.find_spec("memcache_hybrid") is None:
+            raise ServiceError("memcache-hybrid is not installed: pip install memcache-hybrid memfabric-hybrid")
+        self.port, self.store_port, self.http_port = free_ports(3)
+        self.conf = self.workdir / "mmc-meta.conf"
+        self.conf.write_text(
+            f"ock.mmc.meta_service_url = tcp://{HOST}:{self.port}\n"
+            f"ock.mmc.meta_service.config_store_url = tcp://{HOST}:{self.store_port}\n"
+            f"ock.mmc.meta_service.metrics_url = http://{HOST}:{self.http_port}\n"
+            "ock.mmc.log_level = error\n"
+        )
+        env = {**os.environ, "MMC_META_CONFIG_PATH": str(self.conf)}
+        self._spawn([sys.executable, "-c", "from memcache_hybrid import MetaService; MetaService.main()"], env=env)
+        self._wait_port(self.port, 20)
+
+    def write_local_config(self, path: str | Path, protocol: str = "host_tcp", dram: str = "64MB") -> str:
+        Path(path).write_text(
+            f"ock.mmc.meta_service_url = tcp://{HOST}:{self.port}\n"
+            f"ock.mmc.local_service.config_store_url = tcp://{HOST}:{self.store_port}\n"
+            "ock.mmc.log_level = error\n"
+            "ock.mmc.local_service.world_size = 4\n"
+            f"ock.mmc.local_service.protocol = {protocol}\n"
+            f"ock.mmc.local_service.dram.size = {dram}\n"
+        )
+        return str(path)
+
+
 # ---- openYuanrong datasystem ----------------------------------------------------------------------
 
 
@@ -258,6 +297,9 @@ class YuanrongWorker(Service):
             "--metastore_address", f"{HOST}:{self.meta_port}",
             "--start_metastore_service", "true",
             "--shared_memory_size_mb", str(shared_memory_mb),
+            # One arena: memory freed by eviction is reusable by any later object (with several,
+            # a large object can find no room in an arena while others sit free).
+            "--arena_per_tenant", "1",
             "--log_dir", str(self.log_dir),
         ]
         self.argv = argv
@@ -289,3 +331,19 @@ class YuanrongWorker(Service):
 
     def kill(self) -> None:
         self.stop()
+
+
+_SHARED_YUANRONG: YuanrongWorker | None = None
+
+
+def shared_yuanrong_worker(shared_memory_mb: int = 128) -> YuanrongWorker:
+    """One datasystem worker for the whole test session (dscli start and stop take ~6 s each).
+
+    Tests keep their pools apart with `key_prefix`; stopped at interpreter exit.
+    """
+    global _SHARED_YUANRONG
+    if _SHARED_YUANRONG is None or not _SHARED_YUANRONG.alive():
+        import tempfile
+
+        _SHARED_YUANRONG = YuanrongWorker(tempfile.mkdtemp(prefix="kvpool-yr-"), shared_memory_mb=shared_memory_mb)
+    return _SHARED_YUANRONG

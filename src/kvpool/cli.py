@@ -21,7 +21,12 @@ def main(argv: list[str] | None = None) -> int:
     from kvpool.proxy import config as proxy_config  # stdlib only; the web stack loads on use
 
     proxy_config.add_arguments(sub.add_parser("proxy", help="run the PD-disaggregation proxy (prefill, then decode)"))
+    from kvpool import doctor  # stdlib + kvpool config only
+
+    doctor.add_arguments(sub.add_parser("doctor", help="check a deployment's config, files and services before vLLM starts"))
     args = parser.parse_args(argv)
+    if args.cmd == "doctor":
+        return doctor.run(args)
     if args.cmd == "server":
         return server.run(args)
     if args.cmd == "stats":

@@ -14,6 +14,7 @@ backend needs, registered in `_FACTORIES` and listed in `BACKENDS`.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -21,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -30,9 +32,9 @@ import pytest
 from kvpool.backends import Backend, create_backend
 from kvpool.config import load_config
 
-BACKENDS = ["local", "server", "redis", "mooncake"]
+BACKENDS = ["local", "server", "redis", "mooncake", "yuanrong"]
 # Backends whose pool several processes (each with its own client) share.
-MULTIPROCESS_BACKENDS = ["server", "redis", "mooncake"]
+MULTIPROCESS_BACKENDS = ["server", "redis", "mooncake", "yuanrong"]
 
 SERVER_MODULE = "kvpool.store.server"
 
@@ -51,6 +53,11 @@ class BackendFactory:
     leases_pin = True
     # Eviction is exact LRU: the least recently used objects go first, strictly.
     exact_lru = True
+    # A put refused for room (NO_AVAILABLE_HANDLE), even of a value larger than the whole pool,
+    # leaves what is stored in place. Mooncake's master instead starts an eviction round
+    # (eviction_ratio of the unleased objects) on every refused put, and no client call tells the
+    # pool's total capacity, so the adapter cannot refuse a hopeless value up front.
+    refused_put_evicts = False
     # The smallest pool the store can make (Mooncake: 16MB segments). Tests size their values
     # from `capacity(wanted)`, the capacity they really get.
     min_capacity = 0
@@ -240,6 +247,7 @@ class MooncakeFactory(BackendFactory):
 
     name = "mooncake"
     min_capacity = 16 << 20
+    refused_put_evicts = True
 
     def __init__(self, workdir: str) -> None:
         super().__init__(workdir)
@@ -271,13 +279,98 @@ class MooncakeFactory(BackendFactory):
         return other
 
     def close(self) -> None:
+        # Mooncake's close() takes 1-2 s (it joins its ping thread) and the master ~1 s to exit:
+        # both run on a thread while the next test goes on; the session waits for them at its end
+        # and fails on any error (`_deferred_teardown`).
+        backends, masters = list(self._backends), list(self._masters)
+        self._backends.clear()
+        self._masters.clear()
+
+        def teardown() -> None:
+            try:
+                _close_in_parallel(backends)
+            finally:
+                for master in masters:
+                    master.stop()
+
+        _defer(teardown)
+
+
+class YuanrongFactory(BackendFactory):
+    """One real datasystem worker for the session (`dscli start`/`stop` take ~6 s each, see
+    tests/services.py), 128MB of shared memory, own metastore; each pool is a `key_prefix` of its
+    own. The worker's memory is the capacity of every pool (`min_capacity`); objects of earlier
+    pools are evictable and make room. The datasystem has no leases and its eviction is not
+    strict LRU (`leases_pin`, `exact_lru` off), and a refused put makes it evict everything
+    evictable first (`refused_put_evicts`)."""
+
+    name = "yuanrong"
+    leases_pin = False
+    exact_lru = False
+    refused_put_evicts = True
+    SHM_MB = 128
+    min_capacity = SHM_MB << 20
+    _pools = 0
+
+    def __init__(self, workdir: str) -> None:
+        super().__init__(workdir)
+        self._configs: dict[int, str] = {}
+
+    def __call__(self, capacity_bytes: int) -> Backend:
+        from services import ServiceError, shared_yuanrong_worker
+
         try:
-            _close_in_parallel(self._backends)  # Mooncake's close() takes ~1 s each
-            self._backends.clear()
-        finally:
-            for master in self._masters:
-                master.stop()
-            self._masters.clear()
+            worker = shared_yuanrong_worker(self.SHM_MB)
+        except ServiceError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        YuanrongFactory._pools += 1
+        path = os.path.join(self.workdir, f"yr{YuanrongFactory._pools}.json")
+        with open(path, "w") as f:
+            json.dump({"worker_addr": worker.address, "key_prefix": f"p{os.getpid()}x{YuanrongFactory._pools}:",
+                       "connect_timeout_ms": 5000, "request_timeout_ms": 200}, f)
+        backend = create_backend(load_config({"backend": "yuanrong", "yuanrong_config_path": path}),
+                                 self._client_name())
+        self._configs[id(backend)] = path
+        return self._track(backend)
+
+    def client_config(self, backend: Backend) -> dict[str, Any]:
+        return {"backend": "yuanrong", "yuanrong_config_path": self._configs[id(backend)]}
+
+    def connect(self, backend: Backend) -> Backend:
+        other = super().connect(backend)
+        self._configs[id(other)] = self._configs[id(backend)]
+        return other
+
+
+_DEFERRED: list[tuple[threading.Thread, list[BaseException]]] = []
+
+
+def _defer(fn) -> None:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # reported by _deferred_teardown
+            errors.append(exc)
+
+    t = threading.Thread(target=run, name="conformance-teardown", daemon=True)
+    t.start()
+    _DEFERRED.append((t, errors))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _deferred_teardown():
+    yield
+    failures = []
+    for t, errors in _DEFERRED:
+        t.join(60)
+        if t.is_alive():
+            failures.append("a deferred teardown did not finish within 60 s")
+        failures.extend(repr(e) for e in errors)
+    _DEFERRED.clear()
+    if failures:
+        pytest.fail("deferred teardown failed: " + "; ".join(failures), pytrace=False)
 
 
 def _close_in_parallel(backends: list[Backend]) -> None:
@@ -294,6 +387,7 @@ def _close_in_parallel(backends: list[Backend]) -> None:
 
 _FACTORIES: dict[str, type[BackendFactory]] = {
     "local": LocalFactory, "server": ServerFactory, "redis": RedisFactory, "mooncake": MooncakeFactory,
+    "yuanrong": YuanrongFactory,
 }
 
 

@@ -84,8 +84,9 @@ _MAP = {
     -1010: RPC_FAIL,  # ETCD_OPERATION_ERROR and friends: metadata service trouble
 }
 _RETRY_S = 5.0
-# A put refused for room is retried after these pauses (the master evicts every ~10 ms).
-_NO_ROOM_BACKOFF_S = (0.01, 0.02, 0.04)
+# A put refused for room is retried after these pauses: the master evicts on its own thread
+# (every ~10 ms when idle, later on a busy host), after a refused put or past the watermark.
+_NO_ROOM_BACKOFF_S = (0.01, 0.02, 0.04, 0.08, 0.15, 0.2)
 
 
 def map_code(rc: int) -> int:

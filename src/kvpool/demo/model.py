@@ -52,8 +52,8 @@ class ModelSpec:
 SPECS = {
     "tiny": ModelSpec(),
     "tiny-bf16": ModelSpec(dtype="bfloat16"),
-    # 96.0M parameters (12 x 7.47M per layer + 2 x 3.1M embeddings/LM head); fp32 KV is
-    # 24 KiB per token, so an 8K-token prompt is 192 MiB of KV.
+    # 96.0M parameters (12 x 7.47M per layer + 2 x 3.1M embeddings/LM head). Stored fp32;
+    # vLLM's `--dtype auto` serves it in bf16 on CPU: 12 KiB of KV per token, 96 MiB for 8K.
     "bench": ModelSpec(
         hidden_size=768, intermediate_size=2560, num_hidden_layers=12,
         num_attention_heads=12, num_key_value_heads=4, vocab_size=4096,

@@ -1,0 +1,305 @@
+"""`backend: memcache` — MemCache (`memcache-hybrid` on `memfabric-hybrid`), configured by the spec's
+`MMC_LOCAL_CONFIG_PATH` (or `mmc_local_config_path`) file, `ock.mmc.* = value` lines.
+
+The MetaService (`python -c "from memcache_hybrid import MetaService; MetaService.main()"`, with
+`MMC_META_CONFIG_PATH`) runs on a CPU-only host. The local service that every client embeds does
+not: `DistributedObjectStore.init()` fails in memfabric's `hybm_init` for every protocol, the
+host ones (`host_tcp`, `host_shm`) included, because it needs the Ascend NPU driver
+(`/usr/local/Ascend/driver/version.info`, then the HAL). Measured with 1.3.0; see
+docs/backends.md. So this adapter is built from the library's API and the spec, and tested here
+only up to that point: its configuration, and the exact error. On an NPU host it uses the
+host-memory copy directions (H2G to put, G2H to get) of the batch calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvpool.backends.base import Backend, Buffers
+from kvpool.config import KVPoolConfig, parse_size
+from kvpool.errors import BackendUnavailable, ConfigError, ErrorCode
+
+logger = logging.getLogger(__name__)
+
+PROTOCOLS = ("host_tcp", "host_shm", "host_rdma", "host_urma", "device_rdma", "device_sdma", "device_uboe",
+             "device_urma")
+LOG_LEVELS = ("debug", "info", "warn", "error")
+# Keys of mmc-local.conf this adapter checks; others are passed through to MemCache (which
+# refuses keys it does not know: "Invalid key <...>").
+REQUIRED = ("ock.mmc.meta_service_url", "ock.mmc.local_service.config_store_url")
+_URL = re.compile(r"^tcp://(?P<host>[^:/\s]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})$")
+H2G, G2H = 3, 2  # memfabric_hybrid.bm.BmCopyType
+
+OK = int(ErrorCode.OK)
+NOT_FOUND = int(ErrorCode.OBJECT_NOT_FOUND)
+INVALID = int(ErrorCode.INVALID_PARAMS)
+RPC_FAIL = int(ErrorCode.RPC_FAIL)
+INTERNAL = int(ErrorCode.INTERNAL_ERROR)
+_RETRY_S = 5.0
+EMPTY_SUFFIX = "#kvpool-empty"
+
+NO_NPU_DRIVER = (
+    "MemCache's local service could not start (DistributedObjectStore.init returned {rc}). On a host "
+    "without the Ascend NPU driver this is expected: memfabric's hybm_init needs the driver "
+    "(/usr/local/Ascend/driver/version.info and the HAL library) for every protocol, host_tcp and "
+    "host_shm included; its log says 'the current version of ascend driver does not support mf!'. "
+    "Use backend mooncake, yuanrong or redis on such hosts."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemcacheConfig:
+    path: str
+    meta_service_url: str
+    config_store_url: str
+    protocol: str
+    world_size: int
+    dram_size: int
+    hbm_size: int
+    log_level: str
+    entries: Mapping[str, str]
+
+
+def parse_conf(path: str, where: str) -> dict[str, str]:
+    """`key = value` lines; `#` starts a comment. Raises ConfigError for an unreadable file or line."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError as exc:
+        raise ConfigError(where, path, f"a readable MemCache config file: {exc.strerror}") from None
+    out: dict[str, str] = {}
+    for n, line in enumerate(lines, 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        key, eq, value = line.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(where, path, f"'key = value' lines; line {n} is {line!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def parse_tcp_url(key: str, value: str) -> tuple[str, int]:
+    m = _URL.match(value or "")
+    if not m or not 0 < int(m.group("port")) < 65536:
+        raise ConfigError(key, value, "tcp://host:port, e.g. tcp://10.0.0.1:5000")
+    return m.group("host").strip("[]"), int(m.group("port"))
+
+
+def load_memcache_config(path: str | None = None, env: Mapping[str, str] | None = None) -> MemcacheConfig:
+    """Read and check mmc-local.conf (`path`, else $MMC_LOCAL_CONFIG_PATH)."""
+    env = os.environ if env is None else env
+    where = "mmc_local_config_path"
+    if path is None:
+        path, where = env.get("MMC_LOCAL_CONFIG_PATH") or None, "MMC_LOCAL_CONFIG_PATH"
+    if path is None:
+        raise ConfigError("MMC_LOCAL_CONFIG_PATH", None,
+                          "the path of mmc-local.conf (export MMC_LOCAL_CONFIG_PATH=/path/mmc-local.conf)")
+    conf = parse_conf(path, where)
+    for key in REQUIRED:
+        if key not in conf:
+            raise ConfigError(key, None, f"set in {path}, e.g. {key} = tcp://10.0.0.1:{5000 if 'meta' in key else 6000}")
+    parse_tcp_url("ock.mmc.meta_service_url", conf["ock.mmc.meta_service_url"])
+    parse_tcp_url("ock.mmc.local_service.config_store_url", conf["ock.mmc.local_service.config_store_url"])
+    protocol = conf.get("ock.mmc.local_service.protocol", "host_tcp")
+    if protocol not in PROTOCOLS:
+        raise ConfigError("ock.mmc.local_service.protocol", protocol, f"one of {', '.join(PROTOCOLS)}")
+    ws = conf.get("ock.mmc.local_service.world_size", "1")
+    if not ws.isdigit() or int(ws) < 1:
+        raise ConfigError("ock.mmc.local_service.world_size", ws,
+                          "an integer >= 1: the number of local services, including those added later")
+    level = conf.get("ock.mmc.log_level", "error")
+    if level not in LOG_LEVELS:
+        raise ConfigError("ock.mmc.log_level", level, f"one of {', '.join(LOG_LEVELS)}")
+    dram = parse_size("ock.mmc.local_service.dram.size", conf.get("ock.mmc.local_service.dram.size", "0"))
+    hbm = parse_size("ock.mmc.local_service.hbm.size", conf.get("ock.mmc.local_service.hbm.size", "0"))
+    if dram == 0 and hbm == 0:
+        raise ConfigError("ock.mmc.local_service.dram.size", conf.get("ock.mmc.local_service.dram.size"),
+                          "a size (e.g. 1GB) of memory this local service gives the pool (or hbm.size)")
+    return MemcacheConfig(
+        path=path,
+        meta_service_url=conf["ock.mmc.meta_service_url"],
+        config_store_url=conf["ock.mmc.local_service.config_store_url"],
+        protocol=protocol,
+        world_size=int(ws),
+        dram_size=dram,
+        hbm_size=hbm,
+        log_level=level,
+        entries=conf,
+    )
+
+
+def _import_store() -> Any:
+    try:
+        from memcache_hybrid import DistributedObjectStore
+    except ImportError as exc:
+        raise ConfigError("backend", "memcache",
+                          f"memcache-hybrid installed: pip install 'kvpool[memcache]' ({exc})") from exc
+    return DistributedObjectStore
+
+
+def _spans(bufs: Buffers) -> tuple[list[int], list[int], int]:
+    ptrs, sizes = [], []
+    for b in bufs:
+        n = int(b.nbytes)
+        if n:
+            ptrs.append(int(b.ctypes.data))
+            sizes.append(n)
+    return ptrs, sizes, sum(sizes)
+
+
+class MemcacheBackend(Backend):
+    """One `DistributedObjectStore` (an embedded local service) per process."""
+
+    name = "memcache"
+    shared_across_processes = True
+
+    @classmethod
+    def from_config(cls, config: KVPoolConfig, client_name: str) -> "MemcacheBackend":
+        return cls(load_memcache_config(config.mmc_local_config_path), client_name)
+
+    def __init__(self, config: MemcacheConfig, client_name: str, env: Mapping[str, str] | None = None) -> None:
+        env = os.environ if env is None else env
+        # MemCache reads MMC_LOCAL_CONFIG_PATH once, when the library is first imported: one
+        # config per process, and it must be in the environment before that import.
+        import sys
+
+        if "memcache_hybrid" in sys.modules and os.environ.get("MMC_LOCAL_CONFIG_PATH") != config.path:
+            raise ConfigError("mmc_local_config_path", config.path,
+                              "the same file as MMC_LOCAL_CONFIG_PATH had when memcache_hybrid was first imported in "
+                              f"this process ({os.environ.get('MMC_LOCAL_CONFIG_PATH')!r}): MemCache reads it only then")
+        os.environ["MMC_LOCAL_CONFIG_PATH"] = config.path
+        self._Store = _import_store()
+        self.config = config
+        self.client_name = client_name
+        self.device_id = int(env.get("LOCAL_RANK", "0") or 0)
+        self._meta = parse_tcp_url("ock.mmc.meta_service_url", config.meta_service_url)
+        self.store: Any = None
+        self._next_try = 0.0
+        self._stats = {"puts": 0, "put_bytes": 0, "gets": 0, "get_bytes": 0, "misses": 0, "failures": 0}
+        if not self._connect(env):
+            logger.warning("kvpool memcache: MetaService %s is not reachable yet; lookups miss until it is",
+                           config.meta_service_url)
+
+    def _connect(self, env: Mapping[str, str] | None = None) -> bool:
+        from kvpool.backends.mooncake import probe
+
+        if probe(*self._meta) is not None:
+            self._next_try = time.monotonic() + _RETRY_S
+            return False
+        store = self._Store()
+        rc = store.init(self.device_id)
+        if rc != 0:
+            try:
+                store.close()
+            except Exception:  # noqa: BLE001
+                pass
+            self._next_try = float("inf")
+            raise BackendUnavailable(NO_NPU_DRIVER.format(rc=rc))
+        self.store = store
+        return True
+
+    def _ready(self) -> Any:
+        if self.store is None and time.monotonic() >= self._next_try:
+            self._connect()
+        return self.store
+
+    def batch_exists(self, keys: Sequence[str], lease: bool = False) -> list[bool]:
+        if not keys:
+            return []
+        store = self._ready()
+        if store is None:
+            return [False] * len(keys)
+        n = len(keys)
+        res = store.batch_is_exist(list(keys) + [k + EMPTY_SUFFIX for k in keys])
+        hits = [res[i] == 1 or res[n + i] == 1 for i in range(n)]
+        if lease:
+            found = [k for k, h in zip(keys, hits) if h]
+            if found:
+                store.batch_add_lease(found)  # the MetaService's default lease TTL
+        return hits
+
+    def batch_put(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
+        if not keys:
+            return []
+        store = self._ready()
+        if store is None:
+            return [RPC_FAIL] * len(keys)
+        codes = [OK] * len(keys)
+        present = self.batch_exists(keys)
+        names, ptrs, sizes, idx = [], [], [], []
+        mark = np.zeros(1, dtype=np.uint8)  # an empty value's 1-byte marker object
+        for i, (key, bufs) in enumerate(zip(keys, values)):
+            if present[i] or key in names or key + EMPTY_SUFFIX in names:
+                continue
+            p, s, total = _spans(bufs)
+            if not total:
+                key, p, s = key + EMPTY_SUFFIX, [int(mark.ctypes.data)], [1]
+            names.append(key)
+            ptrs.append(p)
+            sizes.append(s)
+            idx.append(i)
+        if names:
+            res = store.batch_put_from_layers(names, ptrs, sizes, H2G)
+            for i, rc in zip(idx, res):
+                codes[i] = OK if rc == 0 else INTERNAL
+                if rc == 0:
+                    self._stats["puts"] += 1
+                else:
+                    self._stats["failures"] += 1
+                    logger.warning("kvpool memcache: put %r failed with MemCache code %s", keys[i], rc)
+        return codes
+
+    def batch_get_into(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
+        if not keys:
+            return []
+        store = self._ready()
+        if store is None:
+            return [RPC_FAIL] * len(keys)
+        codes = [NOT_FOUND] * len(keys)
+        want = [_spans(v) for v in values]
+        infos = store.batch_get_key_info(list(keys))
+        fetch = []
+        for i, info in enumerate(infos):
+            size = getattr(info, "size", 0) if info is not None else 0
+            if size:
+                if size != want[i][2]:
+                    codes[i] = INVALID
+                else:
+                    fetch.append(i)
+        missing = [i for i, c in enumerate(codes) if c == NOT_FOUND and i not in fetch]
+        if missing:
+            empty = store.batch_is_exist([keys[i] + EMPTY_SUFFIX for i in missing])
+            for i, e in zip(missing, empty):
+                if e == 1:
+                    codes[i] = OK if want[i][2] == 0 else INVALID
+        fetch = [i for i in fetch if want[i][2]]
+        if fetch:
+            res = store.batch_get_into_layers([keys[i] for i in fetch], [want[i][0] for i in fetch],
+                                              [want[i][1] for i in fetch], G2H)
+            for i, rc in zip(fetch, res):
+                codes[i] = OK if rc == 0 else INTERNAL
+                if rc == 0:
+                    self._stats["gets"] += 1
+                else:
+                    self._stats["failures"] += 1
+                    logger.warning("kvpool memcache: get %r failed with MemCache code %s", keys[i], rc)
+        self._stats["misses"] += sum(1 for c in codes if c == NOT_FOUND)
+        return codes
+
+    def stats(self) -> dict[str, float]:
+        return dict(self._stats)
+
+    def close(self) -> None:
+        store, self.store = self.store, None
+        self._next_try = float("inf")
+        if store is not None:
+            store.close()
