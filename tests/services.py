@@ -345,5 +345,19 @@ def shared_yuanrong_worker(shared_memory_mb: int = 128) -> YuanrongWorker:
     if _SHARED_YUANRONG is None or not _SHARED_YUANRONG.alive():
         import tempfile
 
-        _SHARED_YUANRONG = YuanrongWorker(tempfile.mkdtemp(prefix="kvpool-yr-"), shared_memory_mb=shared_memory_mb)
+        workdir = tempfile.mkdtemp(prefix="kvpool-yr-")
+        try:
+            _SHARED_YUANRONG = YuanrongWorker(workdir, shared_memory_mb=shared_memory_mb)
+        except BaseException:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        worker = _SHARED_YUANRONG
+
+        def cleanup() -> None:  # runs before _stop_all (atexit is last-in, first-out)
+            try:
+                worker.stop()
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+
+        atexit.register(cleanup)
     return _SHARED_YUANRONG
