@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Store throughput: put/get GB/s and 64-key lookup latency, kvpool backends against copy ceilings.
 
-    .venv/bin/python benchmarks/store.py            # full run (< 2 min): 256 MiB working set, 5 rounds
-    .venv/bin/python benchmarks/store.py --quick    # smoke run (< 20 s): 64 MiB, 3 rounds
+    .venv/bin/python benchmarks/store.py            # full run (< 3 min): 256 MiB working set, 5 rounds
+    .venv/bin/python benchmarks/store.py --quick    # smoke run (< 60 s): 64 MiB, 3 rounds
+
+(redis, mooncake and yuanrong: 64 MiB per round, quick 32 MiB; `--dist-working-set`.)
 
 For 256 KiB and 2 MiB values (one contiguous buffer each, put and read in batches of 16 keys,
 as a vLLM step moves a chunk of blocks) it measures, side by side in one run:
@@ -17,6 +19,16 @@ as a vLLM step moves a chunk of blocks) it measures, side by side in one run:
   server   a `kvpool server` daemon and two client processes (each `create_backend` with
            `backend: server`): a writer process puts, a reader process gets. Only when
            `kvpool.store.server` exists; otherwise reported as "not available".
+  redis    a real `redis-server` (tests/services.py), a writer and a reader client process.
+  mooncake a real `mooncake_master` (the spec's flags), TCP; the writer client mounts the pool as
+           its segment, the reader mounts none. Objects live in the holder's segment and vanish
+           when it closes, so the writer stays alive until the reader's gets and lookups are done.
+  yuanrong a real datasystem worker (`dscli`, own metastore), one for both value sizes (a
+           `key_prefix` each); a writer and a reader client process.
+  memcache not run: its client cannot start without the Ascend driver (docs/backends.md).
+  These three use a smaller working set, and their pools hold every round (no eviction while
+  measured: their eviction is not exact LRU and would drop the round being read); a service
+  that is missing is "not available: <why>", one that fails is "failed: <why>" (not fatal).
 
 Every case first writes the working set three times (warm-up: page faults of a fresh arena and
 the first evictions are not what is measured), then times `rounds` rounds of fresh keys. memcpy
@@ -53,6 +65,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import shutil
 import signal
 import socket
 import statistics
@@ -70,6 +83,12 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "src") not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO / "src"))
+# The launchers of the real services the distributed backends talk to (redis-server,
+# mooncake_master, the datasystem worker) live in tests/services.py, shared with the conformance
+# suite; tests/ is not a package and not installed, so put it on the path to import `services`
+# rather than keep a second copy of those launchers here.
+if str(REPO / "tests") not in sys.path:
+    sys.path.insert(0, str(REPO / "tests"))
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = {"256KiB": 256 * KiB, "2MiB": 2 * MiB}
@@ -80,6 +99,10 @@ SERVER_MODULE = "kvpool.store.server"
 PUT_TARGET = 0.40  # of the memcpy figure
 LOOKUP_TARGET_MS = 0.5
 SECTION = "## Store throughput"
+# Backends reached through an external service: smaller working set (their pools live in that
+# service's memory, and a round-trip per batch makes rounds slower), see --dist-working-set.
+DISTRIBUTED = ("redis", "mooncake", "yuanrong")
+MEMCACHE_WHY = "not available: needs the Ascend driver"
 
 
 def _source(working_set: int, seed: int) -> np.ndarray:
@@ -237,9 +260,10 @@ def _backend_worker(role: str, conn, extra: dict, size: int, working_set: int, s
         from kvpool.backends import create_backend
         from kvpool.config import load_config
 
-        backend = create_backend(load_config(extra), f"bench-{role}-{os.getpid()}")
+        cfg = extra.get(role, extra) if "writer" in extra else extra  # per-role config (mooncake)
+        backend = create_backend(load_config(cfg), f"bench-{role}-{os.getpid()}")
         try:
-            case = BackendCase(backend, size, working_set, seed, tag="srv")
+            case = BackendCase(backend, size, working_set, seed, tag=str(cfg.get("backend", "srv"))[:3])
             if role == "writer":
                 for rnd in range(-WARMUP_ROUNDS, 0):
                     case.put(rnd)
@@ -316,6 +340,14 @@ def _pool_capacity(working_set: int) -> int:
     # Two working sets plus slack: steady-state puts evict the round before last, never the
     # round being read.
     return 2 * working_set + working_set // 4
+
+
+def _dist_capacity(working_set: int, rounds: int) -> int:
+    # redis (sampled LRU) and mooncake (evicts a ratio of unleased objects, not the oldest)
+    # do not evict exact LRU: in a pool of ~2 working sets they drop values of the round being
+    # read (-704, not found). Their pools hold every round instead (warm-up + timed + one spare,
+    # under Mooncake's 0.9 eviction watermark), so no eviction happens while they are measured.
+    return int((WARMUP_ROUNDS + rounds + 1) * working_set / 0.85)
 
 
 def run_local(size: int, working_set: int, rounds: int, seed: int, lookups: int) -> dict[str, Any]:
@@ -403,14 +435,108 @@ def run_server(size: int, working_set: int, rounds: int, seed: int, lookups: int
         daemon.stop()
 
 
+class _Skip(Exception):
+    """A backend that cannot run here: reported as "not available: <why>", not as a failure."""
+
+
+def _service(factory):
+    from services import ServiceError
+
+    try:
+        return factory()
+    except ServiceError as exc:
+        raise _Skip(str(exc).splitlines()[0]) from exc
+
+
+def run_redis(size: int, working_set: int, rounds: int, seed: int, lookups: int) -> dict[str, Any]:
+    """A real `redis-server` (maxmemory = start-up footprint + pool capacity, allkeys-lru)."""
+    from services import RedisService
+
+    workdir = tempfile.mkdtemp(prefix="kvpb-redis-")
+    svc = _service(lambda: RedisService(workdir, capacity=_dist_capacity(working_set, rounds)))
+    try:
+        extra = {"backend": "redis", "redis_url": svc.url}
+        return _two_processes(_backend_worker, (extra, size, working_set, seed), rounds, lookups)
+    finally:
+        svc.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run_mooncake(size: int, working_set: int, rounds: int, seed: int, lookups: int) -> dict[str, Any]:
+    """A real `mooncake_master` (the spec's flags); the writer mounts the pool's whole capacity
+    as its segment, the reader mounts none. Objects live in the segment of the client that holds
+    them and vanish when it closes, so the writer stays alive until the reader is done
+    (`_two_processes` stops both only after the reader's last get and its lookups)."""
+    from services import MooncakeMaster
+
+    workdir = tempfile.mkdtemp(prefix="kvpb-mc-")
+    master = _service(lambda: MooncakeMaster(workdir))
+    try:
+        holder = master.write_config(os.path.join(workdir, "writer.json"), _dist_capacity(working_set, rounds),
+                                     local_buffer_size="16MB")
+        client = master.write_config(os.path.join(workdir, "reader.json"), 0, local_buffer_size="16MB")
+        extra = {"writer": {"backend": "mooncake", "mooncake_config_path": holder},
+                 "reader": {"backend": "mooncake", "mooncake_config_path": client}}
+        return _two_processes(_backend_worker, (extra, size, working_set, seed), rounds, lookups)
+    except Exception as exc:
+        raise RuntimeError(f"{exc}\n--- mooncake_master log ---\n{tail_of(master.log)}") from exc
+    finally:
+        master.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+class YuanrongPool:
+    """One datasystem worker for both value sizes (`dscli start`/`stop` take ~6 s each); each size
+    is a `key_prefix` of its own, and the previous size's objects are evictable."""
+
+    def __init__(self, working_set: int) -> None:
+        from services import YuanrongWorker
+
+        self.workdir = tempfile.mkdtemp(prefix="kvpb-yr-")
+        mb = -(-_pool_capacity(working_set) // MiB)
+        try:
+            self.worker = _service(lambda: YuanrongWorker(self.workdir, shared_memory_mb=mb))
+        except BaseException:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            raise
+
+    def run(self, size: int, working_set: int, rounds: int, seed: int, lookups: int) -> dict[str, Any]:
+        path = os.path.join(self.workdir, f"yr-{size}.json")
+        with open(path, "w") as f:
+            json.dump({"worker_addr": self.worker.address, "key_prefix": f"b{os.getpid()}s{size}:",
+                       "connect_timeout_ms": 5000, "request_timeout_ms": 5000}, f)
+        extra = {"backend": "yuanrong", "yuanrong_config_path": path}
+        try:
+            return _two_processes(_backend_worker, (extra, size, working_set, seed), rounds, lookups)
+        except Exception as exc:
+            raise RuntimeError(f"{exc}\n--- worker log ---\n{self.worker.worker_log_tail()}") from exc
+
+    def close(self) -> None:
+        try:
+            self.worker.stop()
+        finally:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def tail_of(path, n: int = 2000) -> str:
+    try:
+        return Path(path).read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
 # ---- report --------------------------------------------------------------------------------------
 
-CASES = ("memcpy", "shm", "local", "server")
+CASES = ("memcpy", "shm", "local", "server", "redis", "mooncake", "yuanrong", "memcache")
 LABELS = {
     "memcpy": "memcpy (1 process)",
     "shm": "shared_memory (2 processes)",
     "local": "local (1 process)",
     "server": "server (2 client processes)",
+    "redis": "redis (2 client processes)",
+    "mooncake": "mooncake (2 client processes, TCP)",
+    "yuanrong": "yuanrong (2 client processes)",
+    "memcache": "memcache",
 }
 
 
@@ -434,7 +560,7 @@ def _f(x: float | None, fmt: str = "{:.2f}") -> str:
 
 
 def table(results: dict[str, Any]) -> str:
-    head = ["backend"]
+    head = ["backend", "working set"]
     for label in SIZES:
         head += [f"put {label} GB/s", f"get {label} GB/s"]
     head += ["lookup64 lease median ms", "p99 ms", "lookup64 no-lease median ms", "p99 ms"]
@@ -443,9 +569,13 @@ def table(results: dict[str, Any]) -> str:
         row = [LABELS[case]]
         entry = results["cases"].get(case, {})
         if entry.get("status") != "ok":
-            row += [entry.get("status", "not run")] + [""] * (len(head) - 2)
+            why = entry.get("status", "not run")
+            if entry.get("why"):
+                why += ": " + entry["why"]
+            row += [why.replace("|", "\\|")] + [""] * (len(head) - 2)
             rows.append(row)
             continue
+        row.append(f"{entry.get('working_set', results['parameters']['working_set']) // MiB} MiB")
         for label in SIZES:
             s = entry["sizes"][label]
             row += [_f(s["put_gbps"]), _f(s["get_gbps"])]
@@ -571,6 +701,15 @@ def update_docs(path: Path, results: dict[str, Any], text_table: str, target_lin
         "into a `multiprocessing.shared_memory` segment, a reader process copies out; local: the "
         "in-process engine, put and get in the same process; server: a `kvpool server` daemon, a "
         "writer client process puts, a reader client process gets.",
+        "- redis, mooncake, yuanrong: a real service started by `tests/services.py` on 127.0.0.1 "
+        "(`redis-server`; `mooncake_master` with the spec's flags, TCP transport, the writer client "
+        "mounting the pool as its segment and staying alive until the reader is done; a datasystem "
+        "worker via `dscli`, one for both value sizes), a writer and a reader client process. "
+        f"Working set {p['distributed_working_set'] // MiB} MiB per round (column \"working set\"), "
+        "and their pools hold every round, so nothing is evicted while they are measured (redis' "
+        "sampled LRU and mooncake's ratio eviction drop values of the round being read in a pool "
+        "of two working sets). memcache: its client cannot start without the Ascend driver "
+        "(docs/backends.md).",
         "- lookup64: `batch_exists` of 64 stored keys, repeated on the same keys "
         f"({p['lookups']} times per mode), with a lease (as the connector looks up) and without.",
         "",
@@ -578,7 +717,7 @@ def update_docs(path: Path, results: dict[str, Any], text_table: str, target_lin
         "",
         *[f"- {line}" for line in target_lines],
         "",
-        "Reproduce: `.venv/bin/python benchmarks/store.py` (about a minute; `--quick` for a smoke run).",
+        f"Reproduce: `.venv/bin/python benchmarks/store.py` ({results['runtime_s']:.0f} s here; `--quick` for a smoke run).",
         "",
     ])
     old = path.read_text() if path.exists() else "# Benchmarks\n"
@@ -596,12 +735,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: 64 MiB working set, 3 rounds (< 20 s)")
     ap.add_argument("--working-set", type=int, default=None, help="MiB per round (default 256, quick 64)")
+    ap.add_argument("--dist-working-set", type=int, default=None,
+                    help="MiB per round for redis/mooncake/yuanrong (default 64, quick 32)")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5, quick 3)")
     ap.add_argument("--lookups", type=int, default=None, help="64-key lookups per mode (default 1000, quick 200)")
     ap.add_argument("--out", type=Path, default=None, help="JSON output path")
     ap.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
     args = ap.parse_args(argv)
     working_set = (args.working_set or (64 if args.quick else 256)) * MiB
+    dist_ws = (args.dist_working_set or (32 if args.quick else 64)) * MiB
     rounds = args.rounds or (3 if args.quick else 5)
     lookups = args.lookups or (200 if args.quick else 1000)
     out = args.out or REPO / "benchmarks" / "results" / ("store-quick.json" if args.quick else "store.json")
@@ -612,7 +754,8 @@ def main(argv: list[str] | None = None) -> int:
         "environment": environment(),
         "parameters": {"working_set": working_set, "rounds": rounds, "warmup_rounds": WARMUP_ROUNDS,
                        "batch": BATCH, "lookups": lookups, "lookup_keys": LOOKUP_KEYS,
-                       "value_sizes": SIZES, "quick": args.quick},
+                       "value_sizes": SIZES, "quick": args.quick,
+                       "distributed_working_set": dist_ws, "distributed_backends": list(DISTRIBUTED)},
         "cases": {},
         "raw": {},
     }
@@ -620,7 +763,11 @@ def main(argv: list[str] | None = None) -> int:
         "shm": lambda size, look: run_shm(size, working_set, rounds, seed),
         "local": lambda size, look: run_local(size, working_set, rounds, seed, look),
         "server": lambda size, look: run_server(size, working_set, rounds, seed, look),
+        "redis": lambda size, look: run_redis(size, dist_ws, rounds, seed, look),
+        "mooncake": lambda size, look: run_mooncake(size, dist_ws, rounds, seed, look),
+        "yuanrong": lambda size, look: yr_pool[0].run(size, dist_ws, rounds, seed, look),
     }
+    yr_pool: list[YuanrongPool] = []
     failed = False
     memcpy_raw: dict[str, dict[str, list[float]]] = {
         label: {"put_gbps": [], "get_gbps": []} for label in SIZES
@@ -640,8 +787,16 @@ def main(argv: list[str] | None = None) -> int:
             results["cases"][case] = {"status": "not available"}
             print(f"{case}: not available ({SERVER_MODULE} does not exist yet)", flush=True)
             continue
-        entry: dict[str, Any] = {"status": "ok", "sizes": {}}
+        if case == "memcache":  # see docs/backends.md: its client cannot start without an NPU
+            results["cases"][case] = {"status": "not available", "why": MEMCACHE_WHY.split(": ", 1)[1]}
+            print(f"{case}: {MEMCACHE_WHY}", flush=True)
+            continue
+        entry: dict[str, Any] = {"status": "ok", "sizes": {},
+                                 "working_set": dist_ws if case in DISTRIBUTED else working_set}
+        t_case = time.monotonic()
         try:
+            if case == "yuanrong":
+                yr_pool.append(YuanrongPool(dist_ws))
             for i, (label, size) in enumerate(SIZES.items()):
                 t = time.monotonic()
                 raw = runners[case](size, lookups if i == 0 else 0)
@@ -649,12 +804,22 @@ def main(argv: list[str] | None = None) -> int:
                 raw.pop("lookup_ms", None)  # summarised above; thousands of samples do not belong in git
                 results["raw"].setdefault(case, {})[label] = raw
                 s = entry["sizes"][label]
-                print(f"{case:7s} {label:7s} put {s['put_gbps']:6.2f} GB/s  get {s['get_gbps']:6.2f} GB/s"
+                print(f"{case:8s} {label:7s} put {s['put_gbps']:6.2f} GB/s  get {s['get_gbps']:6.2f} GB/s"
                       f"  ({time.monotonic() - t:.1f} s)", flush=True)
-        except Exception:
-            failed = True
-            entry = {"status": "failed", "error": traceback.format_exc()}
+        except _Skip as exc:
+            entry = {"status": "not available", "why": str(exc)}
+            print(f"{case}: not available: {exc}", flush=True)
+        except Exception as exc:
+            # The distributed backends are reported, not fatal: the table says why one failed.
+            if case not in DISTRIBUTED:
+                failed = True
+            entry = {"status": "failed", "why": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}",
+                     "error": traceback.format_exc()}
             print(f"{case}: FAILED\n{entry['error']}", file=sys.stderr, flush=True)
+        finally:
+            while yr_pool:
+                yr_pool.pop().close()
+        entry["case_s"] = time.monotonic() - t_case
         results["cases"][case] = entry
         memcpy_block()
     results["raw"]["memcpy"] = memcpy_raw
@@ -673,7 +838,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for line in lines:
         print(line)
-    print(f"\nruntime {results['runtime_s']:.1f} s; {working_set // MiB} MiB working set, {rounds} rounds")
+    print(f"\nruntime {results['runtime_s']:.1f} s; {working_set // MiB} MiB working set "
+          f"({dist_ws // MiB} MiB for {', '.join(DISTRIBUTED)}), {rounds} rounds")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {out}")
