@@ -37,6 +37,7 @@ from kvpool.config import DEFAULT_SERVER_SOCKET
 from kvpool.errors import BackendUnavailable, ErrorCode
 from kvpool.store import protocol as P
 from kvpool.store import shm
+from kvpool.store.buffers import as_u8 as _u8
 
 logger = logging.getLogger(__name__)
 
@@ -59,20 +60,6 @@ class _Link:
     alive: bool = True
 
 
-def _u8(buf: Any, writable: bool = False) -> np.ndarray:
-    """A 1-D uint8 view of a contiguous buffer, without copying (ValueError/TypeError otherwise)."""
-    if isinstance(buf, np.ndarray) and buf.ndim == 1 and buf.dtype == np.uint8:
-        arr = buf
-    else:
-        view = memoryview(buf)
-        if not view.c_contiguous:
-            raise ValueError("buffer is not contiguous")
-        arr = np.frombuffer(view.cast("B"), dtype=np.uint8)
-    if not arr.flags.c_contiguous:
-        raise ValueError("buffer is not contiguous")
-    if writable and not arr.flags.writeable:
-        raise ValueError("buffer is read-only")
-    return arr
 
 
 def _valid_key(key: object) -> bool:

@@ -44,6 +44,7 @@ import numpy as np
 
 from kvpool.errors import ConfigError, ErrorCode, StoreError
 from kvpool.store.allocator import OffsetAllocator
+from kvpool.store.buffers import as_u8 as _as_u8
 from kvpool.store.disk import DiskTier
 
 logger = logging.getLogger(__name__)
@@ -192,20 +193,6 @@ class _Pending:
     generation: int
 
 
-def _as_u8(buf: Buffer, writable: bool = False) -> np.ndarray:
-    """View ``buf`` as a 1-D uint8 array without copying; raises ValueError/TypeError if impossible."""
-    if isinstance(buf, np.ndarray) and buf.ndim == 1 and buf.dtype == np.uint8:
-        arr = buf
-    else:
-        view = memoryview(buf)
-        if not view.c_contiguous:
-            raise ValueError("buffer is not contiguous")
-        arr = np.frombuffer(view.cast("B"), dtype=np.uint8)
-    if not arr.flags.c_contiguous:
-        raise ValueError("buffer is not contiguous")
-    if writable and not arr.flags.writeable:
-        raise ValueError("buffer is read-only")
-    return arr
 
 
 class PoolEngine:
