@@ -30,8 +30,8 @@ Configurations (one server each, in this order):
             that crashes is recorded as `crashed` for that size and restarted for the next;
             sizes where it crashed are rerun without chunked prefill (`example_unchunked`)
   mooncake  vLLM's MooncakeStoreConnector against a local `mooncake_master` over TCP, prefix
-            caching off (needs `pip install mooncake-transfer-engine-non-cuda` and Debian's
-            `libibverbs1`; if it cannot run, what failed is recorded and the rest goes on)
+            caching off (needs the `mooncake` extra and Debian's `libibverbs1`, both installed
+            by `make setup`; if it cannot run, what failed is recorded and the rest goes on)
 
 The machine may be shared: before each prompt the script waits (up to `--quiet-wait-s`) for
 the CPUs to be idle, measures how much CPU other jobs used during the prompt's requests, and
@@ -220,8 +220,8 @@ def mooncake_probe() -> tuple[str | None, str | None, str | None]:
         try:
             version = importlib.metadata.version("mooncake-transfer-engine")
         except importlib.metadata.PackageNotFoundError:
-            return None, None, ("mooncake-transfer-engine-non-cuda is not installed "
-                                "(pip install mooncake-transfer-engine-non-cuda; needs Debian libibverbs1)")
+            return None, None, ("mooncake-transfer-engine-non-cuda is not installed (`make setup`, or "
+                                "pip install -e '.[mooncake]' and Debian's libibverbs1)")
     probe = subprocess.run([sys.executable, "-c", "from mooncake.store import MooncakeDistributedStore"],
                            capture_output=True, text=True, timeout=60)
     if probe.returncode != 0:
