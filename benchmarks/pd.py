@@ -77,8 +77,8 @@ if str(REPO / "src") not in sys.path:  # run from a checkout without `pip instal
 
 import httpx  # noqa: E402
 
-from kvpool.demo.model import SPECS, build_model  # noqa: E402
-from kvpool.demo.serve import OpenAIServer, PoolServer, ServerError, free_port  # noqa: E402
+from kvpool.testing.model import SPECS, build_model  # noqa: E402
+from kvpool.testing.launch import OpenAIServer, PoolServer, ServerError, free_port  # noqa: E402
 
 SECTION = "## PD disaggregation"
 BLOCK_SIZE = 128

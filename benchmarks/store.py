@@ -18,7 +18,7 @@ as a vLLM step moves a chunk of blocks) it measures, side by side in one run:
            ONE process (it cannot be shared between processes; that is what `server` is for).
   server   a `kvpool server` daemon and two client processes (each `create_backend` with
            `backend: server`): a writer process puts, a reader process gets. Only when
-           `kvpool.store.server` exists; otherwise reported as "not available".
+           `kvpool.server.daemon` exists; otherwise reported as "not available".
   redis    a real `redis-server` (tests/services.py), a writer and a reader client process.
   mooncake a real `mooncake_master` (the spec's flags), TCP; the writer client mounts the pool as
            its segment, the reader mounts none. Objects live in the holder's segment and vanish
@@ -95,7 +95,7 @@ SIZES = {"256KiB": 256 * KiB, "2MiB": 2 * MiB}
 BATCH = 16
 LOOKUP_KEYS = 64
 WARMUP_ROUNDS = 3
-SERVER_MODULE = "kvpool.store.server"
+SERVER_MODULE = "kvpool.server.daemon"
 PUT_TARGET = 0.40  # of the memcpy figure
 LOOKUP_TARGET_MS = 0.5
 SECTION = "## Store throughput"
@@ -379,7 +379,7 @@ def run_local(size: int, working_set: int, rounds: int, seed: int, lookups: int)
 
 
 class ServerDaemon:
-    """`python -m kvpool.store.server` on a private socket; stopped with SIGTERM."""
+    """`python -m kvpool.server.daemon` on a private socket; stopped with SIGTERM."""
 
     def __init__(self, memory_size: int) -> None:
         self.dir = tempfile.mkdtemp(prefix="kvpb-")
@@ -440,7 +440,7 @@ class _Skip(Exception):
 
 
 def _service(factory):
-    from services import ServiceError
+    from kvpool.testing.services import ServiceError
 
     try:
         return factory()
@@ -450,7 +450,7 @@ def _service(factory):
 
 def run_redis(size: int, working_set: int, rounds: int, seed: int, lookups: int) -> dict[str, Any]:
     """A real `redis-server` (maxmemory = start-up footprint + pool capacity, allkeys-lru)."""
-    from services import RedisService
+    from kvpool.testing.services import RedisService
 
     workdir = tempfile.mkdtemp(prefix="kvpb-redis-")
     svc = _service(lambda: RedisService(workdir, capacity=_dist_capacity(working_set, rounds)))
@@ -467,7 +467,7 @@ def run_mooncake(size: int, working_set: int, rounds: int, seed: int, lookups: i
     as its segment, the reader mounts none. Objects live in the segment of the client that holds
     them and vanish when it closes, so the writer stays alive until the reader is done
     (`_two_processes` stops both only after the reader's last get and its lookups)."""
-    from services import MooncakeMaster
+    from kvpool.testing.services import MooncakeMaster
 
     workdir = tempfile.mkdtemp(prefix="kvpb-mc-")
     master = _service(lambda: MooncakeMaster(workdir))
@@ -490,7 +490,7 @@ class YuanrongPool:
     is a `key_prefix` of its own, and the previous size's objects are evictable."""
 
     def __init__(self, working_set: int) -> None:
-        from services import YuanrongWorker
+        from kvpool.testing.services import YuanrongWorker
 
         self.workdir = tempfile.mkdtemp(prefix="kvpb-yr-")
         mb = -(-_pool_capacity(working_set) // MiB)

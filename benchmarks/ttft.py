@@ -72,8 +72,8 @@ if str(REPO / "src") not in sys.path:  # run from a checkout without `pip instal
 
 import httpx  # noqa: E402
 
-from kvpool.demo.model import SPECS, build_model  # noqa: E402
-from kvpool.demo.serve import DEFAULT_ENV, OpenAIServer, ServerError, free_port  # noqa: E402
+from kvpool.testing.model import SPECS, build_model  # noqa: E402
+from kvpool.testing.launch import DEFAULT_ENV, OpenAIServer, ServerError, free_port  # noqa: E402
 
 BLOCK_SIZE = 128
 MAX_MODEL_LEN = 8448  # 8192 prompt tokens + 1 generated, rounded up to whole blocks

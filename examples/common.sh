@@ -8,7 +8,7 @@ if [ -z "${MODEL:-}" ]; then
   MODEL="$HERE/../.cache/examples/model"
   mkdir -p "$(dirname "$MODEL")"
   # Several scripts may start at once: one builds, the others wait for it.
-  flock "$MODEL.lock" "$PYTHON" -m kvpool.demo.model "$MODEL" --spec tiny >/dev/null
+  flock "$MODEL.lock" "$PYTHON" -m kvpool.testing.model "$MODEL" --spec tiny >/dev/null
 fi
 KVPOOL_SOCKET="${KVPOOL_SOCKET:-/tmp/kvpool-examples.sock}"
 HOST="${HOST:-127.0.0.1}"

@@ -292,7 +292,7 @@ def _load_local(extra: Mapping[str, Any]) -> LocalBackendConfig:
     path = extra.get("ssd_offload_path")
     if path is not None:
         path = str(path)
-        from kvpool.store.disk import validate_offload_path
+        from kvpool.paths import validate_offload_path
 
         validate_offload_path(path)
     quota = parse_size("ssd_quota", extra.get("ssd_quota", 0))

@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from kvpool import doctor
+from kvpool.cli import doctor
 from kvpool.cli import main as cli_main
-from services import RedisService, free_port
+from kvpool.testing.services import RedisService, free_port
 
 GiB = 1 << 30
 
@@ -183,7 +183,7 @@ def test_doctor_does_not_import_vllm():
     import subprocess
     import sys
 
-    code = ("import sys, kvpool.doctor, kvpool.cli; kvpool.cli.main(['doctor', '--kv-transfer-config', "
+    code = ("import sys, kvpool.cli.doctor, kvpool.cli; kvpool.cli.main(['doctor', '--kv-transfer-config', "
             "'{\"kv_connector\":\"KVPoolConnector\",\"kv_load_failure_policy\":\"recompute\"}']); "
             "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, 'heavy import'")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -9,7 +9,7 @@ from kvpool.backends import create_backend
 from kvpool.backends.memcache import load_memcache_config
 from kvpool.config import load_config
 from kvpool.errors import BackendUnavailable, ConfigError
-from services import MemcacheMetaService, ServiceError
+from kvpool.testing.services import MemcacheMetaService, ServiceError
 
 SPEC_LOCAL = """\
 ock.mmc.meta_service_url = tcp://10.0.0.1:5000

@@ -15,7 +15,7 @@ from kvpool.backends import create_backend
 from kvpool.backends.mooncake import MooncakeBackend, load_mooncake_config, map_code
 from kvpool.config import load_config
 from kvpool.errors import ConfigError, ErrorCode
-from services import MooncakeMaster, ServiceError, free_port
+from kvpool.testing.services import MooncakeMaster, ServiceError, free_port
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -215,7 +215,7 @@ def master(tmp_path):
 
 def restart(m: MooncakeMaster, workdir) -> MooncakeMaster:
     """A new master on the same ports (a restart: it knows no objects and no segments)."""
-    from services import Service, mooncake_master_binary
+    from kvpool.testing.services import Service, mooncake_master_binary
 
     new = MooncakeMaster.__new__(MooncakeMaster)
     Service.__init__(new, workdir)

@@ -12,7 +12,7 @@ import pytest
 from kvpool.backends import create_backend
 from kvpool.config import load_config
 from kvpool.errors import ErrorCode
-from services import RedisService, ServiceError
+from kvpool.testing.services import RedisService, ServiceError
 
 MiB = 1 << 20
 OK, NOT_FOUND, NO_HANDLE = ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND, ErrorCode.NO_AVAILABLE_HANDLE
@@ -135,7 +135,7 @@ def test_server_down_is_misses_and_rpc_fail_then_recovers(tmp_path):
 
 
 def test_unreachable_at_start_is_not_fatal(tmp_path):
-    from services import free_port
+    from kvpool.testing.services import free_port
 
     b = backend(f"redis://127.0.0.1:{free_port()}/0", redis_timeout_s="0.5")
     assert b.batch_exists(["a"]) == [False]

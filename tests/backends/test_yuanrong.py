@@ -20,7 +20,7 @@ from kvpool.backends.keynorm import MARKER, KeyNormalizer, normalize_yuanrong_ke
 from kvpool.backends.yuanrong import load_yuanrong_config
 from kvpool.config import load_config
 from kvpool.errors import ConfigError, ErrorCode
-from services import ServiceError, YuanrongWorker, shared_yuanrong_worker
+from kvpool.testing.services import ServiceError, YuanrongWorker, shared_yuanrong_worker
 
 ALLOWED = re.compile(r"^[a-zA-Z0-9\-_!@#%^*()+=:;]*$")
 KVPOOL_KEY = "Qwen2.5-7B-Instruct@3f9a0c1b2d4e@tp0/2@pp1/2@g0@" + "ab" * 32
@@ -201,7 +201,7 @@ def test_worker_dies_then_comes_back(tmp_path):
         except ProcessLookupError:
             pass
         w.proc = None
-        from services import _LIVE
+        from kvpool.testing.services import _LIVE
 
         if w in _LIVE:
             _LIVE.remove(w)

@@ -36,7 +36,7 @@ BACKENDS = ["local", "server", "redis", "mooncake", "yuanrong"]
 # Backends whose pool several processes (each with its own client) share.
 MULTIPROCESS_BACKENDS = ["server", "redis", "mooncake", "yuanrong"]
 
-SERVER_MODULE = "kvpool.store.server"
+SERVER_MODULE = "kvpool.server.daemon"
 
 
 class BackendFactory:
@@ -210,7 +210,7 @@ class RedisFactory(BackendFactory):
         self._urls: dict[int, str] = {}
 
     def __call__(self, capacity_bytes: int) -> Backend:
-        from services import RedisService, ServiceError
+        from kvpool.testing.services import RedisService, ServiceError
 
         try:
             svc = RedisService(os.path.join(self.workdir, f"redis{len(self._services)}"), capacity=capacity_bytes)
@@ -255,7 +255,7 @@ class MooncakeFactory(BackendFactory):
         self._clients: dict[int, str] = {}
 
     def __call__(self, capacity_bytes: int) -> Backend:
-        from services import MooncakeMaster, ServiceError
+        from kvpool.testing.services import MooncakeMaster, ServiceError
 
         n = len(self._masters)
         try:
@@ -317,7 +317,7 @@ class YuanrongFactory(BackendFactory):
         self._configs: dict[int, str] = {}
 
     def __call__(self, capacity_bytes: int) -> Backend:
-        from services import ServiceError, shared_yuanrong_worker
+        from kvpool.testing.services import ServiceError, shared_yuanrong_worker
 
         try:
             worker = shared_yuanrong_worker(self.SHM_MB)

@@ -25,12 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-
-def free_port() -> int:
-    """A port nothing listens on (connections to it are refused until someone binds it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvpool.testing.proc import free_port  # noqa: F401  (used by the proxy tests through this module)
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:

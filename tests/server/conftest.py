@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 import pytest
 from srvutil import ServerProc, arena_files, socket_dir
 
-from kvpool.store import shm
-from kvpool.store.client import PoolClient
+from kvpool.server import shm
+from kvpool.server.client import PoolClient
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def start_server(sock_path: str, sock_dir: str) -> Iterator[Callable[..., Server
     procs: list[ServerProc] = []
 
     def factory(*flags: str, expect_ready: bool = True, socket_path: str | None = None,
-                entry: tuple[str, ...] = ("-m", "kvpool.store.server")) -> ServerProc:
+                entry: tuple[str, ...] = ("-m", "kvpool.server.daemon")) -> ServerProc:
         args = list(flags)
         if not any(a.startswith(("--memory", "--global")) for a in args):
             args += ["--memory-size", "16MB"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpool.store import shm
+from kvpool.server import shm
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "srvworker.py")
@@ -31,10 +31,10 @@ def socket_dir(tmp_path: Path) -> str:
 
 
 class ServerProc:
-    """One `python -m kvpool.store.server` process, its flags and its log file."""
+    """One `python -m kvpool.server.daemon` process, its flags and its log file."""
 
     def __init__(self, socket_path: str, log_path: str, flags: list[str],
-                 entry: tuple[str, ...] = ("-m", "kvpool.store.server")) -> None:
+                 entry: tuple[str, ...] = ("-m", "kvpool.server.daemon")) -> None:
         self.entry = entry
         self.socket_path = socket_path
         self.log_path = log_path

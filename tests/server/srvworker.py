@@ -19,7 +19,7 @@ import numpy as np
 from srvutil import payload, payload_ok, size_of
 
 from kvpool.errors import ErrorCode
-from kvpool.store.client import PoolClient
+from kvpool.server.client import PoolClient
 
 
 def hang_put(sock: str, key: str, size: int) -> None:

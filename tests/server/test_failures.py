@@ -15,7 +15,7 @@ import numpy as np
 from srvutil import WORKER, arena_files, payload, payload_ok, stop_process, wait_for
 
 from kvpool.errors import ErrorCode
-from kvpool.store import shm
+from kvpool.server import shm
 
 OK = 0
 RPC_FAIL = int(ErrorCode.RPC_FAIL)

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from srvutil import ServerProc, arena_files, payload, socket_dir, wait_for
 
 from kvpool.errors import ErrorCode
-from kvpool.store import protocol as P
-from kvpool.store import shm
-from kvpool.store.client import PoolClient
+from kvpool.server import protocol as P
+from kvpool.server import shm
+from kvpool.server.client import PoolClient
 
 INVALID = int(ErrorCode.INVALID_PARAMS)
 

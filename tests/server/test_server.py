@@ -17,9 +17,9 @@ from srvutil import arena_files, payload, payload_ok, wait_for
 from kvpool.backends.base import create_backend
 from kvpool.config import DEFAULT_SERVER_SOCKET, load_config
 from kvpool.errors import ConfigError, ErrorCode
-from kvpool.store import protocol as P
-from kvpool.store import shm
-from kvpool.store.server import ServerConfig, add_arguments, config_from_args
+from kvpool.server import protocol as P
+from kvpool.server import shm
+from kvpool.server.daemon import ServerConfig, add_arguments, config_from_args
 
 OK = 0
 

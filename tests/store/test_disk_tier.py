@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvpool.errors import ConfigError, ErrorCode, StoreError
-from kvpool.store import DiskTier, validate_offload_path
+from kvpool.paths import validate_offload_path
+from kvpool.store import DiskTier
 
 
 def file_of(disk: DiskTier, key: str) -> str:

@@ -9,14 +9,14 @@ from harness import Engine
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:
-    from kvpool.demo.model import SPECS, build_model
+    from kvpool.testing.model import SPECS, build_model
 
     return str(build_model(tmp_path_factory.mktemp("model") / "tiny", SPECS["tiny"]))
 
 
 @pytest.fixture(scope="session")
 def bf16_model_dir(tmp_path_factory) -> str:
-    from kvpool.demo.model import SPECS, build_model
+    from kvpool.testing.model import SPECS, build_model
 
     return str(build_model(tmp_path_factory.mktemp("model") / "tiny-bf16", SPECS["tiny-bf16"]))
 

@@ -17,7 +17,7 @@ import os
 import pytest
 
 from harness import Engine, kvpool_config, tokens
-from kvpool.demo.serve import PoolServer
+from kvpool.testing.launch import PoolServer
 
 pytestmark = pytest.mark.vllm
 

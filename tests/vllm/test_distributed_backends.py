@@ -11,8 +11,8 @@ import json
 import pytest
 
 from harness import Engine, tokens
-from kvpool.demo.serve import OpenAIServer
-from services import MooncakeMaster, YuanrongWorker
+from kvpool.testing.launch import OpenAIServer
+from kvpool.testing.services import MooncakeMaster, YuanrongWorker
 
 pytestmark = pytest.mark.vllm
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from harness import tokens
-from kvpool.demo.serve import OpenAIServer, ServerError
+from kvpool.testing.launch import OpenAIServer, ServerError
 
 pytestmark = pytest.mark.vllm
 

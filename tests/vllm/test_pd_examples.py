@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from kvpool.demo.run import LONG_QUESTION, SHORT_QUESTION
-from kvpool.demo.serve import free_port
+from kvpool.testing.launch import free_port
 
 pytestmark = pytest.mark.vllm
 

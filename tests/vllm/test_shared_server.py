@@ -11,7 +11,7 @@ import time
 import pytest
 
 from harness import Engine, tokens
-from kvpool.demo.serve import OpenAIServer, PoolServer
+from kvpool.testing.launch import OpenAIServer, PoolServer
 
 pytestmark = pytest.mark.vllm
 

@@ -52,7 +52,7 @@ def create_backend(config: KVPoolConfig, client_name: str) -> Backend:
 
         return LocalBackend(config.local, client_name)
     if config.backend == "server":
-        from kvpool.backends.server import ServerBackend
+        from kvpool.backends.pool_server import ServerBackend
 
         return ServerBackend(config.server_socket, client_name)
     # The distributed stores: each module imports its client library only when built, and

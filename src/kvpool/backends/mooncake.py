@@ -224,7 +224,7 @@ def load_mooncake_config(path: str | None = None, env: Mapping[str, str] | None 
         if ssd_path is None:
             raise ConfigError("ssd_offload_path", None,
                               "an existing absolute directory, required when enable_ssd_offload is true")
-        from kvpool.store.disk import validate_offload_path
+        from kvpool.paths import validate_offload_path
 
         validate_offload_path(ssd_path)
     offload_buffer = env.get("MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES")

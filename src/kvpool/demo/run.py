@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvpool.demo.serve import Completion, OpenAIServer, PoolServer, ServerError
+from kvpool.testing.launch import Completion, OpenAIServer, PoolServer, ServerError
 
 # The spec's two curl questions, verbatim.
 SHORT_QUESTION = "Hello. I have a question. The president of the United States is"
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         model = args.model
     else:
-        from kvpool.demo.model import SPECS, build_model
+        from kvpool.testing.model import SPECS, build_model
 
         if args.spec not in SPECS:
             p.error(f"--spec must be one of {', '.join(sorted(SPECS))}")

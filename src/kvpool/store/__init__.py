@@ -6,7 +6,7 @@ torch.
 """
 
 from kvpool.store.allocator import OffsetAllocator
-from kvpool.store.disk import DiskPolicy, DiskTier, validate_offload_path
+from kvpool.store.disk import DiskPolicy, DiskTier
 from kvpool.store.engine import Allocation, EngineConfig, Lease, PoolEngine, ReapReport
 
 __all__ = [
@@ -18,5 +18,4 @@ __all__ = [
     "OffsetAllocator",
     "PoolEngine",
     "ReapReport",
-    "validate_offload_path",
 ]

@@ -25,6 +25,8 @@ from typing import Any
 
 import httpx
 
+from kvpool.testing.proc import free_port, tail
+
 # Every server gets the same thread setup. vLLM-CPU reserves one more core when a KV connector
 # is configured; on a 2-core machine that changes the OpenMP thread count, so a server with the
 # connector and one without would not compute at the same speed (nor always in the same order).
@@ -54,23 +56,6 @@ class Completion:
     # this is exactly what the pool served.
     cached_tokens: int
     finish_reason: str | None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (bind to 0, read the port, release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _tail(path: Path, max_bytes: int = 6000) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - max_bytes))
-            return f.read().decode("utf-8", "replace")
-    except OSError as e:
-        return f"<no log: {e}>"
 
 
 class OpenAIServer:
@@ -171,7 +156,7 @@ class OpenAIServer:
             if rc is not None:
                 raise ServerError(
                     f"vLLM server exited with code {rc} before it was ready; log {self.log_path}:\n"
-                    f"{_tail(self.log_path)}"
+                    f"{tail(self.log_path)}"
                 )
             try:
                 if self._client.get("/health", timeout=2.0).status_code == 200:
@@ -181,7 +166,7 @@ class OpenAIServer:
             if time.monotonic() > deadline:
                 raise ServerError(
                     f"vLLM server not healthy after {self.startup_timeout_s:.0f} s; log {self.log_path}:\n"
-                    f"{_tail(self.log_path)}"
+                    f"{tail(self.log_path)}"
                 )
             time.sleep(0.5)
 
@@ -220,7 +205,7 @@ class OpenAIServer:
         self.stop()
 
     def log_tail(self, max_bytes: int = 6000) -> str:
-        return _tail(self.log_path, max_bytes)
+        return tail(self.log_path, max_bytes)
 
     # ---- requests ----
 
@@ -337,7 +322,7 @@ class PoolServer:
                  startup_timeout_s: float = 30.0, stop_grace_s: float = 15.0,
                  python: str = sys.executable) -> None:
         self.socket_path = str(socket_path)
-        self.args = [python, "-m", "kvpool.store.server", "--socket", self.socket_path,
+        self.args = [python, "-m", "kvpool.server.daemon", "--socket", self.socket_path,
                      "--memory-size", memory_size, *extra_args]
         if log_path is None:
             fd, name = tempfile.mkstemp(prefix="kvpool-server-", suffix=".log")
@@ -360,7 +345,7 @@ class PoolServer:
             except OSError:
                 if self.proc.poll() is not None:
                     raise ServerError(f"kvpool server exited with code {self.proc.returncode}; "
-                                      f"log {self.log_path}:\n{_tail(self.log_path)}") from None
+                                      f"log {self.log_path}:\n{tail(self.log_path)}") from None
                 if time.monotonic() > deadline:
                     self.kill()
                     raise ServerError(f"kvpool server did not listen on {self.socket_path} in "

@@ -18,48 +18,12 @@ import sys
 import time
 from pathlib import Path
 
-HOST = "127.0.0.1"
+from kvpool.testing.proc import HOST, free_port, free_ports, port_open, tail  # noqa: F401  (re-exported for tests)
 _LIVE: list["Service"] = []
 
 
 class ServiceError(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct free ports (held open together, so they differ)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((HOST, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def port_open(port: int, host: str = HOST, timeout: float = 0.2) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-def tail(path: str | Path, n: int = 3000) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()[-n:]
-    except OSError as exc:
-        return f"(no log: {exc})"
 
 
 def which(binary: str, install: str) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from kvpool.backends.base import Backend, Buffers
 from kvpool.errors import KVPoolError
-from kvpool.store.client import PoolClient
+from kvpool.server.client import PoolClient
 
 
 class ServerBackend(Backend):

@@ -15,11 +15,11 @@ from kvpool.errors import KVPoolError
 
 
 def fetch_from_socket(socket_path: str, timeout_s: float = 5.0) -> dict[str, Any]:
-    from kvpool.store.client import PoolClient
+    from kvpool.server.client import PoolClient
 
     # The client's "no server, calls will miss" warning is for long-running users; here the
     # one error line run() prints says it.
-    logging.getLogger("kvpool.store.client").setLevel(logging.ERROR)
+    logging.getLogger("kvpool.server.client").setLevel(logging.ERROR)
     client = PoolClient(socket_path, "kvpool-stats", timeout_s=timeout_s, ping=False)
     try:
         stats, clients = client.server_stats()

@@ -35,8 +35,8 @@ import numpy as np
 
 from kvpool.config import DEFAULT_SERVER_SOCKET
 from kvpool.errors import BackendUnavailable, ErrorCode
-from kvpool.store import protocol as P
-from kvpool.store import shm
+from kvpool.server import protocol as P
+from kvpool.server import shm
 from kvpool.store.buffers import as_u8 as _u8
 
 logger = logging.getLogger(__name__)

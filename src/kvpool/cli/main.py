@@ -14,14 +14,15 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--spec", default="tiny")
     sub.add_parser("version", help="print kvpool's version")
     # Imported here rather than on use so `--help` lists their flags; both are light (no vLLM).
-    from kvpool.store import server, statsview
+    from kvpool.cli import stats as statsview
+    from kvpool.server import daemon as server
 
     server.add_arguments(sub.add_parser("server", help="run the host-shared pool daemon (backend: server)"))
     statsview.add_arguments(sub.add_parser("stats", help="show a running server's usage, hit rate and clients"))
     from kvpool.proxy import config as proxy_config  # stdlib only; the web stack loads on use
 
     proxy_config.add_arguments(sub.add_parser("proxy", help="run the PD-disaggregation proxy (prefill, then decode)"))
-    from kvpool import doctor  # stdlib + kvpool config only
+    from kvpool.cli import doctor  # stdlib + kvpool config only
 
     doctor.add_arguments(sub.add_parser("doctor", help="check a deployment's config, files and services before vLLM starts"))
     args = parser.parse_args(argv)
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(version("kvpool"))
     elif args.cmd == "build-model":
-        from kvpool.demo.model import main as build
+        from kvpool.testing.model import main as build
 
         build([args.out_dir, "--spec", args.spec])
     return 0

@@ -41,11 +41,12 @@ import msgspec
 
 from kvpool.config import DEFAULT_SERVER_SOCKET, SSD_POLICIES, LocalBackendConfig, parse_size, parse_socket_path
 from kvpool.errors import ConfigError, ErrorCode, KVPoolError
-from kvpool.store import protocol as P
-from kvpool.store import shm
-from kvpool.store.disk import DiskTier, validate_offload_path
+from kvpool.server import protocol as P
+from kvpool.server import shm
+from kvpool.paths import validate_offload_path
+from kvpool.store.disk import DiskTier
 from kvpool.store.engine import Allocation, EngineConfig, Lease, PoolEngine
-from kvpool.store.metrics import MetricsServer
+from kvpool.server.metrics import MetricsServer
 
 logger = logging.getLogger("kvpool.server")
 

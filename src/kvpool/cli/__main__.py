@@ -1,0 +1,7 @@
+"""`python -m kvpool.cli` = `kvpool`."""
+
+import sys
+
+from kvpool.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,62 @@
+"""Small process and port helpers shared by every launcher in `kvpool.testing`, the tests and
+the benchmarks: one copy of each, so a fix reaches all of them."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+HOST = "127.0.0.1"
+
+
+def free_port(host: str = HOST) -> int:
+    """A port that was free a moment ago (bind to 0, read the port, release it)."""
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = HOST) -> list[int]:
+    """`n` distinct free ports (held open together, so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def port_open(port: int, host: str = HOST, timeout: float = 0.2) -> bool:
+    """Whether something accepts TCP connections on host:port now."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def tail(path: str | os.PathLike[str], max_bytes: int = 6000) -> str:
+    """The last `max_bytes` of a log file, for error messages (never raises)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            return f.read().decode("utf-8", "replace")
+    except OSError as e:
+        return f"<no log at {Path(path)}: {e}>"
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
+    """Poll `cond` until it holds (True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if cond():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
