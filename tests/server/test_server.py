@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from srvutil import arena_files, payload, payload_ok, wait_for
 
-from kvpool.backends.base import create_backend
+from kvpool.backends import create_backend
 from kvpool.config import DEFAULT_SERVER_SOCKET, load_config
 from kvpool.errors import ConfigError, ErrorCode
 from kvpool.server import protocol as P

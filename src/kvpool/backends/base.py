@@ -1,4 +1,4 @@
-"""The protocol every backend implements, and the factory that picks one from the config.
+"""The protocol every backend implements.
 
 Values are passed as lists of 1-D uint8 numpy views (one per layer segment of a block), so a
 backend copies straight between vLLM's KV cache and its store with no intermediate buffer.
@@ -13,8 +13,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvpool.config import KVPoolConfig
-from kvpool.errors import ConfigError
 
 Buffers = Sequence[np.ndarray]
 
@@ -43,36 +41,3 @@ class Backend(abc.ABC):
 
     def close(self) -> None:
         """Release the backend's resources; flushes what its tiers promise to keep."""
-
-
-def create_backend(config: KVPoolConfig, client_name: str) -> Backend:
-    """Build the backend named by `config.backend`."""
-    if config.backend == "local":
-        from kvpool.backends.local import LocalBackend
-
-        return LocalBackend(config.local, client_name)
-    if config.backend == "server":
-        from kvpool.backends.pool_server import ServerBackend
-
-        return ServerBackend(config.server_socket, client_name)
-    # The distributed stores: each module imports its client library only when built, and
-    # raises ConfigError naming the pip package when it is missing.
-    if config.backend == "redis":
-        from kvpool.backends.redis import RedisBackend
-
-        return RedisBackend(config.redis, client_name)
-    if config.backend == "mooncake":
-        from kvpool.backends.mooncake import MooncakeBackend
-
-        return MooncakeBackend.from_config(config, client_name)
-    if config.backend == "yuanrong":
-        from kvpool.backends.yuanrong import YuanrongBackend
-
-        return YuanrongBackend.from_config(config, client_name)
-    if config.backend == "memcache":
-        from kvpool.backends.memcache import MemcacheBackend
-
-        return MemcacheBackend.from_config(config, client_name)
-    raise ConfigError(
-        "backend", config.backend, "a backend this kvpool release ships: local, server, mooncake, yuanrong, memcache, redis"
-    )
