@@ -1,108 +1,137 @@
-"""One validated configuration object built from `kv_connector_extra_config` and the environment.
+"""Every setting kvpool accepts, declared once as msgspec structs, and the one parser for them.
 
-Every value is checked here, at start-up, so that a bad config stops vLLM before it serves a
-request, with a message that names the key, the value and what is expected.
+Three surfaces read these schemas: the connector's `kv_connector_extra_config` (`load_config`),
+the settings of the pool engine shared by `backend: local` and `kvpool server`
+(`EngineSettings`), and `kvpool server`'s command-line flags (`ServerSettings`,
+`add_flags`/`from_flags`). A field's type and `msgspec.Meta` say what it accepts: its kind
+(`extra={"kind": ...}`: a byte size, a duration, a path ...), its bounds (`ge`, `gt`, `le`,
+`lt`) and its help text (`description`). One function per kind parses a value whatever the
+surface, so "4GB", "true" and "500ms" mean the same everywhere, and an error always names the
+key the user wrote, the value and what is expected, with "did you mean" for a misspelt key.
+
+Each backend's own keys are a `BackendSettings` subclass naming its backend; that class is the
+backend's config schema in the registry (`kvpool.backends.registry`), and the list of backend
+names derives from those classes.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import argparse
+import difflib
+import math
 import os
 import re
+import shutil
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal
+
+import msgspec
+import msgspec.inspect as mi
 
 from kvpool.errors import ConfigError
+from kvpool.paths import validate_offload_path
+from kvpool.store import DiskTier, EngineConfig
 
-BACKENDS = ("local", "server", "mooncake", "yuanrong", "memcache", "redis")
-# Backends whose adapters ship in this release; the others are named so the error says so.
-IMPLEMENTED_BACKENDS = BACKENDS
+Meta = msgspec.Meta
+
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 SSD_POLICIES = ("none", "fifo", "lru")
+KiB, MiB, GiB, TiB, PiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40, 1 << 50
+# Where `kvpool server` listens and `backend: server` connects unless told otherwise. Per user
+# and independent of the environment, so a server started from a shell and a vLLM started by a
+# service manager agree without configuration.
+DEFAULT_SERVER_SOCKET = f"/tmp/kvpool-{os.getuid()}.sock"
+_MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes including the terminating NUL
+DAY_S = 86_400.0
+
+# ---- one parser per kind ------------------------------------------------------------------------
 
 _UNITS = {
     "": 1, "b": 1,
-    "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10,
-    "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
-    "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
-    "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40,
+    "k": KiB, "kb": KiB, "kib": KiB,
+    "m": MiB, "mb": MiB, "mib": MiB,
+    "g": GiB, "gb": GiB, "gib": GiB,
+    "t": TiB, "tb": TiB, "tib": TiB,
 }
-# Where `kvpool server` listens and `backend: server` connects unless told otherwise. Per user
-# (the socket is mode 0600 by default, so another user's server could not be used anyway) and
-# independent of the environment, so a server started from a shell and a vLLM started by a
-# service manager agree without configuration.
-DEFAULT_SERVER_SOCKET = f"/tmp/kvpool-{os.getuid()}.sock"
-# sun_path holds 108 bytes including the terminating NUL.
-_MAX_SOCKET_PATH = 107
+# ASCII digits only: `\d` and float() also accept other scripts' digits.
+_NUMBER_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$", re.ASCII)
+_DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+SIZE_EXPECTED = 'a non-negative byte count: an integer or a number with a unit B/KB/MB/GB/TB, e.g. "4GB"'
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+def human_size(n: int) -> str:
+    """Bytes as the largest binary unit that divides them ("1MB", "512MB", "1536KB")."""
+    for unit, size in (("PB", PiB), ("TB", TiB), ("GB", GiB), ("MB", MiB), ("KB", KiB)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n}B"
 
 
 def parse_size(key: str, value: Any) -> int:
-    """Parse a byte size as Mooncake does: an int, or "1GB" / "1024MB" / "1048576KB" / "1073741824B".
+    """A byte size as Mooncake writes them: an int, or "1GB" / "1024MB" / "1048576KB" / "1073741824B".
 
-    Units are binary (1KB = 1024 bytes), as in mooncake.json. Fractions are allowed
-    ("1.5GB") and rounded down to whole bytes.
+    Units are binary (1KB = 1024 bytes), as in mooncake.json; fractions ("1.5GB") round down.
     """
-    expected = 'a non-negative byte count: an integer or a number with a unit B/KB/MB/GB/TB, e.g. "4GB"'
     if isinstance(value, bool):
-        raise ConfigError(key, value, expected)
+        raise ConfigError(key, value, SIZE_EXPECTED)
     if isinstance(value, int):
         if value < 0:
-            raise ConfigError(key, value, expected)
+            raise ConfigError(key, value, SIZE_EXPECTED)
         return value
     if isinstance(value, float):
-        if not 0 <= value < float("inf"):  # also rejects NaN
-            raise ConfigError(key, value, expected)
+        if not 0 <= value < math.inf:  # also rejects NaN
+            raise ConfigError(key, value, SIZE_EXPECTED)
         return int(value)
     if isinstance(value, str):
-        m = _SIZE_RE.match(value)
+        m = _NUMBER_RE.match(value)
         if m and m.group(2).lower() in _UNITS:
             return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    raise ConfigError(key, value, expected)
+    raise ConfigError(key, value, SIZE_EXPECTED)
 
 
-def _parse_bool(key: str, value: Any) -> bool:
+def parse_bool(key: str, value: Any) -> bool:
+    """true/false, 1/0, yes/no, on/off (any case), or a JSON boolean or 0/1."""
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "false", "0", "no"):
-        return value.strip().lower() in ("true", "1", "yes")
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
     raise ConfigError(key, value, "true or false")
 
 
-def _parse_int(key: str, value: Any, minimum: int = 0) -> int:
+def _number(key: str, value: Any, expected: str) -> float:
+    """A finite JSON number or a numeric ASCII string; booleans are never numbers here."""
     if isinstance(value, bool):
-        raise ConfigError(key, value, f"an integer >= {minimum}")
-    try:
-        n = int(value, 10) if isinstance(value, str) else int(value)
-    except (TypeError, ValueError):
-        raise ConfigError(key, value, f"an integer >= {minimum}") from None
-    if isinstance(value, float) and value != n:
-        raise ConfigError(key, value, f"an integer >= {minimum}")
-    if n < minimum:
-        raise ConfigError(key, value, f"an integer >= {minimum}")
-    return n
-
-
-def _parse_float(key: str, value: Any, ok: Any, expected: str) -> float:
-    """A number (or numeric string) for which `ok(f)` holds; booleans are never numbers here."""
-    try:
+        raise ConfigError(key, value, expected)
+    if isinstance(value, (int, float)):
         f = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(key, value, expected) from None
-    if isinstance(value, bool) or not ok(f):
+    elif isinstance(value, str) and (m := _NUMBER_RE.match(value.replace("-", "", 1))) and not m.group(2):
+        f = float(value)
+    else:
+        raise ConfigError(key, value, expected)
+    if not math.isfinite(f):
         raise ConfigError(key, value, expected)
     return f
 
 
-def _parse_seconds(key: str, value: Any) -> float:
-    return _parse_float(key, value, lambda f: 0.0 <= f < float("inf"), "a number of seconds >= 0")
+def parse_int(key: str, value: Any, expected: str) -> int:
+    """An integer, from an int, an integral float (3.0) or a string of ASCII digits."""
+    f = _number(key, value, expected)
+    if f != int(f) or (isinstance(value, str) and "." in value):
+        raise ConfigError(key, value, expected)
+    return int(value) if isinstance(value, int) else int(f)
 
 
-def _parse_ratio(key: str, value: Any) -> float:
-    return _parse_float(key, value, lambda f: 0.0 < f <= 1.0, "a number in (0, 1]")
+def parse_duration(key: str, value: Any, unit_s: float, expected: str) -> float:
+    """A duration in units of `unit_s` seconds: a number in that unit, or "500ms"/"10s"/"2m"/"1h"."""
+    if isinstance(value, str) and (m := _NUMBER_RE.match(value)) and m.group(2):
+        scale = _DURATION_UNITS.get(m.group(2).lower())
+        if scale is None:
+            raise ConfigError(key, value, expected)
+        return float(m.group(1)) * scale / unit_s
+    return _number(key, value, expected)
 
 
 def parse_socket_path(key: str, value: Any) -> str:
@@ -115,47 +144,319 @@ def parse_socket_path(key: str, value: Any) -> str:
     return value
 
 
-def parse_layer_partition(key: str, value: Any, pp_size: int) -> list[int]:
-    """`prefill_pp_layer_partition` ("30,31") -> [30, 31]: one positive count per prefill stage."""
+def _parse_file(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not os.path.isabs(value):
+        raise ConfigError(key, value, "an absolute path of an existing file, e.g. /etc/kvpool/mooncake.json")
+    if not os.path.isfile(value):
+        raise ConfigError(key, value, "an existing file (it does not exist or is not a regular file)")
+    return value
+
+
+def _parse_dir(key: str, value: Any) -> str:
+    try:
+        validate_offload_path(value)
+    except ConfigError as exc:  # name the key as the user wrote it
+        raise ConfigError(key, value, exc.expected) from None
+    return value
+
+
+def _parse_redis_url(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(key, value, "a URL redis://[user:password@]host:port/db, rediss://... or unix:///path.sock")
+    return value
+
+
+def _parse_int_list(key: str, value: Any) -> tuple[int, ...]:
     parts = value if isinstance(value, (list, tuple)) else str(value).split(",")
     try:
-        counts = [int(str(p).strip()) for p in parts]
+        return tuple(int(str(p).strip()) for p in parts)
     except ValueError:
         raise ConfigError(key, value, 'comma-separated layer counts, e.g. "30,31"') from None
-    if len(counts) != pp_size or any(c <= 0 for c in counts):
-        raise ConfigError(
-            key, value, f"{pp_size} positive layer counts, one per prefill PP stage (prefill_pp_size={pp_size})"
+
+
+def _parse_octal(key: str, value: Any) -> int:
+    try:
+        return int(str(value), 8)
+    except ValueError:
+        raise ConfigError(key, value, "an octal file mode such as 0600 or 0660") from None
+
+
+# String kinds: parsers for str fields that need more than "is a string".
+_STR_KINDS = {"file": _parse_file, "dir": _parse_dir, "socket": parse_socket_path, "redis_url": _parse_redis_url}
+
+# ---- the schema machinery --------------------------------------------------------------------
+
+
+def _bounds_text(t: Any, fmt: Any) -> str:
+    lo = (">=", t.ge) if t.ge is not None else (">", t.gt) if t.gt is not None else None
+    hi = ("<=", t.le) if t.le is not None else ("<", t.lt) if t.lt is not None else None
+    if lo and hi and lo[0] == ">=" and hi[0] == "<=":
+        return f" from {fmt(lo[1])} to {fmt(hi[1])}"
+    return "".join(f" {op} {fmt(v)}" for op, v in (lo, hi) if op)
+
+
+def _in_bounds(t: Any, v: float) -> bool:
+    return ((t.ge is None or v >= t.ge) and (t.gt is None or v > t.gt)
+            and (t.le is None or v <= t.le) and (t.lt is None or v < t.lt))
+
+
+def _unwrap(t: Any) -> tuple[Any, dict[str, Any], bool]:
+    """(type, extra metadata, optional) of a field's msgspec type."""
+    optional = False
+    if isinstance(t, mi.UnionType):
+        rest = [x for x in t.types if not isinstance(x, mi.NoneType)]
+        optional, t = len(rest) < len(t.types), rest[0]
+    extra: dict[str, Any] = {}
+    if isinstance(t, mi.Metadata):
+        extra, t = dict(t.extra or {}), t.type
+    return t, extra, optional
+
+
+def parse_value(key: str, value: Any, ftype: Any) -> Any:
+    """Parse one raw value for a field of msgspec type `ftype` (from `msgspec.inspect`)."""
+    t, extra, optional = _unwrap(ftype)
+    if value is None and optional:
+        return None
+    kind = extra.get("kind")
+    why = f" ({extra['why']})" if "why" in extra else ""
+    if isinstance(t, mi.BoolType):
+        return parse_bool(key, value)
+    if isinstance(t, mi.LiteralType):
+        if value not in t.values:
+            raise ConfigError(key, value, f"one of {', '.join(map(str, t.values))}")
+        return value
+    if isinstance(t, mi.IntType) and kind == "size":
+        n = parse_size(key, value)
+        if not _in_bounds(t, n):
+            raise ConfigError(key, value, f"a byte size{_bounds_text(t, human_size)}{why}".replace(
+                "size >=", "size of at least"))
+        return n
+    if isinstance(t, mi.IntType) and kind == "octal":
+        n = _parse_octal(key, value)
+        if not _in_bounds(t, n) or n & 0o600 != 0o600:
+            raise ConfigError(key, value, "an octal mode that includes 0600, e.g. 0600 or 0660")
+        return n
+    if isinstance(t, (mi.IntType, mi.FloatType)):
+        if kind in ("seconds", "ms"):
+            unit, noun = (1.0, "seconds") if kind == "seconds" else (1e-3, "milliseconds")
+            expected = f"a number of {noun}{_bounds_text(t, lambda v: f'{v:g}')}{why}"
+            f = parse_duration(key, value, unit, expected)
+            if isinstance(t, mi.IntType):
+                if f != int(f):
+                    raise ConfigError(key, value, expected)
+                f = int(f)
+        elif isinstance(t, mi.IntType):
+            expected = f"an integer{_bounds_text(t, str)}{why}"
+            f = parse_int(key, value, expected)
+        else:
+            interval = t.gt is not None and t.le is not None
+            expected = f"a number in ({t.gt:g}, {t.le:g}]" if interval else f"a number{_bounds_text(t, str)}"
+            f = _number(key, value, expected + why)
+        if not _in_bounds(t, f):
+            raise ConfigError(key, value, expected)
+        return f
+    if isinstance(t, mi.StrType):
+        if kind in _STR_KINDS:
+            return _STR_KINDS[kind](key, value)
+        if not isinstance(value, str):
+            raise ConfigError(key, value, "a string")
+        return value
+    if isinstance(t, mi.VarTupleType):
+        items = _parse_int_list(key, value)
+        if not all(_in_bounds(t.item_type, v) for v in items):
+            raise ConfigError(key, value, 'comma-separated positive layer counts, e.g. "30,31"')
+        return items
+    raise TypeError(f"no parser for the type of {key}: {ftype}")  # a schema bug, not user input
+
+
+def fields(schema: type[msgspec.Struct]) -> dict[str, mi.Field]:
+    """The schema's fields by the key users write: the field's name, or its entry in the
+    schema's `KEYS` (how a surface spells a shared setting: `local_cpu_size` is the connector's
+    name for the engine's `memory_size`)."""
+    keys: Mapping[str, str] = getattr(schema, "KEYS", {})
+    return {keys.get(f.name, f.name): f for f in mi.type_info(schema).fields}
+
+
+def describe(schema: type[msgspec.Struct], key: str) -> str:
+    """A field's help text (its `Meta(description=...)`)."""
+    t = fields(schema)[key].type
+    if isinstance(t, mi.UnionType):
+        t = next(x for x in t.types if not isinstance(x, mi.NoneType))
+    return (t.extra_json_schema or {}).get("description", "") if isinstance(t, mi.Metadata) else ""
+
+
+def unknown_key_error(key: str, value: Any, known: set[str], surface: str) -> ConfigError:
+    """ConfigError for a key no schema declares, with the closest known key as a suggestion."""
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.7)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return ConfigError(key, value, f"{hint}a known {surface} key ({', '.join(sorted(known))})")
+
+
+def convert(schema: type[msgspec.Struct], raw: Mapping[str, Any], names: Mapping[str, str] | None = None) -> Any:
+    """Build `schema` from `raw` (keys as users write them); unknown keys are the caller's business.
+
+    `names` maps a key to the spelling that error messages use (e.g. a command-line flag).
+    """
+    names = names or {}
+    values = {}
+    for enc, f in fields(schema).items():
+        if enc in raw:
+            values[f.name] = parse_value(names.get(enc, enc), raw[enc], f.type)
+    return schema(**values)
+
+
+# ---- the pool engine's settings (backend `local` and `kvpool server`) ------------------------------
+
+class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """What the pool engine is configured with; `local` and `kvpool server` spell the keys
+    their own way (the subclasses' `KEYS`), the rules are these."""
+
+    memory_size: Annotated[int, Meta(ge=MiB, le=PiB, extra={"kind": "size"},
+                                      description="memory tier size, e.g. \"4GB\" (binary units)")] = 2 * GiB
+    eviction_high_watermark_ratio: Annotated[float, Meta(gt=0, le=1, description=(
+        "evict once usage passes this fraction of the memory tier"))] = 0.9
+    eviction_ratio: Annotated[float, Meta(gt=0, le=1, description="fraction of objects evicted per eviction")] = 0.1
+    default_kv_lease_ttl_ms: Annotated[int, Meta(ge=1, le=int(DAY_S * 1000), extra={"kind": "ms"}, description=(
+        "lease of a looked-up or read object, in milliseconds: it is not evicted meanwhile"))] = 11000
+    offload_path: Annotated[str, Meta(extra={"kind": "dir"}, description=(
+        "SSD tier directory: absolute, existing, writable, no symlinks (off when unset)"))] | None = None
+    offload_quota: Annotated[int, Meta(ge=0, le=PiB, extra={"kind": "size"}, description=(
+        "SSD tier byte quota (0: 90% of the disk's free space at start)"))] = 0
+    offload_eviction_policy: Annotated[Literal["none", "fifo", "lru"], Meta(description=(
+        "when the SSD tier is full: none (writes fail), fifo or lru"))] = "lru"
+
+    def engine_config(self, offload_subdir: str = "", **engine_kwargs: Any) -> EngineConfig:
+        """The engine's config, with its SSD tier in `offload_path/offload_subdir` when enabled.
+
+        A quota of 0 takes 90% of the disk's free space, as Mooncake's bucket backend does.
+        """
+        disk = None
+        if self.offload_path:
+            path = os.path.join(self.offload_path, offload_subdir) if offload_subdir else self.offload_path
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            quota = self.offload_quota or int(shutil.disk_usage(path).free * 0.9)
+            disk = DiskTier(path, quota, self.offload_eviction_policy)
+        return EngineConfig(
+            memory_size=self.memory_size,
+            eviction_high_watermark_ratio=self.eviction_high_watermark_ratio,
+            eviction_ratio=self.eviction_ratio,
+            default_kv_lease_ttl_ms=self.default_kv_lease_ttl_ms,
+            disk=disk,
+            **engine_kwargs,
         )
-    return counts
 
 
-@dataclasses.dataclass(frozen=True)
-class LocalBackendConfig:
-    """The embedded pool engine (`backend: local`): memory tier plus optional SSD tier."""
 
-    local_cpu_size: int = 2 << 30
-    eviction_high_watermark_ratio: float = 0.9
-    eviction_ratio: float = 0.1
-    default_kv_lease_ttl_ms: int = 11000
-    ssd_offload_path: str | None = None
-    ssd_quota: int = 0  # 0: 90% of the disk's free space when the pool starts, as Mooncake's bucket backend
-    ssd_eviction_policy: str = "lru"
+# ---- the connector's `kv_connector_extra_config` --------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class RedisBackendConfig:
+class BackendSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """A backend's own `kv_connector_extra_config` keys. Subclasses set `backend`."""
+
+    backend: ClassVar[str] = ""
+
+
+class LocalSettings(EngineSettings, BackendSettings, frozen=True, kw_only=True):
+    """`backend: local`: the pool engine inside the vLLM worker process (memory + SSD tier)."""
+
+    backend: ClassVar[str] = "local"
+    KEYS: ClassVar[dict[str, str]] = {
+        "memory_size": "local_cpu_size", "offload_path": "ssd_offload_path", "offload_quota": "ssd_quota",
+        "offload_eviction_policy": "ssd_eviction_policy"}
+
+
+class ServerClientSettings(BackendSettings, frozen=True, kw_only=True):
+    """`backend: server`: the host-shared pool of `kvpool server`."""
+
+    backend: ClassVar[str] = "server"
+    server_socket: Annotated[str, Meta(extra={"kind": "socket"}, description=(
+        "the Unix socket of `kvpool server` (same default as its --socket)"))] = DEFAULT_SERVER_SOCKET
+
+
+
+class MooncakeSettings(BackendSettings, frozen=True, kw_only=True):
+    """`backend: mooncake`: Mooncake Store; its own settings are in mooncake.json."""
+
+    backend: ClassVar[str] = "mooncake"
+    mooncake_config_path: Annotated[str, Meta(extra={"kind": "file"}, description=(
+        "mooncake.json (unset: $MOONCAKE_CONFIG_PATH)"))] | None = None
+
+
+class YuanrongSettings(BackendSettings, frozen=True, kw_only=True):
+    """`backend: yuanrong`: openYuanrong datasystem; its worker address is in its config file."""
+
+    backend: ClassVar[str] = "yuanrong"
+    yuanrong_config_path: Annotated[str, Meta(extra={"kind": "file"}, description=(
+        "the Yuanrong client config (unset: $YR_CONFIG_PATH, or $DS_WORKER_ADDR alone)"))] | None = None
+
+
+class MemcacheSettings(BackendSettings, frozen=True, kw_only=True):
+    """`backend: memcache`: Memcache (memcache-hybrid); its settings are in mmc-local.conf."""
+
+    backend: ClassVar[str] = "memcache"
+    mmc_local_config_path: Annotated[str, Meta(extra={"kind": "file"}, description=(
+        "mmc-local.conf (unset: $MMC_LOCAL_CONFIG_PATH)"))] | None = None
+
+class RedisSettings(BackendSettings, frozen=True, kw_only=True):
     """`backend: redis`: a Redis (or Valkey) server the operator already runs."""
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_ttl_s: float = 0.0  # 0: objects never expire (Redis' maxmemory-policy evicts them)
-    # Values above this are split into chunk keys; well under Redis' proto-max-bulk-len (512MB).
-    redis_chunk_size: int = 64 << 20
-    redis_timeout_s: float = 5.0
+    backend: ClassVar[str] = "redis"
+    redis_url: Annotated[str, Meta(extra={"kind": "redis_url"}, description=(
+        "redis://[user:password@]host:port/db, rediss://... or unix:///path.sock"))] = "redis://127.0.0.1:6379/0"
+    redis_ttl_s: Annotated[float, Meta(ge=0, le=365 * DAY_S, extra={"kind": "seconds"}, description=(
+        "expire pooled objects after this long (0: never; Redis' maxmemory-policy evicts them)"))] = 0.0
+    redis_chunk_size: Annotated[int, Meta(ge=MiB, le=512 * MiB, extra={"kind": "size", "why": (
+        "Redis' proto-max-bulk-len")}, description="values above this are split into chunk keys")] = 64 * MiB
+    redis_timeout_s: Annotated[float, Meta(gt=0, le=DAY_S, extra={"kind": "seconds"}, description=(
+        "socket timeout of each Redis call"))] = 5.0
 
 
-@dataclasses.dataclass(frozen=True)
-class KVPoolConfig:
-    """Everything kvpool reads from `kv_connector_extra_config` (and `kv_role`)."""
+
+def backend_schemas() -> dict[str, type[BackendSettings]]:
+    """Every backend's key schema, by backend name (the subclasses of `BackendSettings`)."""
+    out: dict[str, type[BackendSettings]] = {}
+    todo = list(BackendSettings.__subclasses__())
+    while todo:
+        cls = todo.pop(0)
+        if cls.backend:
+            out[cls.backend] = cls
+        todo.extend(cls.__subclasses__())
+    return out
+
+
+BACKENDS: tuple[str, ...] = tuple(backend_schemas())
+
+
+class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The keys every backend shares."""
+
+    backend: Annotated[str, Meta(description="where the pool lives: " + ", ".join(BACKENDS))] = "local"
+    lookup_rpc_port: Annotated[int, Meta(ge=0, le=2**31 - 1, description=(
+        "names the scheduler<->worker lookup channel; unique per instance on a host"))] = 0
+    load_async: Annotated[bool, Meta(description=(
+        "load on a background thread; the request waits in WAITING_FOR_REMOTE_KVS"))] = False
+    consumer_is_to_load: Annotated[bool, Meta(description="a kv_consumer looks up and loads from the pool")] = False
+    consumer_is_to_put: Annotated[bool, Meta(description="a kv_consumer also saves KV to the pool")] = False
+    producer_is_to_load: Annotated[bool, Meta(description=(
+        "a kv_producer also looks up and loads pooled prefixes"))] = False
+    save_sync: Annotated[bool, Meta(description=(
+        "finish a step's saves before the step returns (default: on for kv_producer)"))] | None = None
+    prefill_pp_size: Annotated[int, Meta(ge=1, le=1024, description=(
+        "PP size of the prefill nodes a decode node puts for"))] | None = None
+    prefill_pp_layer_partition: tuple[Annotated[int, Meta(gt=0)], ...] | None = None
+    discard_partial_chunks: Annotated[bool, Meta(description="only full blocks are saved (must be true)")] = True
+    inject_load_failure_every: Annotated[int, Meta(ge=0, le=2**31 - 1, description=(
+        "test aid: fail every Nth block read (0: never)"))] = 0
+    stats_log_interval_s: Annotated[float, Meta(ge=0, le=DAY_S, extra={"kind": "seconds"}, description=(
+        "log kvpool's counters at most this often"))] = 10.0
+
+
+# Accepted for compatibility with the reference connector's configs: old name -> key.
+ALIASES = {"mooncake_rpc_port": "lookup_rpc_port", "default_kv_lease_ttl": "default_kv_lease_ttl_ms"}
+
+
+class KVPoolConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything kvpool reads from `kv_connector_extra_config` (and `kv_role`), validated."""
 
     kv_role: str = "kv_both"
     backend: str = "local"
@@ -171,26 +472,15 @@ class KVPoolConfig:
     prefill_pp_size: int | None = None
     prefill_pp_layer_partition: tuple[int, ...] | None = None
     discard_partial_chunks: bool = True
-    local: LocalBackendConfig = dataclasses.field(default_factory=LocalBackendConfig)
-    # `backend: server`: the Unix socket of `kvpool server` (same default as its --socket).
-    server_socket: str = DEFAULT_SERVER_SOCKET
-    # Test aid: fail every Nth block read (0 = never). Lets the test suite exercise the
-    # load-failure paths of vLLM (recompute / fail) against a real store.
     inject_load_failure_every: int = 0
     stats_log_interval_s: float = 10.0
-    redis: RedisBackendConfig = dataclasses.field(default_factory=RedisBackendConfig)
-    # The distributed backends' own files; unset: the spec's environment variable names them
-    # (MOONCAKE_CONFIG_PATH, YR_CONFIG_PATH, MMC_LOCAL_CONFIG_PATH). Read when the backend is built.
-    mooncake_config_path: str | None = None
-    yuanrong_config_path: str | None = None
-    mmc_local_config_path: str | None = None
+    # The chosen backend's own keys (its `BackendSettings` subclass).
+    backend_settings: BackendSettings = msgspec.field(default_factory=LocalSettings)
 
     @property
     def saves(self) -> bool:
         """Whether this instance writes KV to the pool."""
-        if self.kv_role == "kv_consumer":
-            return self.consumer_is_to_put
-        return True
+        return self.consumer_is_to_put if self.kv_role == "kv_consumer" else True
 
     @property
     def loads(self) -> bool:
@@ -206,138 +496,156 @@ class KVPoolConfig:
         return self.consumer_is_to_load
 
 
-_LOCAL_KEYS = {f.name for f in dataclasses.fields(LocalBackendConfig)}
-_REDIS_KEYS = {f.name for f in dataclasses.fields(RedisBackendConfig)}
-_TOP_KEYS = {f.name for f in dataclasses.fields(KVPoolConfig)} - {"kv_role", "local", "redis"}
-# Accepted for compatibility with the reference connector's configs.
-_ALIASES = {"mooncake_rpc_port": "lookup_rpc_port", "default_kv_lease_ttl": "default_kv_lease_ttl_ms"}
+def known_keys() -> set[str]:
+    """Every `kv_connector_extra_config` key any backend accepts, aliases included."""
+    keys = set(fields(ConnectorSettings)) | set(ALIASES)
+    for schema in backend_schemas().values():
+        keys |= set(fields(schema))
+    return keys
 
 
 def load_config(extra: Mapping[str, Any] | None, kv_role: str | None = "kv_both") -> KVPoolConfig:
-    """Validate `kv_connector_extra_config` into a `KVPoolConfig`; raise `ConfigError` on the first bad value."""
+    """Validate `kv_connector_extra_config` into a `KVPoolConfig`; raise `ConfigError` on the first bad value.
+
+    Keys of a backend other than the chosen one are checked too (a typo there is still a typo)
+    and then not used.
+    """
     extra = dict(extra or {})
     role = kv_role or "kv_both"
     if role not in ROLES:
         raise ConfigError("kv_role", role, f"one of {', '.join(ROLES)}")
-    for old, new in _ALIASES.items():
+    for old, new in ALIASES.items():
         if old in extra:
             if new in extra:
                 raise ConfigError(old, extra[old], f"not both {old} and {new}; use {new}")
             extra[new] = extra.pop(old)
-    unknown = sorted(set(extra) - _TOP_KEYS - _LOCAL_KEYS - _REDIS_KEYS)
+    known = known_keys()
+    unknown = sorted(set(extra) - known)
     if unknown:
-        known = ", ".join(sorted(_TOP_KEYS | _LOCAL_KEYS | _REDIS_KEYS))
-        raise ConfigError(unknown[0], extra[unknown[0]], f"a known kv_connector_extra_config key ({known})")
-
+        raise unknown_key_error(unknown[0], extra[unknown[0]], known - set(ALIASES), "kv_connector_extra_config")
+    schemas = backend_schemas()
     backend = extra.get("backend", "local")
-    if backend not in BACKENDS:
+    if backend not in schemas:
         raise ConfigError("backend", backend, f"one of {', '.join(BACKENDS)}")
-    if backend not in IMPLEMENTED_BACKENDS:
-        raise ConfigError(
-            "backend", backend, f"a backend this kvpool release ships: {', '.join(IMPLEMENTED_BACKENDS)}"
-        )
-
-    pp_size = None
-    if extra.get("prefill_pp_size") is not None:
-        pp_size = _parse_int("prefill_pp_size", extra["prefill_pp_size"], minimum=1)
-    partition = None
-    if extra.get("prefill_pp_layer_partition") is not None:
-        if pp_size is None:
-            raise ConfigError(
-                "prefill_pp_layer_partition", extra["prefill_pp_layer_partition"], "to be set with prefill_pp_size"
-            )
-        partition = tuple(parse_layer_partition("prefill_pp_layer_partition", extra["prefill_pp_layer_partition"], pp_size))
-
-    discard = _parse_bool("discard_partial_chunks", extra.get("discard_partial_chunks", True))
-    if not discard:
-        raise ConfigError(
-            "discard_partial_chunks", extra["discard_partial_chunks"],
-            "true: a partial block has no stable block hash, so only full blocks can be pooled",
-        )
-
-    local = _load_local(extra)
+    common = convert(ConnectorSettings, extra)
+    if common.prefill_pp_layer_partition is not None:
+        counts = common.prefill_pp_layer_partition
+        if common.prefill_pp_size is None:
+            raise ConfigError("prefill_pp_layer_partition", extra["prefill_pp_layer_partition"],
+                              "to be set with prefill_pp_size")
+        if len(counts) != common.prefill_pp_size:
+            raise ConfigError("prefill_pp_layer_partition", extra["prefill_pp_layer_partition"],
+                              f"{common.prefill_pp_size} positive layer counts, one per prefill PP stage "
+                              f"(prefill_pp_size={common.prefill_pp_size})")
+    if not common.discard_partial_chunks:
+        raise ConfigError("discard_partial_chunks", extra["discard_partial_chunks"],
+                          "true: a partial block has no stable block hash, so only full blocks can be pooled")
+    chosen: BackendSettings | None = None
+    for name, schema in schemas.items():
+        mine = {k: v for k, v in extra.items() if k in fields(schema)}
+        if mine or name == backend:
+            settings = convert(schema, mine)
+            if name == backend:
+                chosen = settings
+    local_ssd = [k for k in ("ssd_quota", "ssd_eviction_policy") if k in extra]
+    if local_ssd and extra.get("ssd_offload_path") is None:
+        raise ConfigError(local_ssd[0], extra[local_ssd[0]],
+                          "to be used with ssd_offload_path (the SSD tier is off without it)")
+    assert chosen is not None
     return KVPoolConfig(
         kv_role=role,
         backend=backend,
-        lookup_rpc_port=_parse_int("lookup_rpc_port", extra.get("lookup_rpc_port", 0)),
-        load_async=_parse_bool("load_async", extra.get("load_async", False)),
-        consumer_is_to_load=_parse_bool("consumer_is_to_load", extra.get("consumer_is_to_load", False)),
-        consumer_is_to_put=_parse_bool("consumer_is_to_put", extra.get("consumer_is_to_put", False)),
-        producer_is_to_load=_parse_bool("producer_is_to_load", extra.get("producer_is_to_load", False)),
-        save_sync=_parse_bool("save_sync", extra.get("save_sync", role == "kv_producer")),
-        prefill_pp_size=pp_size,
-        prefill_pp_layer_partition=partition,
-        discard_partial_chunks=discard,
-        local=local,
-        server_socket=parse_socket_path("server_socket", extra.get("server_socket", DEFAULT_SERVER_SOCKET)),
-        inject_load_failure_every=_parse_int(
-            "inject_load_failure_every", extra.get("inject_load_failure_every", 0)
-        ),
-        stats_log_interval_s=_parse_seconds("stats_log_interval_s", extra.get("stats_log_interval_s", 10)),
-        redis=_load_redis(extra),
-        mooncake_config_path=_parse_file_path("mooncake_config_path", extra.get("mooncake_config_path")),
-        yuanrong_config_path=_parse_file_path("yuanrong_config_path", extra.get("yuanrong_config_path")),
-        mmc_local_config_path=_parse_file_path("mmc_local_config_path", extra.get("mmc_local_config_path")),
+        lookup_rpc_port=common.lookup_rpc_port,
+        load_async=common.load_async,
+        consumer_is_to_load=common.consumer_is_to_load,
+        consumer_is_to_put=common.consumer_is_to_put,
+        producer_is_to_load=common.producer_is_to_load,
+        save_sync=common.save_sync if common.save_sync is not None else role == "kv_producer",
+        prefill_pp_size=common.prefill_pp_size,
+        prefill_pp_layer_partition=common.prefill_pp_layer_partition,
+        discard_partial_chunks=common.discard_partial_chunks,
+        inject_load_failure_every=common.inject_load_failure_every,
+        stats_log_interval_s=common.stats_log_interval_s,
+        backend_settings=chosen,
     )
 
 
-def _load_local(extra: Mapping[str, Any]) -> LocalBackendConfig:
-    d = LocalBackendConfig()
-    size = parse_size("local_cpu_size", extra.get("local_cpu_size", d.local_cpu_size))
-    if size < 1 << 20:
-        raise ConfigError("local_cpu_size", extra.get("local_cpu_size"), "a byte size of at least 1MB, e.g. \"4GB\"")
-    hw = _parse_ratio("eviction_high_watermark_ratio", extra.get("eviction_high_watermark_ratio", d.eviction_high_watermark_ratio))
-    er = _parse_ratio("eviction_ratio", extra.get("eviction_ratio", d.eviction_ratio))
-    ttl = _parse_int("default_kv_lease_ttl_ms", extra.get("default_kv_lease_ttl_ms", d.default_kv_lease_ttl_ms), minimum=1)
-    path = extra.get("ssd_offload_path")
-    if path is not None:
-        path = str(path)
-        from kvpool.paths import validate_offload_path
-
-        validate_offload_path(path)
-    quota = parse_size("ssd_quota", extra.get("ssd_quota", 0))
-    policy = str(extra.get("ssd_eviction_policy", d.ssd_eviction_policy))
-    if policy not in SSD_POLICIES:
-        raise ConfigError("ssd_eviction_policy", policy, f"one of {', '.join(SSD_POLICIES)}")
-    if path is None and ("ssd_quota" in extra or "ssd_eviction_policy" in extra):
-        key = "ssd_quota" if "ssd_quota" in extra else "ssd_eviction_policy"
-        raise ConfigError(key, extra[key], "to be used with ssd_offload_path (the SSD tier is off without it)")
-    return LocalBackendConfig(
-        local_cpu_size=size,
-        eviction_high_watermark_ratio=hw,
-        eviction_ratio=er,
-        default_kv_lease_ttl_ms=ttl,
-        ssd_offload_path=path,
-        ssd_quota=quota,
-        ssd_eviction_policy=policy,
-    )
+# ---- `kvpool server`'s flags ---------------------------------------------------------------------
 
 
-def _parse_file_path(key: str, value: Any) -> str | None:
-    """An optional absolute path of an existing file (a backend's config file)."""
-    if value is None:
-        return None
-    if not isinstance(value, str) or not os.path.isabs(value):
-        raise ConfigError(key, value, "an absolute path of an existing file, e.g. /etc/kvpool/mooncake.json")
-    if not os.path.isfile(value):
-        raise ConfigError(key, value, "an existing file (it does not exist or is not a regular file)")
-    return value
+class ServerSettings(EngineSettings, frozen=True, kw_only=True):
+    """Everything `kvpool server` is told on its command line (flag = the field's key,
+    spelled with underscores as mooncake_master does, or with dashes)."""
+
+    KEYS: ClassVar[dict[str, str]] = {
+        "memory_size": "global_segment_size", "default_kv_lease_ttl_ms": "default_kv_lease_ttl",
+        "client_ttl_s": "client_ttl", "put_timeout_s": "put_timeout", "hello_timeout_s": "hello_timeout",
+        "socket_path": "socket"}
+
+    memory_size: Annotated[int, Meta(ge=MiB, le=PiB, extra={"kind": "size"}, description=(
+        'memory tier size, e.g. "4GB" (binary units)'))] = 4 * GiB
+    socket_path: Annotated[str, Meta(extra={"kind": "socket"}, description=(
+        "Unix socket to listen on (the backend's default server_socket)"))] = DEFAULT_SERVER_SOCKET
+    socket_mode: Annotated[int, Meta(gt=0, le=0o777, extra={"kind": "octal"}, description=(
+        "file mode of the socket and of the /dev/shm arena (0600: this user only)"))] = 0o600
+    client_ttl_s: Annotated[float, Meta(gt=0, le=DAY_S, extra={"kind": "seconds"}, description=(
+        "drop a client's leases and unfinished puts after this long without a ping"))] = 10.0
+    put_timeout_s: Annotated[float, Meta(gt=0, le=DAY_S, extra={"kind": "seconds"}, description=(
+        "reclaim an allocation not committed within this time"))] = 30.0
+    enable_offload: Annotated[bool, Meta(description="enable the SSD offload tier (needs --offload_path)")] = False
+    metrics_port: Annotated[int, Meta(ge=0, le=65535, description=(
+        "serve /metrics, /stats and /healthz on 127.0.0.1:PORT (0: any free port; default off)"))] | None = None
+    hello_timeout_s: Annotated[float, Meta(gt=0, le=3600, extra={"kind": "seconds"}, description=(
+        "close a connection that has not said Hello within this time"))] = 5.0
+    max_connections: Annotated[int, Meta(ge=1, le=1 << 20, description="refuse connections beyond this many")] = 1024
+    log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], Meta(description="log level")] = "INFO"
+
+    @property
+    def idle_timeout_s(self) -> float:
+        # Clients ping every client_ttl/3; a connection silent for this long is gone or hung.
+        return max(2 * self.client_ttl_s, 5.0)
 
 
-def _load_redis(extra: Mapping[str, Any]) -> RedisBackendConfig:
-    d = RedisBackendConfig()
-    url = extra.get("redis_url", d.redis_url)
-    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError("redis_url", url, "a URL redis://[user:password@]host:port/db, rediss://... or unix:///path.sock")
-    chunk = parse_size("redis_chunk_size", extra.get("redis_chunk_size", d.redis_chunk_size))
-    if not 1 << 20 <= chunk <= 512 << 20:
-        raise ConfigError("redis_chunk_size", extra.get("redis_chunk_size"),
-                          "a byte size from 1MB to 512MB (Redis' proto-max-bulk-len), e.g. \"64MB\"")
-    timeout = _parse_float("redis_timeout_s", extra.get("redis_timeout_s", d.redis_timeout_s),
-                           lambda f: 0.0 < f < float("inf"), "a number of seconds > 0")
-    return RedisBackendConfig(
-        redis_url=url,
-        redis_ttl_s=_parse_seconds("redis_ttl_s", extra.get("redis_ttl_s", d.redis_ttl_s)),
-        redis_chunk_size=chunk,
-        redis_timeout_s=timeout,
-    )
+# Extra spellings of a flag that mean the same (mooncake_master's and kvpool's own).
+SERVER_FLAG_ALIASES = {"global_segment_size": ("memory_size",)}
+
+
+_METAVARS = {"size": "SIZE", "ms": "MS", "seconds": "SECONDS", "dir": "DIR", "socket": "PATH", "octal": "OCTAL"}
+
+
+def _flag_spellings(name: str) -> list[str]:
+    out: list[str] = []
+    for n in (name, *SERVER_FLAG_ALIASES.get(name, ())):
+        for s in (f"--{n}", f"--{n.replace('_', '-')}"):
+            if s not in out:
+                out.append(s)
+    return out
+
+
+def add_flags(parser: argparse.ArgumentParser, schema: type[msgspec.Struct] = ServerSettings) -> None:
+    """One flag per field of `schema`, help and default from the schema; values stay raw
+    strings until `from_flags` parses them with the same rules as every other surface."""
+    defaults = schema()
+    for enc, f in fields(schema).items():
+        t, extra, _ = _unwrap(f.type)
+        default = getattr(defaults, f.name)
+        help_text = describe(schema, enc).replace("%", "%%")  # argparse formats help with %
+        if isinstance(t, mi.BoolType):
+            # --enable_offload alone, as mooncake_master; also --enable_offload=true/false.
+            parser.add_argument(*_flag_spellings(enc), dest=enc, nargs="?", const="true", default=None,
+                                metavar="true|false", help=help_text)
+            continue
+        if default is not None:
+            shown = human_size(default) if extra.get("kind") == "size" else (
+                oct(default).replace("0o", "0") if extra.get("kind") == "octal" else default)
+            help_text = f"{help_text} (default {shown})"
+        choices = t.values if isinstance(t, mi.LiteralType) else None
+        metavar = None if choices else _METAVARS.get(extra.get("kind", ""), "N" if isinstance(t, mi.IntType) else "X")
+        parser.add_argument(*_flag_spellings(enc), dest=enc, default=None, choices=choices, metavar=metavar,
+                            help=help_text)
+
+
+def from_flags(args: argparse.Namespace, schema: type[msgspec.Struct] = ServerSettings) -> Any:
+    """Parse the flags `add_flags` registered; errors name the flag as `--name`."""
+    raw = {enc: getattr(args, enc) for enc in fields(schema) if getattr(args, enc, None) is not None}
+    return convert(schema, raw, names={enc: enc for enc in raw})

@@ -29,6 +29,17 @@ class ErrorCode(enum.IntEnum):
     UNAVAILABLE_IN_CURRENT_STATUS = -1000
 
 
+# What a put may answer for a key the pool now holds: written by this put (OK), or stored
+# before it and left as it was (OBJECT_ALREADY_EXISTS). Keys name content, so both mean the
+# caller's bytes are in the pool.
+STORED: frozenset[int] = frozenset({int(ErrorCode.OK), int(ErrorCode.OBJECT_ALREADY_EXISTS)})
+
+
+def is_stored(code: int) -> bool:
+    """Whether a put's code means the key is in the pool (OK or OBJECT_ALREADY_EXISTS)."""
+    return code in STORED
+
+
 class KVPoolError(Exception):
     """Base of every kvpool exception; carries a Mooncake-compatible code."""
 

@@ -19,12 +19,13 @@ from kvpool.config import DEFAULT_SERVER_SOCKET, load_config
 from kvpool.errors import ConfigError, ErrorCode
 from kvpool.server import protocol as P
 from kvpool.server import shm
-from kvpool.server.daemon import ServerConfig, add_arguments, config_from_args
+from kvpool.config import ServerSettings
+from kvpool.server.daemon import add_arguments, config_from_args
 
 OK = 0
 
 
-def parse_flags(*argv: str) -> ServerConfig:
+def parse_flags(*argv: str) -> ServerSettings:
     import argparse
 
     parser = argparse.ArgumentParser()
@@ -134,8 +135,8 @@ def test_flags_in_spec_spelling_and_with_dashes(tmp_path):
     off = parse_flags("--enable_offload", "--offload-path", ssd, "--offload-quota", "2GB",
                       "--offload-eviction-policy", "fifo")
     assert (off.offload_path, off.offload_quota, off.offload_eviction_policy) == (ssd, 2 << 30, "fifo")
-    assert parse_flags().socket_path == DEFAULT_SERVER_SOCKET == load_config({}).server_socket
-    with pytest.raises(ConfigError, match="offload-path"):
+    assert parse_flags().socket_path == DEFAULT_SERVER_SOCKET == load_config({"backend": "server"}).backend_settings.server_socket
+    with pytest.raises(ConfigError, match="offload_path"):
         parse_flags("--enable_offload", "--offload-path", "relative/dir")
 
 

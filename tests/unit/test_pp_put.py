@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvpool.backends.local import LocalBackend
-from kvpool.config import LocalBackendConfig
+from kvpool.config import LocalSettings
 from kvpool.errors import ConfigError, ErrorCode
 from kvpool.keys import KeyScheme, prefill_stage_schemes
 from kvpool.vllm.layout import KVLayout
@@ -38,7 +38,7 @@ def test_decode_put_is_read_by_each_prefill_stage(partition):
     split = partition
     assert [len(r) for _, r in targets] == list(split)
 
-    pool = LocalBackend(LocalBackendConfig(local_cpu_size=64 << 20), "test")
+    pool = LocalBackend(LocalSettings(memory_size=64 << 20), "test")
     block_hash, decode_block = b"\x01" * 32, 5
     for stage_scheme, layers in targets:
         assert pool.batch_put([stage_scheme.key(block_hash)], [decode.stage_buffers(decode_block, layers)]) == [0]

@@ -1,43 +1,413 @@
-"""The protocol every backend implements.
+"""The protocol every backend implements, and the part of it every store shares.
 
 Values are passed as lists of 1-D uint8 numpy views (one per layer segment of a block), so a
 backend copies straight between vLLM's KV cache and its store with no intermediate buffer.
 Every call is a batch and returns one Mooncake-compatible code per key: a failure of one key
 never hides the others, and the caller turns failed keys into vLLM load errors.
+
+`Backend` does, once for every store, what does not depend on the store: it checks the
+arguments, answers empty batches, refuses empty values, folds duplicate keys, answers fast
+while the store is down (`Reconnect`), turns an adapter's exception into per-key codes and
+keeps the client-side counters. An adapter implements the hooks `_exists`, `_put` and
+`_get_into` on input that is already checked, free of duplicates and non-empty, and, if it
+holds a connection, `_connect` and `_close`.
+
+Put contract: per key OK (written by this call), OBJECT_ALREADY_EXISTS (the key was stored
+already; nothing was written, the stored bytes stay) or a failure code. Both of the first two
+mean the pool has the key (`errors.is_stored`), so a caller needs no existence check before a
+put: adapters use the store's own put-if-absent.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from kvpool.errors import ErrorCode, KVPoolError
+from kvpool.store.buffers import as_u8, gather, scatter, spans, total_size
+
+__all__ = ["Backend", "Buffers", "Reconnect", "gather", "scatter", "spans", "total_size"]
+
+logger = logging.getLogger(__name__)
 
 Buffers = Sequence[np.ndarray]
 
+OK = int(ErrorCode.OK)
+EXISTS = int(ErrorCode.OBJECT_ALREADY_EXISTS)
+NOT_FOUND = int(ErrorCode.OBJECT_NOT_FOUND)
+INVALID = int(ErrorCode.INVALID_PARAMS)
+INVALID_KEY = int(ErrorCode.INVALID_KEY)
+RPC_FAIL = int(ErrorCode.RPC_FAIL)
+INTERNAL = int(ErrorCode.INTERNAL_ERROR)
+
+# The client-side counters every backend reports, in this order (`Backend.stats`).
+COUNTERS = ("puts", "put_bytes", "put_existing", "gets", "get_bytes", "misses", "failures", "connect_failures")
+
+
+class Reconnect:
+    """The connection state of one store client.
+
+    While the store is down, `ready()` answers False at once (calls fail fast instead of each
+    waiting for a timeout), and connecting is retried at most once per backoff, which doubles
+    from `first_s` up to `cap_s` while tries keep failing. One caller tries; the others keep
+    failing fast meanwhile rather than queue behind a slow connect.
+
+    `connect` sets the client up and says whether it worked; it must return True at once when
+    the client is already there. A store whose client reconnects by itself passes a `connect`
+    that always succeeds: after the backoff the next call is let through as the try, and the
+    adapter calls `down()` again if it fails.
+    """
+
+    def __init__(self, connect: Callable[[], bool], first_s: float = 0.5, cap_s: float = 5.0) -> None:
+        self._connect = connect
+        self.first_s, self.cap_s = first_s, cap_s
+        self._lock = threading.Lock()
+        self._up = False
+        self._closed = False
+        self._next_try = 0.0
+        self._delay = first_s
+        self.failures = 0  # connects that failed, for stats
+
+    @property
+    def up(self) -> bool:
+        return self._up
+
+    def connect(self) -> bool:
+        """Connect now (start-up: waits for the lock, and lets the connect's exceptions out)."""
+        with self._lock:
+            return self._try_locked(raise_errors=True)
+
+    def ready(self) -> bool:
+        """Whether calls may go to the store now; tries to connect when the backoff is over."""
+        if self._up:
+            return True
+        if self._closed or time.monotonic() < self._next_try:
+            return False
+        if not self._lock.acquire(blocking=False):
+            return False  # another caller is connecting
+        try:
+            return self._up or self._try_locked(raise_errors=False)
+        finally:
+            self._lock.release()
+
+    def down(self) -> None:
+        """The store stopped answering: fail fast until the backoff is over, then try again."""
+        with self._lock:
+            if self._up:
+                self._up = False
+                self._backoff_locked()
+
+    def confirm(self) -> None:
+        """A call went through: the next outage starts from the shortest backoff again."""
+        if self._delay != self.first_s and self._up:
+            with self._lock:
+                if self._up:
+                    self._delay = self.first_s
+
+    def close(self) -> None:
+        """Never connect again (the backend is closed)."""
+        with self._lock:
+            self._closed, self._up = True, False
+
+    def _try_locked(self, raise_errors: bool) -> bool:
+        if self._closed:
+            return False
+        try:
+            ok = bool(self._connect())
+        except Exception as exc:
+            if raise_errors:
+                self._backoff_locked()
+                raise
+            # Text only: the same failure repeats every backoff while the store stays away.
+            logger.warning("kvpool: connecting to the store failed: %s", str(exc))
+            ok = False
+        if ok:
+            self._up = True
+        else:
+            self.failures += 1
+            self._backoff_locked()
+        return ok
+
+    def _backoff_locked(self) -> None:
+        self._next_try = time.monotonic() + self._delay
+        self._delay = min(self._delay * 2, self.cap_s)
+
+
+class _State:
+    """What the base class keeps per backend: counters and the connection state."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.lock = threading.Lock()
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.link = Reconnect(backend._connect, backend.retry_first_s, backend.retry_cap_s)
+
+
+def _valid_key(key: object) -> bool:
+    return isinstance(key, str) and bool(key)
+
 
 class Backend(abc.ABC):
-    """A pooled key -> bytes store reachable from a vLLM worker process."""
+    """A pooled key -> bytes store reachable from a vLLM worker process.
+
+    Subclasses implement `_exists`, `_put` and `_get_into` (and `_connect`, `_close`,
+    `_store_stats` where they have something to do); the public batch calls are this class's.
+    """
 
     name: str = "base"
     # Whether every process of an instance sees the same pool (needed for TP/PP > 1).
     shared_across_processes: bool = False
+    # Whether a put tells OBJECT_ALREADY_EXISTS from OK. Stores whose client answers 0 for a key
+    # it skipped (Mooncake 0.3.13, MemCache 1.3: both put-if-absent, measured / in their source)
+    # say OK for both; either way nothing is overwritten.
+    put_reports_existing: bool = True
+    # Reconnect backoff (`Reconnect`): the first retry of a store that is down, and the cap.
+    retry_first_s: float = 0.5
+    retry_cap_s: float = 5.0
 
-    @abc.abstractmethod
+    # ---- public protocol ------------------------------------------------------------------
+
     def batch_exists(self, keys: Sequence[str], lease: bool = False) -> list[bool]:
         """Which keys are stored. With `lease`, hits are protected from eviction for the lease TTL."""
+        found = [False] * len(keys)
+        if not keys:
+            return found
+        first: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            if _valid_key(key) and key not in first:
+                first[key] = i
+        todo = list(first)
+        if todo and self._available():
+            hits = self._call("exists", self._exists, todo, lease)
+            if hits is not None:
+                by_key = {k: bool(h) for k, h in zip(todo, hits)}
+                found = [by_key.get(k, False) if _valid_key(k) else False for k in keys]
+        return found
 
-    @abc.abstractmethod
     def batch_put(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
-        """Store each key's buffers back to back; an existing key is a successful no-op."""
+        """Store each key's buffers back to back, if the key is not stored yet.
 
-    @abc.abstractmethod
+        Per key: OK (written now), OBJECT_ALREADY_EXISTS (stored already, nothing written; a
+        success for the caller, see `errors.is_stored`) or a failure code. An empty value is
+        INVALID_PARAMS (a KV block is never empty); a key given twice is written once, from its
+        first value, and every copy gets the first one's code.
+        """
+        _check_lengths(keys, values)
+        codes = [INVALID] * len(keys)
+        first: dict[str, int] = {}
+        todo: list[int] = []
+        views: dict[int, list[np.ndarray]] = {}
+        for i, (key, bufs) in enumerate(zip(keys, values)):
+            if not _valid_key(key):
+                codes[i] = INVALID_KEY
+                continue
+            if key in first:
+                continue
+            first[key] = i
+            try:
+                segs = [as_u8(b) for b in bufs]
+            except (TypeError, ValueError):
+                continue  # INVALID_PARAMS: not a contiguous byte buffer
+            if not any(s.size for s in segs):
+                continue  # INVALID_PARAMS: an empty value
+            views[i] = segs
+            todo.append(i)
+        if todo:
+            results = self._run("put", self._put, todo, [keys[i] for i in todo], [views[i] for i in todo])
+            for i, code in zip(todo, results):
+                codes[i] = code
+        primary: list[int] = []  # one index per distinct key (and each invalid one): what is counted
+        for i, key in enumerate(keys):
+            j = first.get(key) if _valid_key(key) else None
+            if j is not None and j != i:
+                codes[i] = codes[j]
+            else:
+                primary.append(i)
+        self._count_puts(primary, codes, views)
+        return codes
+
     def batch_get_into(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
-        """Copy each key's bytes into its buffers (whose sizes must add up to the object's)."""
+        """Copy each key's bytes into its buffers, whose sizes must add up to the object's
+        (INVALID_PARAMS otherwise, with the buffers untouched); OBJECT_NOT_FOUND for a miss."""
+        _check_lengths(keys, values)
+        codes = [INVALID] * len(keys)
+        views: dict[int, list[np.ndarray]] = {}
+        # A key asked for twice fills both destinations: each round holds a key at most once.
+        rounds: list[list[int]] = []
+        seen: dict[str, int] = {}
+        for i, (key, bufs) in enumerate(zip(keys, values)):
+            if not _valid_key(key):
+                codes[i] = INVALID_KEY
+                continue
+            try:
+                views[i] = [as_u8(b, writable=True) for b in bufs]
+            except (TypeError, ValueError):
+                continue  # INVALID_PARAMS: not a writable contiguous byte buffer
+            r = seen.get(key, 0)
+            seen[key] = r + 1
+            if r == len(rounds):
+                rounds.append([])
+            rounds[r].append(i)
+        for todo in rounds:
+            results = self._run("get", self._get_into, todo, [keys[i] for i in todo], [views[i] for i in todo])
+            for i, code in zip(todo, results):
+                codes[i] = code
+        self._count_gets(views, codes)
+        return codes
 
     def stats(self) -> dict[str, float]:
-        return {}
+        """The client-side counters (`COUNTERS`, the same for every backend), then the store's
+        own numbers, if it has any, prefixed with `store_`."""
+        st = self._state
+        with st.lock:
+            out: dict[str, float] = dict(st.counters)
+        out["connect_failures"] = st.link.failures
+        for k, v in self._store_stats().items():
+            out[f"store_{k}"] = v
+        return out
 
     def close(self) -> None:
         """Release the backend's resources; flushes what its tiers promise to keep."""
+        self._state.link.close()
+        self._close()
+
+    # ---- hooks ------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _exists(self, keys: list[str], lease: bool) -> list[bool]:
+        """Which of `keys` (valid, distinct, at least one) are stored."""
+
+    @abc.abstractmethod
+    def _put(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
+        """Store each key if absent: OK, OBJECT_ALREADY_EXISTS or a failure code per key.
+        Keys are valid and distinct; each value is contiguous uint8 views, not all empty."""
+
+    @abc.abstractmethod
+    def _get_into(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
+        """Copy each key's bytes into its (writable, contiguous uint8) views; keys are distinct."""
+
+    def _connect(self) -> bool:
+        """Set the store's client up if it is not (True at once when it is); False to retry
+        after the backoff. The default: nothing to set up."""
+        return True
+
+    def _available(self) -> bool:
+        """Whether calls may go to the store now. Adapters with a cheap local health flag
+        (Mooncake) add it; the default is the reconnect state."""
+        return self._state.link.ready()
+
+    def _close(self) -> None:
+        """Close the store's client."""
+
+    def _store_stats(self) -> dict[str, float]:
+        """Numbers only the store knows (engine or server counters)."""
+        return {}
+
+    # ---- helpers for adapters -----------------------------------------------------------------
+
+    @property
+    def _link(self) -> Reconnect:
+        return self._state.link
+
+    @property
+    def _state(self) -> _State:
+        # Created on first use, not in __init__, so adapters need not call super().__init__()
+        # (their constructors belong to the configuration code).
+        st = self.__dict__.get("_kvpool_state")
+        if st is None:
+            st = self.__dict__.setdefault("_kvpool_state", _State(self))
+        return st
+
+    def _call(self, what: str, hook: Callable[..., list], keys: list[str], *args: object) -> list | None:
+        """Run a hook; None (and a log line, and a failure counted) if it raised or answered
+        with the wrong number of results."""
+        try:
+            out = list(hook(keys, *args))
+        except Exception as exc:  # noqa: BLE001 - a store's error must never take vLLM down
+            self._hook_failed(what, exc, len(keys))
+            return None
+        if len(out) != len(keys):
+            logger.error("kvpool %s: %s answered %d results for %d keys", self.name, what, len(out), len(keys))
+            self._bump("failures", len(keys))
+            return None
+        self._state.link.confirm()
+        return out
+
+    def _run(self, what: str, hook: Callable[..., list[int]], todo: list[int], keys: list[str],
+             values: list[list[np.ndarray]]) -> list[int]:
+        """A put or get hook's codes, or one code for all keys when the store is down or the
+        hook failed."""
+        if not self._available():
+            return [RPC_FAIL] * len(todo)
+        try:
+            out = [int(c) for c in hook(keys, values)]
+        except Exception as exc:  # noqa: BLE001 - a store's error must never take vLLM down
+            return [self._hook_failed(what, exc, 0)] * len(todo)
+        if len(out) != len(todo):
+            logger.error("kvpool %s: %s answered %d codes for %d keys", self.name, what, len(out), len(todo))
+            return [INTERNAL] * len(todo)
+        self._state.link.confirm()
+        return out
+
+    def _hook_failed(self, what: str, exc: Exception, count: int) -> int:
+        # Logged as text: a log record that kept the exception would keep its traceback's frames
+        # (and the store client in them) alive. An unexpected exception is an adapter bug: its
+        # traceback is logged.
+        code = int(exc.code) if isinstance(exc, KVPoolError) else RPC_FAIL
+        if isinstance(exc, KVPoolError):
+            logger.warning("kvpool %s: %s failed: %s", self.name, what, str(exc))
+        else:
+            logger.warning("kvpool %s: %s failed: %s", self.name, what, repr(exc), exc_info=True)
+        self._bump("failures", count)
+        return code
+
+    def _bump(self, counter: str, n: int = 1) -> None:
+        st = self._state
+        with st.lock:
+            st.counters[counter] += n
+
+    def _count_puts(self, primary: list[int], codes: list[int], views: dict[int, list[np.ndarray]]) -> None:
+        puts = put_bytes = existing = failures = 0
+        for i in primary:
+            c = codes[i]
+            if c == OK:
+                puts += 1
+                put_bytes += sum(s.size for s in views[i])
+            elif c == EXISTS:
+                existing += 1
+            else:
+                failures += 1
+        st = self._state
+        with st.lock:
+            cnt = st.counters
+            cnt["puts"] += puts
+            cnt["put_bytes"] += put_bytes
+            cnt["put_existing"] += existing
+            cnt["failures"] += failures
+
+    def _count_gets(self, views: dict[int, list[np.ndarray]], codes: list[int]) -> None:
+        gets = get_bytes = misses = failures = 0
+        for i, c in enumerate(codes):
+            if c == OK:
+                gets += 1
+                get_bytes += sum(v.size for v in views[i])
+            elif c == NOT_FOUND:
+                misses += 1
+            else:
+                failures += 1
+        st = self._state
+        with st.lock:
+            cnt = st.counters
+            cnt["gets"] += gets
+            cnt["get_bytes"] += get_bytes
+            cnt["misses"] += misses
+            cnt["failures"] += failures
+
+
+def _check_lengths(keys: Sequence[str], values: Sequence[Buffers]) -> None:
+    if len(keys) != len(values):
+        raise ValueError(f"{len(keys)} keys but {len(values)} values: one buffer list per key")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Sequence
+import numpy as np
 
-from kvpool.backends.base import Backend, Buffers
+from kvpool.backends.base import Backend
 from kvpool.errors import ErrorCode
 
 
@@ -22,23 +22,25 @@ class FaultInjectingBackend(Backend):
         self._counter = itertools.count(1)
         self._lock = threading.Lock()
 
-    def batch_exists(self, keys: Sequence[str], lease: bool = False) -> list[bool]:
+    def _exists(self, keys: list[str], lease: bool) -> list[bool]:
         return self.inner.batch_exists(keys, lease)
 
-    def batch_put(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
+    def _put(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
         return self.inner.batch_put(keys, values)
 
-    def batch_get_into(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
+    def _get_into(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
         with self._lock:
             fail = [next(self._counter) % self.every == 0 for _ in keys]
         codes = [int(ErrorCode.OBJECT_NOT_FOUND)] * len(keys)
         ok_idx = [i for i, f in enumerate(fail) if not f]
-        for i, c in zip(ok_idx, self.inner.batch_get_into([keys[i] for i in ok_idx], [values[i] for i in ok_idx])):
-            codes[i] = c
+        if ok_idx:
+            for i, c in zip(ok_idx, self.inner.batch_get_into([keys[i] for i in ok_idx], [values[i] for i in ok_idx])):
+                codes[i] = c
         return codes
 
     def stats(self) -> dict[str, float]:
+        """The wrapped backend's numbers (what the store saw, not the injected misses)."""
         return self.inner.stats()
 
-    def close(self) -> None:
+    def _close(self) -> None:
         self.inner.close()

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-from collections.abc import Sequence
+import numpy as np
 
-from kvpool.backends.base import Backend, Buffers
-from kvpool.config import LocalBackendConfig
-from kvpool.store import DiskTier, EngineConfig, PoolEngine
-
-
-def _default_ssd_quota(path: str) -> int:
-    # As Mooncake's bucket backend with a quota of 0: 90% of what the disk can hold for us.
-    return int(shutil.disk_usage(path).free * 0.9)
+from kvpool.backends.base import Backend, gather, total_size
+from kvpool.config import LocalSettings
+from kvpool.errors import ErrorCode
+from kvpool.store import PoolEngine
 
 
 class LocalBackend(Backend):
@@ -22,33 +16,35 @@ class LocalBackend(Backend):
     name = "local"
     shared_across_processes = False
 
-    def __init__(self, config: LocalBackendConfig, client_name: str) -> None:
-        disk = None
-        if config.ssd_offload_path:
-            # Per-process subdirectory, as Mooncake's rank_N/: two ranks never share files.
-            path = os.path.join(config.ssd_offload_path, client_name)
-            os.makedirs(path, exist_ok=True)
-            disk = DiskTier(path, config.ssd_quota or _default_ssd_quota(path), config.ssd_eviction_policy)
+    def __init__(self, settings: LocalSettings, client_name: str) -> None:
         self._client = client_name
-        self.engine = PoolEngine(EngineConfig(
-            memory_size=config.local_cpu_size,
-            eviction_high_watermark_ratio=config.eviction_high_watermark_ratio,
-            eviction_ratio=config.eviction_ratio,
-            default_kv_lease_ttl_ms=config.default_kv_lease_ttl_ms,
-            disk=disk,
-        ))
+        # Per-process subdirectory of the SSD tier, as Mooncake's rank_N/: two ranks never share files.
+        self.engine = PoolEngine(settings.engine_config(offload_subdir=client_name))
 
-    def batch_exists(self, keys: Sequence[str], lease: bool = False) -> list[bool]:
+    def _exists(self, keys: list[str], lease: bool) -> list[bool]:
         return self.engine.batch_exists(keys, self._client, lease)
 
-    def batch_put(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
-        return [int(c) for c in self.engine.batch_put(self._client, keys, values)]
+    def _put(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
+        return [self._put_one(k, v) for k, v in zip(keys, values)]
 
-    def batch_get_into(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
+    def _put_one(self, key: str, bufs: list[np.ndarray]) -> int:
+        # The engine's two-phase put, so that "already stored" (its allocate's answer) reaches
+        # the caller as OBJECT_ALREADY_EXISTS; `engine.put` folds it into OK.
+        result = self.engine.allocate(self._client, key, total_size(bufs))
+        if isinstance(result, ErrorCode):
+            return int(result)
+        try:
+            gather(bufs, self.engine.arena[result.offset : result.offset + result.size])
+        except BaseException:
+            self.engine.abort(result.handle)  # never publish a partial copy
+            raise
+        return int(self.engine.commit(result.handle))
+
+    def _get_into(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
         return [int(c) for c in self.engine.batch_get_into(self._client, keys, values)]
 
-    def stats(self) -> dict[str, float]:
+    def _store_stats(self) -> dict[str, float]:
         return self.engine.stats()
 
-    def close(self) -> None:
+    def _close(self) -> None:
         self.engine.close()

@@ -16,15 +16,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from kvpool.backends.base import Backend, Buffers
-from kvpool.config import KVPoolConfig, parse_size
+from kvpool.backends.base import Backend, spans
+from kvpool.backends.net import parse_tcp_url, probe
+from kvpool.config import MemcacheSettings, parse_size
 from kvpool.errors import BackendUnavailable, ConfigError, ErrorCode
 
 logger = logging.getLogger(__name__)
@@ -35,7 +34,6 @@ LOG_LEVELS = ("debug", "info", "warn", "error")
 # Keys of mmc-local.conf this adapter checks; others are passed through to MemCache (which
 # refuses keys it does not know: "Invalid key <...>").
 REQUIRED = ("ock.mmc.meta_service_url", "ock.mmc.local_service.config_store_url")
-_URL = re.compile(r"^tcp://(?P<host>[^:/\s]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})$")
 H2G, G2H = 3, 2  # memfabric_hybrid.bm.BmCopyType
 
 OK = int(ErrorCode.OK)
@@ -43,8 +41,10 @@ NOT_FOUND = int(ErrorCode.OBJECT_NOT_FOUND)
 INVALID = int(ErrorCode.INVALID_PARAMS)
 RPC_FAIL = int(ErrorCode.RPC_FAIL)
 INTERNAL = int(ErrorCode.INTERNAL_ERROR)
-_RETRY_S = 5.0
-EMPTY_SUFFIX = "#kvpool-empty"
+EXISTS = int(ErrorCode.OBJECT_ALREADY_EXISTS)
+# MemCache's MMC_DUPLICATED_OBJECT. Its batch put turns it into 0 ("Duplicated key, put
+# operation skipped", mmcache_store.cpp ReturnWrapper); mapped in case a release passes it on.
+MMC_DUPLICATED_OBJECT = -3006
 
 NO_NPU_DRIVER = (
     "MemCache's local service could not start (DistributedObjectStore.init returned {rc}). On a host "
@@ -85,13 +85,6 @@ def parse_conf(path: str, where: str) -> dict[str, str]:
             raise ConfigError(where, path, f"'key = value' lines; line {n} is {line!r}")
         out[key.strip()] = value.strip()
     return out
-
-
-def parse_tcp_url(key: str, value: str) -> tuple[str, int]:
-    m = _URL.match(value or "")
-    if not m or not 0 < int(m.group("port")) < 65536:
-        raise ConfigError(key, value, "tcp://host:port, e.g. tcp://10.0.0.1:5000")
-    return m.group("host").strip("[]"), int(m.group("port"))
 
 
 def load_memcache_config(path: str | None = None, env: Mapping[str, str] | None = None) -> MemcacheConfig:
@@ -146,25 +139,16 @@ def _import_store() -> Any:
     return DistributedObjectStore
 
 
-def _spans(bufs: Buffers) -> tuple[list[int], list[int], int]:
-    ptrs, sizes = [], []
-    for b in bufs:
-        n = int(b.nbytes)
-        if n:
-            ptrs.append(int(b.ctypes.data))
-            sizes.append(n)
-    return ptrs, sizes, sum(sizes)
-
-
 class MemcacheBackend(Backend):
     """One `DistributedObjectStore` (an embedded local service) per process."""
 
     name = "memcache"
     shared_across_processes = True
+    put_reports_existing = False  # put-if-absent, but a skipped key is answered 0 (see above)
 
     @classmethod
-    def from_config(cls, config: KVPoolConfig, client_name: str) -> "MemcacheBackend":
-        return cls(load_memcache_config(config.mmc_local_config_path), client_name)
+    def from_settings(cls, settings: MemcacheSettings, client_name: str) -> "MemcacheBackend":
+        return cls(load_memcache_config(settings.mmc_local_config_path), client_name)
 
     def __init__(self, config: MemcacheConfig, client_name: str, env: Mapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
@@ -183,17 +167,15 @@ class MemcacheBackend(Backend):
         self.device_id = int(env.get("LOCAL_RANK", "0") or 0)
         self._meta = parse_tcp_url("ock.mmc.meta_service_url", config.meta_service_url)
         self.store: Any = None
-        self._next_try = 0.0
-        self._stats = {"puts": 0, "put_bytes": 0, "gets": 0, "get_bytes": 0, "misses": 0, "failures": 0}
-        if not self._connect(env):
+        if not self._link.connect():  # BackendUnavailable (no NPU driver) stops start-up
             logger.warning("kvpool memcache: MetaService %s is not reachable yet; lookups miss until it is",
                            config.meta_service_url)
 
-    def _connect(self, env: Mapping[str, str] | None = None) -> bool:
-        from kvpool.backends.mooncake import probe
-
+    def _connect(self) -> bool:
+        """The embedded local service, once the MetaService answers (retried after the backoff)."""
+        if self.store is not None:
+            return True
         if probe(*self._meta) is not None:
-            self._next_try = time.monotonic() + _RETRY_S
             return False
         store = self._Store()
         rc = store.init(self.device_id)
@@ -202,104 +184,58 @@ class MemcacheBackend(Backend):
                 store.close()
             except Exception:  # noqa: BLE001
                 pass
-            self._next_try = float("inf")
             raise BackendUnavailable(NO_NPU_DRIVER.format(rc=rc))
         self.store = store
         return True
 
-    def _ready(self) -> Any:
-        if self.store is None and time.monotonic() >= self._next_try:
-            self._connect()
-        return self.store
+    # ---- protocol hooks (input checked and deduplicated by Backend) ----------------------------
 
-    def batch_exists(self, keys: Sequence[str], lease: bool = False) -> list[bool]:
-        if not keys:
-            return []
-        store = self._ready()
-        if store is None:
-            return [False] * len(keys)
-        n = len(keys)
-        res = store.batch_is_exist(list(keys) + [k + EMPTY_SUFFIX for k in keys])
-        hits = [res[i] == 1 or res[n + i] == 1 for i in range(n)]
+    def _exists(self, keys: list[str], lease: bool) -> list[bool]:
+        res = self.store.batch_is_exist(keys)
+        hits = [r == 1 for r in res]
         if lease:
             found = [k for k, h in zip(keys, hits) if h]
             if found:
-                store.batch_add_lease(found)  # the MetaService's default lease TTL
+                self.store.batch_add_lease(found)  # the MetaService's default lease TTL
         return hits
 
-    def batch_put(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
-        if not keys:
-            return []
-        store = self._ready()
-        if store is None:
-            return [RPC_FAIL] * len(keys)
-        codes = [OK] * len(keys)
-        present = self.batch_exists(keys)
-        names, ptrs, sizes, idx = [], [], [], []
-        mark = np.zeros(1, dtype=np.uint8)  # an empty value's 1-byte marker object
-        for i, (key, bufs) in enumerate(zip(keys, values)):
-            if present[i] or key in names or key + EMPTY_SUFFIX in names:
-                continue
-            p, s, total = _spans(bufs)
-            if not total:
-                key, p, s = key + EMPTY_SUFFIX, [int(mark.ctypes.data)], [1]
-            names.append(key)
-            ptrs.append(p)
-            sizes.append(s)
-            idx.append(i)
-        if names:
-            res = store.batch_put_from_layers(names, ptrs, sizes, H2G)
-            for i, rc in zip(idx, res):
-                codes[i] = OK if rc == 0 else INTERNAL
-                if rc == 0:
-                    self._stats["puts"] += 1
-                else:
-                    self._stats["failures"] += 1
-                    logger.warning("kvpool memcache: put %r failed with MemCache code %s", keys[i], rc)
+    def _put(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
+        # No existence check: MemCache's put is put-if-absent (MMC_DUPLICATED_OBJECT, skipped).
+        want = [spans(v) for v in values]
+        res = self.store.batch_put_from_layers(keys, [w[0] for w in want], [w[1] for w in want], H2G)
+        codes = []
+        for key, rc in zip(keys, res):
+            if rc == 0:
+                codes.append(OK)
+            elif rc == MMC_DUPLICATED_OBJECT:
+                codes.append(EXISTS)
+            else:
+                codes.append(INTERNAL)
+                logger.warning("kvpool memcache: put %r failed with MemCache code %s", key, rc)
         return codes
 
-    def batch_get_into(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
-        if not keys:
-            return []
-        store = self._ready()
-        if store is None:
-            return [RPC_FAIL] * len(keys)
+    def _get_into(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
         codes = [NOT_FOUND] * len(keys)
-        want = [_spans(v) for v in values]
-        infos = store.batch_get_key_info(list(keys))
+        want = [spans(v) for v in values]
+        infos = self.store.batch_get_key_info(keys)
         fetch = []
         for i, info in enumerate(infos):
             size = getattr(info, "size", 0) if info is not None else 0
             if size:
                 if size != want[i][2]:
-                    codes[i] = INVALID
+                    codes[i] = INVALID  # checked before a byte is written
                 else:
                     fetch.append(i)
-        missing = [i for i, c in enumerate(codes) if c == NOT_FOUND and i not in fetch]
-        if missing:
-            empty = store.batch_is_exist([keys[i] + EMPTY_SUFFIX for i in missing])
-            for i, e in zip(missing, empty):
-                if e == 1:
-                    codes[i] = OK if want[i][2] == 0 else INVALID
-        fetch = [i for i in fetch if want[i][2]]
         if fetch:
-            res = store.batch_get_into_layers([keys[i] for i in fetch], [want[i][0] for i in fetch],
-                                              [want[i][1] for i in fetch], G2H)
+            res = self.store.batch_get_into_layers([keys[i] for i in fetch], [want[i][0] for i in fetch],
+                                                   [want[i][1] for i in fetch], G2H)
             for i, rc in zip(fetch, res):
                 codes[i] = OK if rc == 0 else INTERNAL
-                if rc == 0:
-                    self._stats["gets"] += 1
-                else:
-                    self._stats["failures"] += 1
+                if rc != 0:
                     logger.warning("kvpool memcache: get %r failed with MemCache code %s", keys[i], rc)
-        self._stats["misses"] += sum(1 for c in codes if c == NOT_FOUND)
         return codes
 
-    def stats(self) -> dict[str, float]:
-        return dict(self._stats)
-
-    def close(self) -> None:
+    def _close(self) -> None:
         store, self.store = self.store, None
-        self._next_try = float("inf")
         if store is not None:
             store.close()

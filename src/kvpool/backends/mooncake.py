@@ -17,12 +17,13 @@ the wrong size is refused (INVALID_PARAMS) before a byte is written.
 
 Mooncake facts this adapter works around (measured with mooncake-transfer-engine 0.3.13):
 - `setup()` blocks ~90 s when the master is not there: the master's port is probed first (1 s
-  timeout) and, while it does not answer, calls fail fast and setup is retried at most every
-  `_RETRY_S` seconds. A master that goes away is seen by `health_check()` (a local flag), so
-  calls fail fast (misses, RPC_FAIL) instead of each waiting ~4 s for an RPC timeout; the client
-  re-mounts its segment by itself when a master is back.
-- Objects of size 0 are refused by the master: an empty value is stored as a 1-byte marker
-  object under `KEY#kvpool-empty`.
+  timeout) and, while it does not answer, calls fail fast and setup is retried after a backoff
+  (`base.Reconnect`, up to `retry_cap_s`). A master that goes away is seen by `health_check()`
+  (a local flag), so calls fail fast (misses, RPC_FAIL) instead of each waiting ~4 s for an RPC
+  timeout; the client re-mounts its segment by itself when a master is back.
+- A put is put-if-absent in the master (PutStart refuses an existing key), but the client
+  answers 0 for a key it skipped as for one it wrote: this adapter reports OK for both
+  (`put_reports_existing = False`) and never asks for existence first.
 - Eviction runs on a master thread every few ms, after a put found no room: a put that failed
   with NO_AVAILABLE_HANDLE is retried briefly so eviction can make room, as the pool engine does
   synchronously.
@@ -38,15 +39,15 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from kvpool.backends.base import Backend, Buffers
-from kvpool.config import KVPoolConfig, parse_size
+from kvpool.backends.base import Backend, spans
+from kvpool.backends.net import default_local_hostname, parse_host_port, probe
+from kvpool.config import MooncakeSettings, parse_size
 from kvpool.errors import ConfigError, ErrorCode
 
 logger = logging.getLogger(__name__)
@@ -67,10 +68,10 @@ KNOWN_FIELDS = (
     "global_segment_size", "local_buffer_size", "preferred_segment", "prefer_alloc_in_same_node",
     "enable_ssd_offload", "ssd_offload_path",
 )
-EMPTY_SUFFIX = "#kvpool-empty"
 
 OK = int(ErrorCode.OK)
 NOT_FOUND = int(ErrorCode.OBJECT_NOT_FOUND)
+EXISTS = int(ErrorCode.OBJECT_ALREADY_EXISTS)
 INVALID = int(ErrorCode.INVALID_PARAMS)
 NO_HANDLE = int(ErrorCode.NO_AVAILABLE_HANDLE)
 RPC_FAIL = int(ErrorCode.RPC_FAIL)
@@ -79,11 +80,9 @@ _OURS = {int(c) for c in ErrorCode}
 # Mooncake codes with no twin in ours.
 _MAP = {
     -703: NOT_FOUND,  # REPLICA_IS_NOT_READY: still being written, not readable yet
-    -705: OK,  # OBJECT_ALREADY_EXISTS: a put of an existing key is a no-op
     -800: RPC_FAIL,  # TRANSFER_FAIL
     -1010: RPC_FAIL,  # ETCD_OPERATION_ERROR and friends: metadata service trouble
 }
-_RETRY_S = 5.0
 # A put refused for room is retried after these pauses: the master evicts on its own thread
 # (every ~10 ms when idle, later on a busy host), after a refused put or past the watermark.
 _NO_ROOM_BACKOFF_S = (0.01, 0.02, 0.04, 0.08, 0.15, 0.2)
@@ -136,30 +135,6 @@ def _bool_field(key: str, value: Any) -> bool:
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
     raise ConfigError(key, value, "true or false (in mooncake.json)")
-
-
-def parse_host_port(key: str, value: Any) -> tuple[str, int]:
-    """"host:port" (IPv6 as "[::1]:port") -> (host, port)."""
-    expected = 'host:port of the service, e.g. "127.0.0.1:50088"'
-    if not isinstance(value, str) or ":" not in value:
-        raise ConfigError(key, value, expected)
-    host, _, port = value.rpartition(":")
-    host = host.strip("[]")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(key, value, expected)
-    return host, int(port)
-
-
-def _default_local_hostname(master_host: str) -> str:
-    """The local address that routes to the master (127.0.0.1 for a master on this host)."""
-    try:
-        if master_host in ("localhost",) or master_host.startswith("127."):
-            return "127.0.0.1"
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((master_host, 9))  # UDP: no packet is sent
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
 
 
 def load_mooncake_config(path: str | None = None, env: Mapping[str, str] | None = None) -> MooncakeConfig:
@@ -256,7 +231,7 @@ def load_mooncake_config(path: str | None = None, env: Mapping[str, str] | None 
     return MooncakeConfig(
         path=path,
         master_server_address=master,
-        local_hostname=raw.get("local_hostname") or _default_local_hostname(master_host),
+        local_hostname=raw.get("local_hostname") or default_local_hostname(master_host),
         metadata_server=metadata,
         protocol=protocol,
         device_name=raw.get("device_name", ""),
@@ -270,15 +245,6 @@ def load_mooncake_config(path: str | None = None, env: Mapping[str, str] | None 
         ignored_fields=tuple(sorted(k for k in raw if k not in KNOWN_FIELDS)),
         sources=sources,
     )
-
-
-def probe(host: str, port: int, timeout: float = 1.0) -> str | None:
-    """None if a TCP connection to host:port succeeds within `timeout`, else why not."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return None
-    except OSError as exc:
-        return f"{type(exc).__name__}: {exc}"
 
 
 # ---- backend -------------------------------------------------------------------------------------
@@ -296,60 +262,43 @@ def _import_store() -> Any:
     return MooncakeDistributedStore, ReplicateConfig
 
 
-def _spans(bufs: Buffers) -> tuple[list[int], list[int], int]:
-    """Non-empty buffers of one value -> (pointers, sizes, total)."""
-    ptrs, sizes = [], []
-    for b in bufs:
-        n = int(b.nbytes)
-        if n:
-            if not b.flags.c_contiguous:
-                raise ValueError("kvpool buffers must be contiguous")
-            ptrs.append(int(b.ctypes.data))
-            sizes.append(n)
-    return ptrs, sizes, sum(sizes)
-
-
 class MooncakeBackend(Backend):
     """One `MooncakeDistributedStore` client per process (vLLM worker)."""
 
     name = "mooncake"
     shared_across_processes = True
+    put_reports_existing = False  # the client answers 0 for a key the master already had
 
     @classmethod
-    def from_config(cls, config: KVPoolConfig, client_name: str) -> "MooncakeBackend":
-        return cls(load_mooncake_config(config.mooncake_config_path), client_name)
+    def from_settings(cls, settings: MooncakeSettings, client_name: str) -> "MooncakeBackend":
+        return cls(load_mooncake_config(settings.mooncake_config_path), client_name)
 
     def __init__(self, config: MooncakeConfig, client_name: str) -> None:
         self._Store, self._ReplicateConfig = _import_store()
         self.config = config
         self.client_name = client_name
         self._master = parse_host_port("master_server_address", config.master_server_address)
-        self._lock = threading.Lock()
         self.store: Any = None
-        self._next_try = 0.0
         self._registered: set[tuple[int, int]] = set()
-        self._marker = np.zeros(1, dtype=np.uint8)  # the byte of an empty value's marker object
-        self._stats = {"puts": 0, "put_bytes": 0, "gets": 0, "get_bytes": 0, "misses": 0, "failures": 0,
-                       "setup_failures": 0}
         self._ssd_path = None
         if config.enable_ssd_offload and config.ssd_offload_path:
             # One directory per process (the spec's rank_N/): ranks never share files.
             self._ssd_path = os.path.join(config.ssd_offload_path, client_name)
             os.makedirs(self._ssd_path, exist_ok=True)
-        if not self._connect():
+        if not self._link.connect():
             logger.warning(
                 "kvpool mooncake: master %s is not reachable yet; lookups miss and loads/saves fail until it is "
-                "(retried every %.0f s)", config.master_server_address, _RETRY_S,
+                "(retried at least every %.0f s)", config.master_server_address, self.retry_cap_s,
             )
 
     # ---- connection ---------------------------------------------------------------------------
 
     def _connect(self) -> bool:
-        """Set the store up if the master answers; False (and retry later) otherwise."""
+        """Set the store up if the master answers; False (retried after the backoff) otherwise."""
+        if self.store is not None:
+            return True
         why = probe(*self._master)
         if why is not None:
-            self._next_try = time.monotonic() + _RETRY_S
-            self._stats["setup_failures"] += 1
             logger.debug("kvpool mooncake: master %s: %s", self.config.master_server_address, why)
             return False
         cfg = self.config
@@ -367,8 +316,6 @@ class MooncakeBackend(Backend):
             setup.update(enable_ssd_offload=True, ssd_offload_path=self._ssd_path)
         rc = store.setup(setup)
         if rc != 0:
-            self._next_try = time.monotonic() + _RETRY_S
-            self._stats["setup_failures"] += 1
             logger.error("kvpool mooncake: setup(%s) failed with %s (%s)", setup, rc, _name(rc))
             try:
                 store.close()
@@ -384,15 +331,10 @@ class MooncakeBackend(Backend):
         self.store = store
         return True
 
-    def _ready(self) -> bool:
-        """Whether calls can go to the master now (fast: a local flag)."""
-        if self.store is None:
-            with self._lock:
-                if self.store is None and time.monotonic() >= self._next_try:
-                    self._connect()
-            if self.store is None:
-                return False
-        return self.store.health_check() == 0
+    def _available(self) -> bool:
+        """Whether calls can go to the master now (fast: a local flag once set up)."""
+        store = self.store if super()._available() else None
+        return store is not None and store.health_check() == 0
 
     def _register(self, ptrs: list[int], sizes: list[int]) -> None:
         # TCP copies from any memory; RDMA/Ascend need registered memory.
@@ -405,102 +347,56 @@ class MooncakeBackend(Backend):
                     logger.warning("kvpool mooncake: register_buffer(%#x, %d) failed with %s", p, n, rc)
                 self._registered.add((p, n))
 
-    # ---- protocol -----------------------------------------------------------------------------
+    # ---- protocol hooks (input checked and deduplicated by Backend) ----------------------------
 
-    def batch_exists(self, keys: Sequence[str], lease: bool = False) -> list[bool]:
+    def _exists(self, keys: list[str], lease: bool) -> list[bool]:
         # Mooncake leases every hit of batch_is_exist, with or without `lease`.
-        if not keys:
-            return []
-        if not self._ready():
-            return [False] * len(keys)
-        n = len(keys)
-        res = self.store.batch_is_exist(list(keys) + [k + EMPTY_SUFFIX for k in keys])
-        if any(r < 0 for r in res[:n]):
-            self._stats["failures"] += 1
-        return [res[i] == 1 or res[n + i] == 1 for i in range(n)]
+        res = self.store.batch_is_exist(keys)
+        if any(r < 0 for r in res):
+            logger.debug("kvpool mooncake: batch_is_exist answered %s", sorted({r for r in res if r < 0}))
+        return [r == 1 for r in res]
 
-    def batch_put(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
-        if len(keys) != len(values):
-            raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        if not keys:
-            return []
-        if not self._ready():
-            return [RPC_FAIL] * len(keys)
-        codes = [OK] * len(keys)
-        # First writer wins across both forms of a key (value, or empty marker).
-        present = self.batch_exists(keys)
-        todo: dict[str, int] = {}  # store key -> index (the first of duplicates wins)
-        spans: dict[str, tuple[list[int], list[int]]] = {}
-        for i, (key, bufs) in enumerate(zip(keys, values)):
-            if present[i]:
-                continue
-            ptrs, sizes, total = _spans(bufs)
-            skey = key if total else key + EMPTY_SUFFIX
-            if skey in todo or (key in todo) or (key + EMPTY_SUFFIX in todo):
-                continue  # the same key twice in one batch: the first value wins, both OK
-            if not total:
-                ptrs, sizes = [int(self._marker.ctypes.data)], [1]
-            todo[skey] = i
-            spans[skey] = (ptrs, sizes)
-        pending = list(todo)
+    def _put(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
+        # No existence check: the master's PutStart skips a key it has (see the module docstring).
+        want = [spans(v) for v in values]
+        codes = [RPC_FAIL] * len(keys)
+        pending = list(range(len(keys)))
         for pause in (*_NO_ROOM_BACKOFF_S, None):
             if not pending:
                 break
-            ptrs = [spans[k][0] for k in pending]
-            sizes = [spans[k][1] for k in pending]
+            ptrs = [want[i][0] for i in pending]
+            sizes = [want[i][1] for i in pending]
             for p, s in zip(ptrs, sizes):
                 self._register(p, s)
-            res = self.store.batch_put_from_multi_buffers(pending, ptrs, sizes, self._replicate)
+            res = self.store.batch_put_from_multi_buffers([keys[i] for i in pending], ptrs, sizes, self._replicate)
             retry = []
-            for skey, rc in zip(pending, res):
+            for i, rc in zip(pending, res):
                 code = map_code(rc)
                 if code == NO_HANDLE and pause is not None:
-                    retry.append(skey)
+                    retry.append(i)
                     continue
-                codes[todo[skey]] = code
-                if code == OK:
-                    self._stats["puts"] += 1
-                    self._stats["put_bytes"] += sum(spans[skey][1])
-                else:
-                    self._stats["failures"] += 1
-                    if code != NO_HANDLE:
-                        logger.warning("kvpool mooncake: put %r failed with %s (%s)", skey, rc, _name(rc))
+                codes[i] = code
+                if code not in (OK, EXISTS, NO_HANDLE):
+                    logger.warning("kvpool mooncake: put %r failed with %s (%s)", keys[i], rc, _name(rc))
             pending = retry
             if pending and pause is not None:
                 time.sleep(pause)
         return codes
 
-    def batch_get_into(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
-        if len(keys) != len(values):
-            raise ValueError(f"{len(keys)} keys but {len(values)} buffer lists")
-        if not keys:
-            return []
-        if not self._ready():
-            return [RPC_FAIL] * len(keys)
+    def _get_into(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
         codes = [NOT_FOUND] * len(keys)
-        want = [_spans(v) for v in values]
-        # Sizes (and leases) of the keys in one RPC. (Mooncake logs an error line for each key
-        # it does not find, so the empty-value markers are looked up only for those.)
-        try:
-            desc = self.store.batch_get_replica_desc(list(dict.fromkeys(keys)))
-        except Exception as exc:  # noqa: BLE001 - a binding error must not take vLLM down
-            logger.warning("kvpool mooncake: batch_get_replica_desc failed: %r", exc)
-            return [RPC_FAIL] * len(keys)
+        want = [spans(v) for v in values]
+        # Sizes (and leases) of the keys in one RPC, so a wrong-size destination is refused
+        # before a byte is written.
+        desc = self.store.batch_get_replica_desc(keys)
         fetch: list[int] = []
-        absent: list[int] = []
         for i, key in enumerate(keys):
             size = _object_size(desc.get(key))
-            if size is None:
-                absent.append(i)
-            elif size != want[i][2]:
-                codes[i] = INVALID
-            else:
-                fetch.append(i)
-        if absent:
-            empty = self.store.batch_is_exist([keys[i] + EMPTY_SUFFIX for i in absent])
-            for i, e in zip(absent, empty):
-                if e == 1:
-                    codes[i] = OK if want[i][2] == 0 else INVALID
+            if size is not None:
+                if size != want[i][2]:
+                    codes[i] = INVALID
+                else:
+                    fetch.append(i)
         if fetch:
             ptrs = [want[i][0] for i in fetch]
             sizes = [want[i][1] for i in fetch]
@@ -513,22 +409,13 @@ class MooncakeBackend(Backend):
                     logger.error("kvpool mooncake: get %r returned %d bytes, expected %d", keys[i], rc, want[i][2])
                 else:
                     codes[i] = map_code(rc)
-                if codes[i] == OK:
-                    self._stats["gets"] += 1
-                    self._stats["get_bytes"] += want[i][2]
-                elif codes[i] != NOT_FOUND:
+                if codes[i] not in (OK, NOT_FOUND):
                     # LEASE_EXPIRED and transfer failures: a load error for vLLM, never a crash.
-                    self._stats["failures"] += 1
                     logger.warning("kvpool mooncake: get %r failed with %s (%s)", keys[i], rc, _name(rc))
-        self._stats["misses"] += sum(1 for c in codes if c == NOT_FOUND)
         return codes
 
-    def stats(self) -> dict[str, float]:
-        return dict(self._stats)
-
-    def close(self) -> None:
+    def _close(self) -> None:
         store, self.store = self.store, None
-        self._next_try = float("inf")  # never reconnect after close
         if store is None:
             return
         for p, n in self._registered:

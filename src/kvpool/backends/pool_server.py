@@ -8,9 +8,10 @@ failure codes (vLLM recomputes) until a server is back on the socket.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numpy as np
 
-from kvpool.backends.base import Backend, Buffers
+from kvpool.backends.base import Backend
+from kvpool.config import ServerClientSettings
 from kvpool.errors import KVPoolError
 from kvpool.server.client import PoolClient
 
@@ -26,22 +27,30 @@ class ServerBackend(Backend):
         # without pool hits instead of not at all, and connects once a server is on the socket.
         self.client = PoolClient(socket_path, client_name, **client_kwargs)  # type: ignore[arg-type]
 
-    def batch_exists(self, keys: Sequence[str], lease: bool = False) -> list[bool]:
+    @classmethod
+    def from_settings(cls, settings: ServerClientSettings, client_name: str) -> "ServerBackend":
+        return cls(settings.server_socket, client_name)
+
+    # The client reconnects by itself (its pinger, and calls at most every retry_interval_s),
+    # so the base class's reconnect state stays up and the client answers misses meanwhile.
+
+    def _exists(self, keys: list[str], lease: bool) -> list[bool]:
         return self.client.exists(keys, lease)
 
-    def batch_put(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
+    def _put(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
+        # Two round trips: Allocate (whose per-key answer includes "already exists") and Commit.
         return self.client.put(keys, values)
 
-    def batch_get_into(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
+    def _get_into(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
         return self.client.get_into(keys, values)
 
-    def stats(self) -> dict[str, float]:
-        """The server's numeric counters (empty while it is unreachable)."""
+    def _store_stats(self) -> dict[str, float]:
+        """The server's numeric counters (none while it is unreachable)."""
         try:
             stats, _ = self.client.server_stats()
         except KVPoolError:
             return {}
         return {k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
-    def close(self) -> None:
+    def _close(self) -> None:
         self.client.close()

@@ -11,7 +11,9 @@ Layout of one pooled object under its key `K`:
   then removed.
 
 Every call is one pipeline (one round trip) per phase: `EXISTS` (or `TOUCH` for a lease, which
-refreshes the key's LRU clock), `SET NX [EX ttl]`, `GET` (plus one pipeline for chunks).
+refreshes the key's LRU clock), `SET NX [EX ttl]`, `GET` (plus one pipeline for chunks). A put
+asks nothing first: `SET NX` is the store's put-if-absent, and a key it refuses is
+OBJECT_ALREADY_EXISTS.
 
 Capacity: Redis' `maxmemory` (minus `used_memory_startup`) is read from `INFO memory` on connect.
 Redis needs a value's size twice while writing it (query buffer, then object), so a value above
@@ -21,7 +23,8 @@ with `maxmemory-policy noeviction`) is NO_AVAILABLE_HANDLE too. Redis has no lea
 here only refreshes LRU recency; eviction follows Redis' own (approximate) LRU policy.
 
 A server that is down or slow never raises: lookups are misses, puts and gets fail with
-RPC_FAIL / RPC_TIMEOUT (vLLM recomputes), and the next call reconnects.
+RPC_FAIL / RPC_TIMEOUT (vLLM recomputes) at once, and after a short backoff (`base.Reconnect`,
+growing while it stays down) the next call tries again (redis-py reconnects by itself).
 """
 
 from __future__ import annotations
@@ -30,19 +33,19 @@ import logging
 import os
 import struct
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from kvpool.backends.base import Backend, Buffers
-from kvpool.config import RedisBackendConfig
+from kvpool.backends.base import Backend, gather, scatter, total_size
+from kvpool.config import RedisSettings
 from kvpool.errors import ConfigError, ErrorCode
 
 logger = logging.getLogger(__name__)
 
 OK = int(ErrorCode.OK)
 NOT_FOUND = int(ErrorCode.OBJECT_NOT_FOUND)
+EXISTS = int(ErrorCode.OBJECT_ALREADY_EXISTS)
 INVALID = int(ErrorCode.INVALID_PARAMS)
 NO_HANDLE = int(ErrorCode.NO_AVAILABLE_HANDLE)
 RPC_FAIL = int(ErrorCode.RPC_FAIL)
@@ -74,27 +77,16 @@ def chunk_key(key: str, nonce: bytes, i: int) -> str:
     return f"{key}#chunk:{nonce.hex()}:{i}"
 
 
-def _total(bufs: Buffers) -> int:
-    return sum(int(b.nbytes) for b in bufs)
-
-
-def _copy_out(data: memoryview | bytes, dests: Buffers) -> None:
-    src = np.frombuffer(data, dtype=np.uint8)
-    pos = 0
-    for d in dests:
-        n = int(d.nbytes)
-        if n:
-            d[...] = src[pos : pos + n]
-        pos += n
-
-
 class RedisBackend(Backend):
     """A redis-py client behind the Backend protocol (thread-safe: redis-py pools connections)."""
 
     name = "redis"
     shared_across_processes = True
+    # A refused connection costs microseconds: try again soon (the backoff still grows to the
+    # cap while the server stays away, which matters when each try costs a connect timeout).
+    retry_first_s = 0.05
 
-    def __init__(self, config: RedisBackendConfig, client_name: str) -> None:
+    def __init__(self, config: RedisSettings, client_name: str) -> None:
         redis = _import_redis()
         self._redis = redis
         self.config = config
@@ -110,7 +102,6 @@ class RedisBackend(Backend):
         self._capacity: int | None = None  # largest value Redis can take (None: no maxmemory)
         self._round_bytes = config.redis_chunk_size  # payload bytes per pipeline (see _rounds)
         self._capacity_at = 0.0
-        self._stats = {"puts": 0, "put_bytes": 0, "gets": 0, "get_bytes": 0, "misses": 0, "failures": 0}
         try:
             self.r.ping()
             self._refresh_capacity(force=True)
@@ -169,15 +160,14 @@ class RedisBackend(Backend):
 
     def _failed(self, exc: BaseException, what: str) -> int:
         code = self._code_of(exc)
-        self._stats["failures"] += 1
+        if code in (RPC_FAIL, RPC_TIMEOUT):
+            self._link.down()  # fail fast until the backoff is over
         logger.warning("kvpool redis: %s failed on %s: [%s] %s", what, self.config.redis_url, ErrorCode(code).name, exc)
         return code
 
-    # ---- protocol -----------------------------------------------------------------------------
+    # ---- protocol hooks (input checked and deduplicated by Backend) ----------------------------
 
-    def batch_exists(self, keys: Sequence[str], lease: bool = False) -> list[bool]:
-        if not keys:
-            return []
+    def _exists(self, keys: list[str], lease: bool) -> list[bool]:
         try:
             pipe = self.r.pipeline(transaction=False)
             for k in keys:
@@ -186,23 +176,23 @@ class RedisBackend(Backend):
             return [bool(n) for n in pipe.execute()]
         except self._redis.RedisError as exc:
             self._failed(exc, "exists")
+            self._bump("failures", len(keys))
             return [False] * len(keys)
 
-    def batch_put(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
-        if len(keys) != len(values):
-            raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        if not keys:
-            return []
+    def _put(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
         try:
             self._refresh_capacity()
         except self._redis.RedisError as exc:
             return [self._failed(exc, "put")] * len(keys)
         codes: list[int] = []
-        for a, z in self._rounds([_total(v) for v in values]):
+        for a, z in self._rounds([total_size(v) for v in values]):
+            if not self._link.up:  # an earlier round found the server gone
+                codes.extend([RPC_FAIL] * (z - a))
+                continue
             codes.extend(self._put_round(keys[a:z], values[a:z]))
         return codes
 
-    def _put_round(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
+    def _put_round(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
         codes = [OK] * len(keys)
         chunk = self.config.redis_chunk_size
         px = self._ttl_ms
@@ -213,33 +203,20 @@ class RedisBackend(Backend):
         plan: list[tuple[int, int, list[str]]] = []  # (key index, header command index, chunk keys)
         ncmd = 0
         for i, (key, bufs) in enumerate(zip(keys, values)):
-            size = _total(bufs)
+            size = total_size(bufs)
             if self._capacity is not None and size + HEADER_SIZE > self._capacity:
                 codes[i] = NO_HANDLE
                 continue
             if size <= chunk:
                 blob = bytearray(HEADER_SIZE + size)
                 _HEAD.pack_into(blob, 0, MAGIC, INLINE, size)
-                dst = np.frombuffer(blob, dtype=np.uint8)
-                pos = HEADER_SIZE
-                for b in bufs:
-                    n = int(b.nbytes)
-                    if n:
-                        dst[pos : pos + n] = b.reshape(-1).view(np.uint8)
-                    pos += n
+                gather(bufs, np.frombuffer(blob, dtype=np.uint8)[HEADER_SIZE:])
                 pipe.set(key, blob, nx=True, px=px)
                 plan.append((i, ncmd, []))
                 ncmd += 1
                 continue
             nonce = os.urandom(16)
-            data = np.empty(size, dtype=np.uint8)
-            pos = 0
-            for b in bufs:
-                n = int(b.nbytes)
-                if n:
-                    data[pos : pos + n] = b.reshape(-1).view(np.uint8)
-                pos += n
-            mv = memoryview(data)
+            mv = memoryview(gather(bufs))
             nchunks = (size + chunk - 1) // chunk
             ckeys = [chunk_key(key, nonce, c) for c in range(nchunks)]
             for c, ck in enumerate(ckeys):
@@ -265,11 +242,9 @@ class RedisBackend(Backend):
             if isinstance(res, Exception) or failed_chunk is not None:
                 codes[i] = self._failed(res if isinstance(res, Exception) else failed_chunk, "put")
                 losers.extend(ckeys)
-            elif res is None:  # the key existed: an OK no-op, our chunks are not needed
+            elif res is None:  # SET NX refused: the key is stored already, our chunks are not needed
+                codes[i] = EXISTS
                 losers.extend(ckeys)
-            else:
-                self._stats["puts"] += 1
-                self._stats["put_bytes"] += _total(values[i])
         if losers:
             try:
                 self.r.unlink(*losers)
@@ -277,15 +252,16 @@ class RedisBackend(Backend):
                 pass  # they expire (TTL) or are evicted like any key
         return codes
 
-    def batch_get_into(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
-        if len(keys) != len(values):
-            raise ValueError(f"{len(keys)} keys but {len(values)} buffer lists")
+    def _get_into(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
         codes: list[int] = []
-        for a, z in self._rounds([_total(v) for v in values]):
+        for a, z in self._rounds([total_size(v) for v in values]):
+            if not self._link.up:  # an earlier round found the server gone
+                codes.extend([RPC_FAIL] * (z - a))
+                continue
             codes.extend(self._get_round(keys[a:z], values[a:z]))
         return codes
 
-    def _get_round(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
+    def _get_round(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
         try:
             pipe = self.r.pipeline(transaction=False)
             for k in keys:
@@ -311,25 +287,23 @@ class RedisBackend(Backend):
                 codes[i] = INTERNAL
                 logger.error("kvpool redis: key %r is not a kvpool object (another application's key?)", key)
                 continue
-            if _total(dests) != size:
+            if total_size(dests) != size:
                 codes[i] = INVALID
                 continue
             if kind == INLINE:
                 if len(blob) != HEADER_SIZE + size:
                     codes[i] = INTERNAL
                     continue
-                _copy_out(memoryview(blob)[HEADER_SIZE:], dests)
-                self._stats["gets"] += 1
-                self._stats["get_bytes"] += size
+                scatter(memoryview(blob)[HEADER_SIZE:], dests)
             else:
                 nchunks, _, nonce = _CHUNKS.unpack_from(blob, HEADER_SIZE)
                 chunked.append((i, size, [chunk_key(key, nonce, c) for c in range(nchunks)], bytes(blob)))
         if chunked:
             self._get_chunks(keys, values, codes, chunked)
-        self._stats["misses"] += sum(1 for c in codes if c == NOT_FOUND)
         return codes
 
-    def _get_chunks(self, keys, values, codes, chunked) -> None:
+    def _get_chunks(self, keys: list[str], values: list[list[np.ndarray]], codes: list[int],
+                    chunked: list[tuple[int, int, list[str], bytes]]) -> None:
         try:
             pipe = self.r.pipeline(transaction=False)
             for _, _, ckeys, _ in chunked:
@@ -355,14 +329,7 @@ class RedisBackend(Backend):
                 codes[i] = NOT_FOUND
                 self._drop_header(keys[i], head)
                 continue
-            out = np.empty(size, dtype=np.uint8)
-            at = 0
-            for p in mine:
-                out[at : at + len(p)] = np.frombuffer(p, dtype=np.uint8)
-                at += len(p)
-            _copy_out(memoryview(out), values[i])
-            self._stats["gets"] += 1
-            self._stats["get_bytes"] += size
+            scatter(gather(mine), values[i])
 
     _DROP = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
@@ -372,10 +339,7 @@ class RedisBackend(Backend):
         except self._redis.RedisError as exc:  # EVAL may be disabled; the key then ages out
             logger.debug("kvpool redis: could not drop orphan header %r: %s", key, exc)
 
-    def stats(self) -> dict[str, float]:
-        return dict(self._stats)
-
-    def close(self) -> None:
+    def _close(self) -> None:
         try:
             self.r.close()
         except Exception:  # noqa: BLE001 - closing a dead connection is not an error

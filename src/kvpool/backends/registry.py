@@ -1,40 +1,131 @@
-"""Every backend, declared once: name, config schema, factory, doctor check, capabilities."""
+"""Every backend, declared once: its name and config schema (a `BackendSettings` subclass in
+`kvpool.config`), its factory, its `kvpool doctor` check and its capabilities.
+
+The config's list of backend names, `create_backend`, `kvpool doctor`, the conformance suite
+and docs/backends.md's table all derive from `REGISTRY`. Factories and checks are named by
+"module:attribute" and imported on use, so a store's client library is loaded only by the
+process that chose that store.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+from typing import Any
+
 from kvpool.backends.base import Backend
-from kvpool.config import KVPoolConfig
-from kvpool.errors import ConfigError
+from kvpool.config import (
+    BackendSettings,
+    KVPoolConfig,
+    LocalSettings,
+    MemcacheSettings,
+    MooncakeSettings,
+    RedisSettings,
+    ServerClientSettings,
+    YuanrongSettings,
+    backend_schemas,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """Where a store's semantics differ (the conformance suite adapts its assertions to these).
+
+    - `leases`: a lookup with `lease=True` protects a hit from eviction for the lease TTL.
+    - `exact_lru`: eviction takes the least recently used object first (others approximate it).
+    - `evicts_on_refused_put`: a put that does not fit may evict other objects and still fail.
+    - `shared_across_processes`: every process of an instance sees the same pool (TP/PP > 1).
+    """
+
+    leases: bool
+    exact_lru: bool
+    evicts_on_refused_put: bool
+    shared_across_processes: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendSpec:
+    """One backend. `factory(settings, client_name) -> Backend`; `doctor(config, args, report)`."""
+
+    schema: type[BackendSettings]
+    factory: str
+    doctor: str
+    capabilities: Capabilities
+    summary: str
+
+    @property
+    def name(self) -> str:
+        return self.schema.backend
+
+
+def _resolve(target: str) -> Any:
+    module, _, attr = target.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+REGISTRY: dict[str, BackendSpec] = {spec.name: spec for spec in (
+    BackendSpec(
+        LocalSettings, "kvpool.backends.local:LocalBackend", "kvpool.cli.doctor:check_local",
+        Capabilities(leases=True, exact_lru=True, evicts_on_refused_put=False, shared_across_processes=False),
+        "the pool engine inside the vLLM worker: memory tier + optional SSD tier",
+    ),
+    BackendSpec(
+        ServerClientSettings, "kvpool.backends.pool_server:ServerBackend.from_settings",
+        "kvpool.cli.doctor:check_server",
+        Capabilities(leases=True, exact_lru=True, evicts_on_refused_put=False, shared_across_processes=True),
+        "`kvpool server`: one pool per host in shared memory, every instance maps it",
+    ),
+    BackendSpec(
+        MooncakeSettings, "kvpool.backends.mooncake:MooncakeBackend.from_settings", "kvpool.cli.doctor:check_mooncake",
+        Capabilities(leases=True, exact_lru=True, evicts_on_refused_put=True, shared_across_processes=True),
+        "Mooncake Store (mooncake_master + per-process segments), over TCP here",
+    ),
+    BackendSpec(
+        YuanrongSettings, "kvpool.backends.yuanrong:YuanrongBackend.from_settings", "kvpool.cli.doctor:check_yuanrong",
+        Capabilities(leases=False, exact_lru=False, evicts_on_refused_put=True, shared_across_processes=True),
+        "openYuanrong datasystem (a worker per host, KVClient)",
+    ),
+    BackendSpec(
+        MemcacheSettings, "kvpool.backends.memcache:MemcacheBackend.from_settings", "kvpool.cli.doctor:check_memcache",
+        Capabilities(leases=True, exact_lru=False, evicts_on_refused_put=True, shared_across_processes=True),
+        "Memcache (memcache-hybrid); its local service needs the Ascend driver",
+    ),
+    BackendSpec(
+        RedisSettings, "kvpool.backends.redis:RedisBackend", "kvpool.cli.doctor:check_redis",
+        Capabilities(leases=False, exact_lru=False, evicts_on_refused_put=False, shared_across_processes=True),
+        "Redis or Valkey (maxmemory-policy evicts)",
+    ),
+)}
+
+assert set(REGISTRY) == set(backend_schemas()), "every BackendSettings subclass needs a registry entry"
 
 
 def create_backend(config: KVPoolConfig, client_name: str) -> Backend:
-    """Build the backend named by `config.backend`."""
-    if config.backend == "local":
-        from kvpool.backends.local import LocalBackend
+    """Build the backend `config.backend` names, from its own settings."""
+    spec = REGISTRY[config.backend]
+    backend: Backend = _resolve(spec.factory)(config.backend_settings, client_name)
+    return backend
 
-        return LocalBackend(config.local, client_name)
-    if config.backend == "server":
-        from kvpool.backends.pool_server import ServerBackend
 
-        return ServerBackend(config.server_socket, client_name)
-    # The distributed stores: each module imports its client library only when built, and
-    # raises ConfigError naming the pip package when it is missing.
-    if config.backend == "redis":
-        from kvpool.backends.redis import RedisBackend
+def doctor_check(name: str) -> Any:
+    """The `kvpool doctor` check of backend `name`."""
+    return _resolve(REGISTRY[name].doctor)
 
-        return RedisBackend(config.redis, client_name)
-    if config.backend == "mooncake":
-        from kvpool.backends.mooncake import MooncakeBackend
 
-        return MooncakeBackend.from_config(config, client_name)
-    if config.backend == "yuanrong":
-        from kvpool.backends.yuanrong import YuanrongBackend
-
-        return YuanrongBackend.from_config(config, client_name)
-    if config.backend == "memcache":
-        from kvpool.backends.memcache import MemcacheBackend
-
-        return MemcacheBackend.from_config(config, client_name)
-    raise ConfigError(
-        "backend", config.backend, "a backend this kvpool release ships: local, server, mooncake, yuanrong, memcache, redis"
-    )
+def capability_table() -> str:
+    """docs/backends.md's capability table, from the registry (a test keeps the doc equal to it)."""
+    names = list(REGISTRY)
+    yes_no = {True: "yes", False: "no"}
+    rows = [
+        ("`leases`: a leased object is never evicted; a pool full of leased objects refuses puts", "leases"),
+        ("`exact_lru`: eviction takes the least recently used first, strictly", "exact_lru"),
+        ("`evicts_on_refused_put`: a put refused for room may have evicted others first", "evicts_on_refused_put"),
+        ("`shared_across_processes`: every worker process sees one pool (TP/PP > 1)", "shared_across_processes"),
+    ]
+    lines = ["| capability | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    for text, attr in rows:
+        lines.append(f"| {text} | " + " | ".join(yes_no[getattr(REGISTRY[n].capabilities, attr)] for n in names) + " |")
+    return "\n".join(lines)

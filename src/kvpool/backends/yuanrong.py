@@ -16,10 +16,13 @@ instead of refusing new ones. Exclusive connections are on by default here (on C
 backends host buffers.
 
 What the datasystem does differently from the pool engine (measured with 0.8.1):
-- `set` overwrites and `mset` refuses NX: a put first asks which keys exist and writes only the
-  others (a concurrent writer of the same key may still replace it with the same bytes: keys
-  name content).
-- objects of size 0 are refused: an empty value is a 1-byte marker object under its own key.
+- no batched put-if-absent: `set` and `mcreate` + `mset_buffer` overwrite, `mset` refuses
+  `ExistenceOpt.NX` ("The MSet doesn't support ntx_1"), and `msettx` takes NX but at most 8
+  keys, all or none, copied from Python bytes. So a put asks which keys exist (`exist`, one
+  call for the batch: the only existence check of a save) and writes the others; the keys it
+  found are OBJECT_ALREADY_EXISTS. A concurrent writer of the same key may still replace it
+  with the same bytes (keys name content).
+- objects of size 0 are refused (kvpool never stores empty values).
 - keys: at most 255 characters of `[a-zA-Z0-9-_!@#%^*()+=:;]`; others are normalized
   (`keynorm.py`), so kvpool's keys (which contain `/` and `.`) are stored under normalized names.
 - no leases: a read holds its mapping, so bytes being copied are never reused, but eviction
@@ -38,21 +41,22 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from kvpool.backends.base import Backend, Buffers
+from kvpool.backends.base import Backend, gather, scatter, total_size
 from kvpool.backends.keynorm import normalize_yuanrong_key
-from kvpool.backends.mooncake import parse_host_port, probe
-from kvpool.config import KVPoolConfig
-from kvpool.errors import ConfigError, ErrorCode
+from kvpool.backends.net import parse_host_port, probe
+from kvpool.config import YuanrongSettings
+from kvpool.errors import BackendUnavailable, ConfigError, ErrorCode
 
 logger = logging.getLogger(__name__)
 
 OK = int(ErrorCode.OK)
 NOT_FOUND = int(ErrorCode.OBJECT_NOT_FOUND)
+EXISTS = int(ErrorCode.OBJECT_ALREADY_EXISTS)
 INVALID = int(ErrorCode.INVALID_PARAMS)
 INVALID_KEY = int(ErrorCode.INVALID_KEY)
 NO_HANDLE = int(ErrorCode.NO_AVAILABLE_HANDLE)
@@ -67,8 +71,6 @@ KNOWN_FIELDS = (
 # vLLM-Ascend's YR_CONFIG_PATH fields that concern its NPU data path: accepted, not used here.
 NPU_FIELDS = ("use_layerwise", "remote_h2d_transport_backend", "enable_fabric_mem", "enable_dev_mem_pregister")
 _MAX_BATCH = 1000  # mcreate/mset_buffer take < 2000 keys, exist <= 10000
-_RETRY_S = 5.0
-EMPTY_SUFFIX = "\x00kvpool-empty"  # never a valid key: always normalized to a distinct name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,10 +223,6 @@ def _retire(client: Any) -> None:
     threading.Thread(target=drop, name="kvpool-yr-retire", daemon=True).start()
 
 
-def _total(bufs: Buffers) -> int:
-    return sum(int(b.nbytes) for b in bufs)
-
-
 class YuanrongBackend(Backend):
     """One `KVClient` per process, connected to the host's datasystem worker."""
 
@@ -232,8 +230,8 @@ class YuanrongBackend(Backend):
     shared_across_processes = True
 
     @classmethod
-    def from_config(cls, config: KVPoolConfig, client_name: str) -> "YuanrongBackend":
-        return cls(load_yuanrong_config(config.yuanrong_config_path), client_name)
+    def from_settings(cls, settings: YuanrongSettings, client_name: str) -> "YuanrongBackend":
+        return cls(load_yuanrong_config(settings.yuanrong_config_path), client_name)
 
     def __init__(self, config: YuanrongConfig, client_name: str) -> None:
         self._KVClient, WriteMode = _import_sdk()
@@ -244,19 +242,18 @@ class YuanrongBackend(Backend):
         if config.client_log_dir:
             # The SDK reads DATASYSTEM_CLIENT_LOG_DIR when it starts logging and needs it to exist.
             os.makedirs(config.client_log_dir, exist_ok=True)
-        self._lock = threading.Lock()
         self.client: Any = None
-        self._next_try = 0.0
         self._names: dict[str, str] = {}
-        self._stats = {"puts": 0, "put_bytes": 0, "gets": 0, "get_bytes": 0, "misses": 0, "failures": 0,
-                       "reconnects": 0}
-        if not self._connect():
+        if not self._link.connect():
             logger.warning("kvpool yuanrong: worker %s is not reachable yet; lookups miss and loads/saves fail "
-                           "until it is (retried every %.0f s)", config.worker_addr, _RETRY_S)
+                           "until it is (retried at least every %.0f s)", config.worker_addr, self.retry_cap_s)
 
     # ---- connection ---------------------------------------------------------------------------
 
     def _connect(self) -> bool:
+        """A KVClient if the worker's port answers; False (retried after the backoff) otherwise."""
+        if self.client is not None:
+            return True
         why = probe(self._host, self._port, timeout=1.0)
         if why is None:
             cfg = self.config
@@ -270,18 +267,13 @@ class YuanrongBackend(Backend):
                 return True
             except Exception as exc:  # noqa: BLE001 - the SDK raises RuntimeError/TypeError
                 why = repr(exc)
-        self._next_try = time.monotonic() + _RETRY_S
         logger.debug("kvpool yuanrong: worker %s: %s", self.config.worker_addr, why)
         return False
 
-    def _get_client(self) -> Any:
+    def _sdk(self) -> Any:
         client = self.client
-        if client is None:
-            with self._lock:
-                if self.client is None and time.monotonic() >= self._next_try:
-                    if self._connect():
-                        self._stats["reconnects"] += 1
-                client = self.client
+        if client is None:  # dropped by another thread's failing call a moment ago
+            raise BackendUnavailable(f"yuanrong worker {self.config.worker_addr} is not connected")
         return client
 
     def _failed(self, exc: BaseException, what: str) -> int:
@@ -289,12 +281,10 @@ class YuanrongBackend(Backend):
         # Only the text: the exception's traceback holds the SDK client, which must not outlive
         # its worker (a log handler that keeps records would keep it alive).
         text = str(exc)
-        self._stats["failures"] += 1
         if code in (RPC_FAIL, RPC_TIMEOUT) and probe(self._host, self._port, timeout=0.2) is not None:
-            # The worker is gone: fail fast until its port answers again, then reconnect.
-            with self._lock:
-                dead, self.client = self.client, None
-                self._next_try = time.monotonic() + 1.0
+            # The worker is gone: fail fast until the backoff is over, then reconnect (a new client).
+            self._link.down()
+            dead, self.client = self.client, None
             _retire(dead)
         if code not in (NOT_FOUND, NO_HANDLE):
             logger.warning("kvpool yuanrong: %s failed (%s): %s", what, ErrorCode(code).name, text)
@@ -309,7 +299,9 @@ class YuanrongBackend(Backend):
             self._names[key] = name
         return name
 
-    # ---- protocol -----------------------------------------------------------------------------
+    # ---- protocol hooks (input checked and deduplicated by Backend) ----------------------------
+    # SDK exceptions are handled here, never passed on: their tracebacks hold the KVClient, which
+    # must not outlive its worker (see `_failed`).
 
     def _exist(self, client: Any, names: list[str]) -> list[bool]:
         out: list[bool] = []
@@ -317,85 +309,55 @@ class YuanrongBackend(Backend):
             out.extend(bool(x) for x in client.exist(names[a : a + 10 * _MAX_BATCH]))
         return out
 
-    def batch_exists(self, keys: Sequence[str], lease: bool = False) -> list[bool]:
+    def _exists(self, keys: list[str], lease: bool) -> list[bool]:
         # No leases in the datasystem (see the module docstring): `lease` changes nothing.
-        if not keys:
-            return []
-        client = self._get_client()
-        if client is None:
-            return [False] * len(keys)
-        names = [self._name(k) for k in keys] + [self._name(k + EMPTY_SUFFIX) for k in keys]
+        client = self._sdk()
         try:
-            found = self._exist(client, names)
+            return self._exist(client, [self._name(k) for k in keys])
         except Exception as exc:  # noqa: BLE001
             self._failed(exc, "exist")
+            self._bump("failures", len(keys))
             return [False] * len(keys)
-        n = len(keys)
-        return [found[i] or found[n + i] for i in range(n)]
 
-    def batch_put(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
-        if len(keys) != len(values):
-            raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        if not keys:
-            return []
-        client = self._get_client()
-        if client is None:
-            return [RPC_FAIL] * len(keys)
-        codes = [OK] * len(keys)
-        present = self.batch_exists(keys)
-        todo: dict[str, int] = {}
-        for i, (key, bufs) in enumerate(zip(keys, values)):
-            if present[i] or self._name(key) in todo or self._name(key + EMPTY_SUFFIX) in todo:
-                continue  # stored already, or a duplicate in this batch (the first value wins)
-            todo[self._name(key if _total(bufs) else key + EMPTY_SUFFIX)] = i
-        names = list(todo)
-        for a in range(0, len(names), _MAX_BATCH):
-            part = names[a : a + _MAX_BATCH]
+    def _put(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
+        client = self._sdk()
+        names = [self._name(k) for k in keys]
+        try:
+            present = self._exist(client, names)  # the datasystem has no batched put-if-absent
+        except Exception as exc:  # noqa: BLE001
+            return [self._failed(exc, "exist")] * len(keys)
+        codes = [EXISTS if p else OK for p in present]
+        todo = [i for i, p in enumerate(present) if not p]
+        for a in range(0, len(todo), _MAX_BATCH):
+            part = todo[a : a + _MAX_BATCH]
             try:
-                self._put(client, part, [values[todo[n]] for n in part])
+                self._write(client, [names[i] for i in part], [values[i] for i in part])
             except Exception as exc:  # noqa: BLE001
                 if len(part) == 1 or _code_of(exc) != NO_HANDLE:
                     code = self._failed(exc, "put")
-                    for n in part:
-                        codes[todo[n]] = code
+                    for i in part:
+                        codes[i] = code
                     continue
                 # One value that cannot fit fails the whole mcreate: store the others one by one.
-                for n in part:
+                for i in part:
                     try:
-                        self._put(client, [n], [values[todo[n]]])
+                        self._write(client, [names[i]], [values[i]])
                     except Exception as exc1:  # noqa: BLE001
-                        codes[todo[n]] = self._failed(exc1, "put")
-        for n, i in todo.items():
-            if codes[i] == OK:
-                self._stats["puts"] += 1
-                self._stats["put_bytes"] += _total(values[i])
+                        codes[i] = self._failed(exc1, "put")
         return codes
 
-    def _put(self, client: Any, names: list[str], values: list[Buffers]) -> None:
-        sizes = [max(_total(v), 1) for v in values]
+    def _write(self, client: Any, names: list[str], values: list[list[np.ndarray]]) -> None:
+        """Create the objects in the worker's shared memory, fill them, publish them."""
+        sizes = [total_size(v) for v in values]
         objs = client.mcreate(names, sizes, write_mode=self._evict, ttl_second=self.config.ttl_second)
         for obj, bufs in zip(objs, values):
-            dst = np.frombuffer(obj.MutableData(), dtype=np.uint8)
-            pos = 0
-            for b in bufs:
-                n = int(b.nbytes)
-                if n:
-                    dst[pos : pos + n] = b.reshape(-1).view(np.uint8)
-                pos += n
-            if pos == 0:
-                dst[0] = 0  # the empty value's marker byte
+            gather(bufs, np.frombuffer(obj.MutableData(), dtype=np.uint8))
         client.mset_buffer(objs)
 
-    def batch_get_into(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
-        if len(keys) != len(values):
-            raise ValueError(f"{len(keys)} keys but {len(values)} buffer lists")
-        if not keys:
-            return []
-        client = self._get_client()
-        if client is None:
-            return [RPC_FAIL] * len(keys)
+    def _get_into(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
+        client = self._sdk()
         codes = [NOT_FOUND] * len(keys)
-        want = [_total(v) for v in values]
+        want = [total_size(v) for v in values]
         for a in range(0, len(keys), _MAX_BATCH):
             idx = list(range(a, min(a + _MAX_BATCH, len(keys))))
             try:
@@ -406,42 +368,19 @@ class YuanrongBackend(Backend):
                     code = self._failed(exc, "get")
                 for i in idx:
                     codes[i] = code
-                bufs = [None] * len(idx)
+                continue
             for i, buf in zip(idx, bufs):
                 if buf is None:
                     continue
                 src = np.frombuffer(memoryview(buf), dtype=np.uint8)
                 if src.size != want[i]:
-                    codes[i] = INVALID
+                    codes[i] = INVALID  # checked before a byte is written
                     continue
-                pos = 0
-                for d in values[i]:
-                    n = int(d.nbytes)
-                    if n:
-                        d[...] = src[pos : pos + n]
-                    pos += n
+                scatter(src, values[i])
                 codes[i] = OK
-                self._stats["gets"] += 1
-                self._stats["get_bytes"] += want[i]
             del bufs
-        # Keys not found may be stored as empty values.
-        missing = [i for i, c in enumerate(codes) if c == NOT_FOUND]
-        if missing:
-            try:
-                empty = self._exist(client, [self._name(keys[i] + EMPTY_SUFFIX) for i in missing])
-            except Exception as exc:  # noqa: BLE001
-                self._failed(exc, "exist")
-                empty = [False] * len(missing)
-            for i, e in zip(missing, empty):
-                if e:
-                    codes[i] = OK if want[i] == 0 else INVALID
-        self._stats["misses"] += sum(1 for c in codes if c == NOT_FOUND)
         return codes
 
-    def stats(self) -> dict[str, float]:
-        return dict(self._stats)
-
-    def close(self) -> None:
+    def _close(self) -> None:
         client, self.client = self.client, None
-        self._next_try = float("inf")
         del client  # the SDK disconnects when the client object goes (fast while the worker lives)

@@ -20,7 +20,9 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from kvpool.config import KVPoolConfig, load_config
+from kvpool.backends.net import parse_host_port, parse_tcp_url, probe
+from kvpool.backends.registry import doctor_check
+from kvpool.config import KVPoolConfig, LocalSettings, RedisSettings, ServerClientSettings, load_config
 from kvpool.errors import ConfigError
 
 KVPOOL_CONNECTORS = ("KVPoolConnector", "AscendStoreConnector")
@@ -131,15 +133,6 @@ def check_hash_seed(algo: str, env: Mapping[str, str], report: Report) -> None:
 # ---- helpers --------------------------------------------------------------------------------------
 
 
-def answers(host: str, port: int, timeout: float) -> str | None:
-    """None if host:port accepts a TCP connection within `timeout`, else why not."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return None
-    except OSError as exc:
-        return exc.strerror or str(exc) or type(exc).__name__
-
-
 def mem_available() -> int | None:
     try:
         with open("/proc/meminfo") as f:
@@ -206,25 +199,27 @@ def check_ssd_quota(path: str, quota: int, what: str, ranks: int, report: Report
 
 
 def check_local(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) -> None:
-    local = cfg.local
+    local = cfg.backend_settings
+    assert isinstance(local, LocalSettings)
     avail = mem_available()
-    per_host = local.local_cpu_size * args.ranks_per_host
+    per_host = local.memory_size * args.ranks_per_host
     if avail is not None and per_host > avail:
-        report.warn(f"local_cpu_size={human(local.local_cpu_size)} x {args.ranks_per_host} worker(s) exceeds the "
+        report.warn(f"local_cpu_size={human(local.memory_size)} x {args.ranks_per_host} worker(s) exceeds the "
                     f"memory available on this host ({human(avail)})", "lower local_cpu_size")
-    if local.ssd_offload_path:
-        quota = local.ssd_quota
+    if local.offload_path:
+        quota = local.offload_quota
         if quota:
-            check_ssd_quota(local.ssd_offload_path, quota, "ssd_quota", args.ranks_per_host, report,
+            check_ssd_quota(local.offload_path, quota, "ssd_quota", args.ranks_per_host, report,
                             "lower ssd_quota (per worker), or use 0 for 90% of the free space")
         else:
-            report.ok(f"ssd_quota 0: each worker takes 90% of the free space of {local.ssd_offload_path} when it "
+            report.ok(f"ssd_quota 0: each worker takes 90% of the free space of {local.offload_path} when it "
                       "starts (several workers on one disk would overcommit it: set ssd_quota)")
     check_lease(local.default_kv_lease_ttl_ms, "default_kv_lease_ttl_ms", args.env, report)
 
 
 def check_server(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) -> None:
-    path = cfg.server_socket
+    assert isinstance(cfg.backend_settings, ServerClientSettings)
+    path = cfg.backend_settings.server_socket
     try:
         with socket.socket(socket.AF_UNIX) as s:
             s.settimeout(args.timeout)
@@ -241,17 +236,19 @@ def check_redis(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) -> 
     except ImportError:
         report.error("the redis client library is not installed", "pip install 'kvpool[redis]'")
         return
-    r = redis.Redis.from_url(cfg.redis.redis_url, socket_timeout=args.timeout, socket_connect_timeout=args.timeout)
+    settings = cfg.backend_settings
+    assert isinstance(settings, RedisSettings)
+    r = redis.Redis.from_url(settings.redis_url, socket_timeout=args.timeout, socket_connect_timeout=args.timeout)
     try:
         r.ping()
         info = r.info("memory")
     except redis.RedisError as exc:
-        report.error(f"Redis at {cfg.redis.redis_url} does not answer ({exc})",
+        report.error(f"Redis at {settings.redis_url} does not answer ({exc})",
                      "start it (redis-server --port ... --maxmemory 8gb --maxmemory-policy allkeys-lru) or fix redis_url")
         return
     finally:
         r.close()
-    report.ok(f"Redis answers at {cfg.redis.redis_url}")
+    report.ok(f"Redis answers at {settings.redis_url}")
     maxmemory, policy = int(info.get("maxmemory", 0) or 0), info.get("maxmemory_policy", "?")
     if not maxmemory:
         report.warn("Redis has no maxmemory: the pool grows until the host runs out of memory",
@@ -260,17 +257,17 @@ def check_redis(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) -> 
                       "volatile-random"):
         report.warn(f"Redis maxmemory-policy is {policy}: once full, every save fails (NO_AVAILABLE_HANDLE)",
                     "CONFIG SET maxmemory-policy allkeys-lru")
-    elif policy.startswith("volatile") and not cfg.redis.redis_ttl_s:
+    elif policy.startswith("volatile") and not settings.redis_ttl_s:
         report.warn(f"Redis maxmemory-policy {policy} evicts only keys with a TTL, and redis_ttl_s is 0",
                     "use allkeys-lru, or set redis_ttl_s")
 
 
 def check_mooncake(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) -> None:
-    from kvpool.backends.mooncake import DEFAULT_OFFLOAD_BUFFER, load_mooncake_config, parse_host_port
+    from kvpool.backends.mooncake import DEFAULT_OFFLOAD_BUFFER, load_mooncake_config
 
     env = args.env
     try:
-        mc = load_mooncake_config(cfg.mooncake_config_path, env)
+        mc = load_mooncake_config(getattr(cfg.backend_settings, "mooncake_config_path", None), env)
     except ConfigError as exc:
         report.error(f"Mooncake: {exc.key}={exc.value!r} is invalid", exc.expected)
         return
@@ -280,7 +277,7 @@ def check_mooncake(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) 
         report.warn(f"mooncake.json fields kvpool does not use: {', '.join(mc.ignored_fields)}",
                     "remove them, or ignore this if another tool reads the same file")
     host, port = parse_host_port("master_server_address", mc.master_server_address)
-    why = answers(host, port, args.timeout)
+    why = probe(host, port, args.timeout)
     if why:
         report.error(f"mooncake_master at {mc.master_server_address} does not answer ({why})",
                      f"start it: mooncake_master --rpc_address {host} --port {port} --eviction_high_watermark_ratio 0.9 "
@@ -321,16 +318,15 @@ def check_mooncake(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) 
 
 
 def check_yuanrong(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) -> None:
-    from kvpool.backends.mooncake import parse_host_port
     from kvpool.backends.yuanrong import load_yuanrong_config
 
     try:
-        yr = load_yuanrong_config(cfg.yuanrong_config_path, args.env)
+        yr = load_yuanrong_config(getattr(cfg.backend_settings, "yuanrong_config_path", None), args.env)
     except ConfigError as exc:
         report.error(f"Yuanrong: {exc.key}={exc.value!r} is invalid", exc.expected)
         return
     host, port = parse_host_port("worker_addr", yr.worker_addr)
-    why = answers(host, port, args.timeout)
+    why = probe(host, port, args.timeout)
     if why:
         report.error(f"no datasystem worker answers at {yr.worker_addr} ({why})",
                      f"start it: dscli start -w --worker_address {yr.worker_addr} --etcd_address <etcd host:port> "
@@ -353,15 +349,15 @@ def check_yuanrong(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) 
 
 
 def check_memcache(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) -> None:
-    from kvpool.backends.memcache import load_memcache_config, parse_tcp_url
+    from kvpool.backends.memcache import load_memcache_config
 
     try:
-        mmc = load_memcache_config(cfg.mmc_local_config_path, args.env)
+        mmc = load_memcache_config(getattr(cfg.backend_settings, "mmc_local_config_path", None), args.env)
     except ConfigError as exc:
         report.error(f"MemCache: {exc.key}={exc.value!r} is invalid", exc.expected)
         return
     host, port = parse_tcp_url("ock.mmc.meta_service_url", mmc.meta_service_url)
-    why = answers(host, port, args.timeout)
+    why = probe(host, port, args.timeout)
     if why:
         report.error(f"MemCache MetaService at {mmc.meta_service_url} does not answer ({why})",
                      "start it: MMC_META_CONFIG_PATH=/path/mmc-meta.conf python -c \"from memcache_hybrid import "
@@ -374,10 +370,6 @@ def check_memcache(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) 
                      "run on an Ascend host, or use backend mooncake, yuanrong or redis")
 
 
-CHECKS = {
-    "local": check_local, "server": check_server, "redis": check_redis, "mooncake": check_mooncake,
-    "yuanrong": check_yuanrong, "memcache": check_memcache,
-}
 
 
 # ---- command ---------------------------------------------------------------------------------------
@@ -417,7 +409,7 @@ def diagnose(args: argparse.Namespace) -> Report:
                          f"{exc.expected} (see docs/configuration.md)")
         else:
             report.ok(f"kv_connector_extra_config parses: backend {cfg.backend}, role {cfg.kv_role}")
-            CHECKS[cfg.backend](cfg, args, report)
+            doctor_check(cfg.backend)(cfg, args, report)
     check_hash_seed(args.prefix_caching_hash_algo, args.env, report)
     return report
 

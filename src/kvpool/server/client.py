@@ -1,9 +1,11 @@
 """Client of `kvpool server`: batched metadata calls over the Unix socket, payload copies
 straight into and out of the server's shared-memory arena.
 
-Cost per batch: ``exists`` is one round trip; ``put`` two (allocate, then commit after copying
-into the arena); ``get_into`` two (acquire leases, then release after copying out, which is
-also when the server says whether each copy was stable).
+Cost per batch: ``exists`` is one round trip; ``put`` two (allocate, whose per-key answer says
+which keys are stored already, then commit after copying into the arena; one when every key
+was there), so a save needs no ``exists`` first; ``get_into`` two (acquire leases, then release
+after copying out, which is also when the server says whether each copy was stable).
+``requests`` counts the round trips by request type.
 
 Failure model: the client never raises for a server problem and never blocks longer than its
 timeouts. A dead, missing or hung server turns every key of a call into a failure code
@@ -26,6 +28,7 @@ import os
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +41,7 @@ from kvpool.errors import BackendUnavailable, ErrorCode
 from kvpool.server import protocol as P
 from kvpool.server import shm
 from kvpool.store.buffers import as_u8 as _u8
+from kvpool.store.buffers import gather, scatter
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +115,9 @@ class PoolClient:
         self._reported_down = False
         self._closed = False
         self._stop = threading.Event()
+        # Round trips by request type ("Allocate", "Commit", ...): what a batch really cost.
+        self.requests: Counter[str] = Counter()
+        self._requests_lock = threading.Lock()
         try:
             self._reconnect()
         except _Down:
@@ -192,7 +199,11 @@ class PoolClient:
         return found
 
     def put(self, keys: Sequence[str], values: Sequence[Sequence[Any]]) -> list[int]:
-        """Store each key as the concatenation of its buffers; an existing key is a no-op OK."""
+        """Store each key as the concatenation of its buffers, if it is not stored yet.
+
+        Per key: OK (written now), OBJECT_ALREADY_EXISTS (stored, or being written by another
+        client: nothing written, objects are immutable) or a failure code.
+        """
         n = len(keys)
         if len(values) != n:
             return [int(ErrorCode.INVALID_PARAMS)] * n
@@ -307,21 +318,15 @@ class PoolClient:
         committing: list[tuple[int, int]] = []
         aborting: list[int] = []
         for (i, _key, segs, size), code, handle, offset in zip(batch, reply.codes, reply.handles, reply.offsets):
-            if code == ErrorCode.OBJECT_ALREADY_EXISTS:
-                codes[i] = OK  # objects are immutable: the stored (or in-flight) copy is this one
-                continue
             if code != OK:
-                codes[i] = code
+                codes[i] = code  # OBJECT_ALREADY_EXISTS included: the server's put-if-absent
                 continue
             if not 0 <= offset <= arena.size - size:
                 codes[i] = int(ErrorCode.INTERNAL_ERROR)
                 aborting.append(handle)
                 continue
             try:
-                pos = offset
-                for seg in segs:
-                    arena[pos : pos + seg.size] = seg
-                    pos += seg.size
+                gather(segs, arena[offset : offset + size])
             except Exception:  # e.g. a buffer freed under us: never publish a partial copy
                 logger.exception("kvpool put: copying into the arena failed; aborting that key")
                 codes[i] = int(ErrorCode.INVALID_PARAMS)
@@ -379,10 +384,7 @@ class PoolClient:
                     checked.append(-1)
                 continue
             try:
-                pos = 0
-                for out in outs:
-                    out[:] = src[pos : pos + out.size]
-                    pos += out.size
+                scatter(src, outs)
             except Exception:
                 logger.exception("kvpool get: copying out of the arena failed")
                 codes[i] = int(ErrorCode.INVALID_PARAMS)
@@ -427,6 +429,8 @@ class PoolClient:
         try:
             if not link.alive:
                 raise _Down("connection lost")
+            with self._requests_lock:
+                self.requests[type(message).__name__] += 1
             try:
                 P.send_frame(link.sock, message)
                 body = P.recv_frame(link.sock, P.MAX_REPLY_FRAME)

@@ -26,7 +26,6 @@ import fcntl
 import logging
 import os
 import selectors
-import shutil
 import signal
 import socket
 import stat
@@ -39,13 +38,11 @@ from typing import Any
 
 import msgspec
 
-from kvpool.config import DEFAULT_SERVER_SOCKET, SSD_POLICIES, LocalBackendConfig, parse_size, parse_socket_path
+from kvpool.config import ServerSettings, add_flags, from_flags
 from kvpool.errors import ConfigError, ErrorCode, KVPoolError
 from kvpool.server import protocol as P
 from kvpool.server import shm
-from kvpool.paths import validate_offload_path
-from kvpool.store.disk import DiskTier
-from kvpool.store.engine import Allocation, EngineConfig, Lease, PoolEngine
+from kvpool.store.engine import Allocation, Lease, PoolEngine
 from kvpool.server.metrics import MetricsServer
 
 logger = logging.getLogger("kvpool.server")
@@ -59,43 +56,6 @@ class ServerRunning(KVPoolError):
     """Another live server owns the socket."""
 
     code = ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerConfig:
-    """Everything `kvpool server` is told on its command line, validated."""
-
-    socket_path: str = DEFAULT_SERVER_SOCKET
-    socket_mode: int = 0o600
-    memory_size: int = 4 << 30
-    eviction_high_watermark_ratio: float = 0.9
-    eviction_ratio: float = 0.1
-    default_kv_lease_ttl_ms: int = LocalBackendConfig.default_kv_lease_ttl_ms
-    client_ttl_s: float = 10.0
-    put_timeout_s: float = 30.0
-    offload_path: str | None = None
-    offload_quota: int = 0  # 0: 90% of the disk's free space at start, as the local backend
-    offload_eviction_policy: str = "lru"
-    metrics_port: int | None = None
-    hello_timeout_s: float = 5.0
-    max_connections: int = 1024
-
-    @property
-    def idle_timeout_s(self) -> float:
-        # Clients ping every client_ttl/3; a connection silent for this long is gone or hung.
-        return max(2 * self.client_ttl_s, 5.0)
-
-    def engine_config(self, disk: DiskTier | None) -> EngineConfig:
-        return EngineConfig(
-            memory_size=self.memory_size,
-            eviction_high_watermark_ratio=self.eviction_high_watermark_ratio,
-            eviction_ratio=self.eviction_ratio,
-            default_kv_lease_ttl_ms=self.default_kv_lease_ttl_ms,
-            client_ttl_s=self.client_ttl_s,
-            put_timeout_s=self.put_timeout_s,
-            disk=disk,
-            reap_interval_s=min(1.0, self.client_ttl_s / 4),
-        )
 
 
 # ---- the socket lock ----------------------------------------------------------------------
@@ -184,7 +144,7 @@ class _Conn:
 class Server:
     """The daemon. ``start()`` binds and maps everything; ``serve_forever()`` accepts until ``stop()``."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerSettings) -> None:
         self.config = config
         self.engine: PoolEngine | None = None
         self.arena: shm.Arena | None = None
@@ -213,11 +173,9 @@ class Server:
             self._listener = _bind(cfg.socket_path, cfg.socket_mode)
             self.arena = shm.create(shm.arena_name(cfg.socket_path, os.getpid()), cfg.memory_size,
                                     cfg.socket_mode & 0o666)
-            disk = None
-            if cfg.offload_path:
-                quota = cfg.offload_quota or int(shutil.disk_usage(cfg.offload_path).free * 0.9)
-                disk = DiskTier(cfg.offload_path, quota, cfg.offload_eviction_policy)  # type: ignore[arg-type]
-            self.engine = PoolEngine(cfg.engine_config(disk), arena=memoryview(self.arena.array))
+            engine_config = cfg.engine_config(client_ttl_s=cfg.client_ttl_s, put_timeout_s=cfg.put_timeout_s,
+                                              reap_interval_s=min(1.0, cfg.client_ttl_s / 4))
+            self.engine = PoolEngine(engine_config, arena=memoryview(self.arena.array))
             if cfg.metrics_port is not None:
                 try:
                     self.metrics = MetricsServer(cfg.metrics_port, self.stats)
@@ -570,113 +528,28 @@ class Server:
 # ---- command line -----------------------------------------------------------------------------
 
 
-def _flag(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> None:
-    """Register each name with underscores (the spec's spelling) and with dashes."""
-    spellings: list[str] = []
-    for name in names:
-        for s in (f"--{name}", f"--{name.replace('_', '-')}", f"--{name.replace('-', '_')}"):
-            if s not in spellings:
-                spellings.append(s)
-    parser.add_argument(*spellings, **kwargs)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = ServerConfig()
-    _flag(parser, "socket", default=d.socket_path, metavar="PATH",
-          help=f"Unix socket to listen on (default {d.socket_path}, the backend's default server_socket)")
-    _flag(parser, "socket_mode", default="0600", metavar="OCTAL",
-          help="file mode of the socket and of the /dev/shm arena (default 0600: this user only)")
-    _flag(parser, "global_segment_size", "memory_size", default="4GB", metavar="SIZE",
-          help='memory tier size, e.g. "4GB" (binary units; default 4GB)')
-    _flag(parser, "eviction_high_watermark_ratio", type=float, default=d.eviction_high_watermark_ratio,
-          metavar="RATIO", help="evict once usage passes this fraction (default 0.9)")
-    _flag(parser, "eviction_ratio", type=float, default=d.eviction_ratio, metavar="RATIO",
-          help="fraction of objects evicted per eviction (default 0.1)")
-    _flag(parser, "default_kv_lease_ttl", type=int, default=d.default_kv_lease_ttl_ms, metavar="MS",
-          help=f"read/lookup lease in milliseconds (default {d.default_kv_lease_ttl_ms})")
-    _flag(parser, "client_ttl", type=float, default=d.client_ttl_s, metavar="SECONDS",
-          help="drop a client's leases and unfinished puts after this long without a ping (default 10)")
-    _flag(parser, "put_timeout", type=float, default=d.put_timeout_s, metavar="SECONDS",
-          help="reclaim an allocation not committed within this time (default 30)")
-    _flag(parser, "enable_offload", action="store_true", help="enable the SSD offload tier (needs --offload-path)")
-    _flag(parser, "offload_path", default=None, metavar="DIR",
-          help="offload directory: absolute, existing, writable, no symlinks")
-    _flag(parser, "offload_quota", default="0", metavar="SIZE",
-          help="offload tier byte quota (default 0: 90%% of the disk's free space at start)")
-    _flag(parser, "offload_eviction_policy", default=d.offload_eviction_policy, choices=SSD_POLICIES,
-          help="when the offload tier is full: none (writes fail), fifo or lru (default lru)")
-    _flag(parser, "metrics_port", type=int, default=None, metavar="PORT",
-          help="serve /metrics, /stats and /healthz on 127.0.0.1:PORT (0: any free port; default off)")
-    _flag(parser, "hello_timeout", type=float, default=d.hello_timeout_s, metavar="SECONDS",
-          help="close a connection that has not said Hello within this time (default 5)")
-    _flag(parser, "max_connections", type=int, default=d.max_connections, metavar="N",
-          help="refuse connections beyond this many (default 1024)")
-    _flag(parser, "log_level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    """`kvpool server`'s flags: one per field of `ServerSettings`, in both spellings."""
+    add_flags(parser, ServerSettings)
 
 
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
+def config_from_args(args: argparse.Namespace) -> ServerSettings:
     """Validate parsed flags; ConfigError names the flag, the value and what is expected."""
-    socket_path = parse_socket_path("socket", os.path.abspath(args.socket))
-    if not os.path.isdir(os.path.dirname(socket_path)):
+    if args.socket is not None:
+        args.socket = os.path.abspath(args.socket)
+    settings: ServerSettings = from_flags(args, ServerSettings)
+    if not os.path.isdir(os.path.dirname(settings.socket_path)):
         raise ConfigError("socket", args.socket, "a path in an existing directory")
-    try:
-        mode = int(str(args.socket_mode), 8)
-    except ValueError:
-        raise ConfigError("socket-mode", args.socket_mode, "an octal file mode such as 0600 or 0660") from None
-    if not 0 < mode <= 0o777 or mode & 0o600 != 0o600:
-        raise ConfigError("socket-mode", args.socket_mode, "an octal mode that includes 0600, e.g. 0600 or 0660")
-    memory = parse_size("global_segment_size", args.global_segment_size)
-    if memory < 1 << 20:
-        raise ConfigError("global_segment_size", args.global_segment_size, 'at least 1MB, e.g. "4GB"')
-    for name in ("eviction_high_watermark_ratio", "eviction_ratio"):
-        value = getattr(args, name)
-        if not 0 < value <= 1:
-            raise ConfigError(name, value, "a number in (0, 1]")
-    if args.default_kv_lease_ttl <= 0:
-        raise ConfigError("default_kv_lease_ttl", args.default_kv_lease_ttl, "a positive number of milliseconds")
-    for name in ("client_ttl", "put_timeout"):
-        if not 0 < getattr(args, name) < float("inf"):
-            raise ConfigError(name, getattr(args, name), "a positive number of seconds")
-    path = None
-    if args.enable_offload:
-        if not args.offload_path:
-            raise ConfigError("enable_offload", True, "to be used with --offload-path DIR")
-        path = os.path.normpath(args.offload_path)
-        try:
-            validate_offload_path(path)
-        except ConfigError as exc:  # name the flag the operator typed, not the config key
-            raise ConfigError("offload-path", args.offload_path, exc.expected) from None
-    elif args.offload_path:
-        raise ConfigError("offload-path", args.offload_path, "to be used with --enable_offload")
-    quota = parse_size("offload_quota", args.offload_quota)
-    port = args.metrics_port
-    if port is not None and not 0 <= port <= 65535:
-        raise ConfigError("metrics_port", port, "a TCP port 0-65535 (0: any free port)")
-    if not 0 < args.hello_timeout < float("inf"):
-        raise ConfigError("hello_timeout", args.hello_timeout, "a positive number of seconds")
-    if args.max_connections < 1:
-        raise ConfigError("max_connections", args.max_connections, "at least 1")
-    return ServerConfig(
-        socket_path=socket_path,
-        socket_mode=mode,
-        memory_size=memory,
-        eviction_high_watermark_ratio=args.eviction_high_watermark_ratio,
-        eviction_ratio=args.eviction_ratio,
-        default_kv_lease_ttl_ms=args.default_kv_lease_ttl,
-        client_ttl_s=args.client_ttl,
-        put_timeout_s=args.put_timeout,
-        offload_path=path,
-        offload_quota=quota,
-        offload_eviction_policy=args.offload_eviction_policy,
-        metrics_port=port,
-        hello_timeout_s=args.hello_timeout,
-        max_connections=args.max_connections,
-    )
+    if settings.enable_offload and not settings.offload_path:
+        raise ConfigError("enable_offload", True, "to be used with --offload_path DIR")
+    if settings.offload_path and not settings.enable_offload:
+        raise ConfigError("offload_path", settings.offload_path, "to be used with --enable_offload")
+    return settings
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT; the exit status for the shell."""
-    logging.basicConfig(level=getattr(logging, args.log_level),
+    logging.basicConfig(level=getattr(logging, args.log_level or "INFO"),
                         format="%(asctime)s %(levelname)s kvpool-server: %(message)s")
     try:
         server = Server(config_from_args(args))

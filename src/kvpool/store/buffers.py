@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -21,3 +22,61 @@ def as_u8(buf: Any, writable: bool = False) -> np.ndarray:
     if writable and not arr.flags.writeable:
         raise ValueError("buffer is read-only")
     return arr
+
+
+# ---- one value as a list of buffers ---------------------------------------------------------------
+#
+# A KV block reaches the pool as several buffers (one per layer segment) that together are one
+# value. These helpers are the only places that walk such a list: the zero-copy stores take
+# pointer lists (`spans`), the copying ones fill or read one contiguous region (`gather`,
+# `scatter`). Buffers are anything `as_u8` accepts.
+
+
+def total_size(bufs: Sequence[Any]) -> int:
+    """Bytes in one value: the sum of its buffers' sizes."""
+    return sum(int(as_u8(b).nbytes) for b in bufs)
+
+
+def spans(bufs: Sequence[Any]) -> tuple[list[int], list[int], int]:
+    """(pointers, sizes, total) of the non-empty buffers of one value, for calls that copy from
+    or into a list of addresses (Mooncake, MemCache). Empty buffers are left out: those stores
+    refuse zero-length spans."""
+    ptrs: list[int] = []
+    sizes: list[int] = []
+    for b in bufs:
+        arr = as_u8(b)
+        if arr.size:
+            ptrs.append(int(arr.ctypes.data))
+            sizes.append(int(arr.size))
+    return ptrs, sizes, sum(sizes)
+
+
+def gather(bufs: Sequence[Any], out: Any = None) -> np.ndarray:
+    """The buffers back to back in one contiguous uint8 array: ``out`` (writable, exactly the
+    total size: e.g. a range of a shared-memory arena) or, without it, a new array."""
+    segs = [as_u8(b) for b in bufs]
+    total = sum(s.size for s in segs)
+    dst = np.empty(total, dtype=np.uint8) if out is None else as_u8(out, writable=True)
+    if dst.size != total:
+        raise ValueError(f"gather: the buffers hold {total} bytes, the destination {dst.size}")
+    pos = 0
+    for s in segs:
+        if s.size:
+            dst[pos : pos + s.size] = s
+            pos += s.size
+    return dst
+
+
+def scatter(src: Any, bufs: Sequence[Any]) -> None:
+    """Copy ``src`` (one contiguous value) into the buffers, back to back; their sizes must add up
+    to its size, checked before a byte is written."""
+    data = as_u8(src)
+    outs = [as_u8(b, writable=True) for b in bufs]
+    total = sum(o.size for o in outs)
+    if total != data.size:
+        raise ValueError(f"scatter: the value has {data.size} bytes, the buffers {total}")
+    pos = 0
+    for o in outs:
+        if o.size:
+            o[:] = data[pos : pos + o.size]
+            pos += o.size

@@ -61,7 +61,7 @@ class PoolScheduler:
         if len(groups) != 1:
             raise ConfigError(
                 "kv_cache_groups", len(groups),
-                "one KV cache group (hybrid attention models are not supported by kvpool yet)",
+                "one KV cache group: kvpool pools single-group models; hybrid attention models (several groups) are not supported",
             )
         if groups[0].kv_cache_spec.block_size != self.block_size:
             raise ConfigError("block_size", groups[0].kv_cache_spec.block_size,

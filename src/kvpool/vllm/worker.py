@@ -11,8 +11,9 @@ import torch
 
 from kvpool.backends import Backend, create_backend
 from kvpool.backends.faults import FaultInjectingBackend
+from kvpool.backends.registry import REGISTRY
 from kvpool.config import KVPoolConfig
-from kvpool.errors import ConfigError, ErrorCode
+from kvpool.errors import ConfigError, ErrorCode, is_stored
 from kvpool.keys import KeyScheme, model_key_name, prefill_stage_schemes
 from kvpool.vllm.layout import KVLayout
 from kvpool.vllm.lookup import LookupServer
@@ -83,14 +84,14 @@ class PoolWorker:
             partition = self.config.prefill_pp_layer_partition or [
                 end - start for start, end in (get_pp_indices(n, p, size) for p in range(size))]
             self._put_targets = prefill_stage_schemes(self.scheme, n, size, partition)
-        backend = create_backend(self.config, client_name=f"vllm-dp{self.dp_rank}-tp{self.tp_rank}-pp{self.pp_rank}")
-        if (self.tp_size > 1 or self.pp_size > 1) and not backend.shared_across_processes:
-            backend.close()
+        shared = REGISTRY[self.config.backend].capabilities.shared_across_processes
+        if (self.tp_size > 1 or self.pp_size > 1) and not shared:
             raise ConfigError(
                 "backend", self.config.backend,
                 "a backend shared by all worker processes when tensor/pipeline parallel size > 1 "
                 f"(tp={self.tp_size}, pp={self.pp_size}); `local` lives inside one process",
             )
+        backend = create_backend(self.config, client_name=f"vllm-dp{self.dp_rank}-tp{self.tp_rank}-pp{self.pp_rank}")
         if self.config.inject_load_failure_every:
             backend = FaultInjectingBackend(backend, self.config.inject_load_failure_every)
         self.backend = backend
@@ -188,24 +189,23 @@ class PoolWorker:
         t0 = time.perf_counter()
         keys = scheme.keys(task.block_hashes)
         try:
-            present = self.backend.batch_exists(keys)
-            todo = [i for i, p in enumerate(present) if not p]
-            codes = self.backend.batch_put(
-                [keys[i] for i in todo], [self.layout.stage_buffers(task.block_ids[i], layers) for i in todo]
-            )
+            # One call, no existence check first: the backend's put is put-if-absent and says
+            # OBJECT_ALREADY_EXISTS for a block the pool has (some stores say OK for both).
+            codes = self.backend.batch_put(keys, [self.layout.stage_buffers(b, layers) for b in task.block_ids])
         except Exception as e:
             logger.warning("kvpool save of %d blocks for %s failed: %s", len(keys), task.req_id, e)
             self._count(save_failed_blocks=len(keys))
             return
-        failed = sum(1 for c in codes if c != ErrorCode.OK)
+        skipped = sum(1 for c in codes if c == ErrorCode.OBJECT_ALREADY_EXISTS)
+        failed = sum(1 for c in codes if not is_stored(c))
         if failed:
-            first_bad = next(c for c in codes if c != ErrorCode.OK)
+            first_bad = next(c for c in codes if not is_stored(c))
             logger.warning("kvpool: %d of %d blocks of %s were not saved (%s)",
-                           failed, len(todo), task.req_id, ErrorCode(first_bad).name)
-        saved = len(todo) - failed
+                           failed, len(keys), task.req_id, ErrorCode(first_bad).name)
+        saved = len(keys) - skipped - failed
         value_bytes = sum(s.shape[1] for layer in self.layout.layers[layers.start:layers.stop] for s in layer.segments)
         self._count(save_blocks=saved, save_bytes=saved * value_bytes,
-                    save_time_s=time.perf_counter() - t0, save_skipped_blocks=len(keys) - len(todo),
+                    save_time_s=time.perf_counter() - t0, save_skipped_blocks=skipped,
                     save_failed_blocks=failed)
 
     def handle_preemptions(self, meta: KVPoolMetadata) -> None:

@@ -1,0 +1,1 @@
+"""`make demo`: one command that shows the pool at work (see run.py)."""

@@ -1,0 +1,387 @@
+"""PoolScheduler: what the scheduler side offers vLLM and what it plans for the workers each step.
+
+Requests and scheduler outputs are vLLM's own classes; only the lookup channel is faked, with a
+set of pooled block hashes. BLOCK_SIZE is 4 tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from vllm.v1.outputs import KVConnectorOutput
+
+from connector_fakes import (
+    BLOCK_SIZE,
+    Cached,
+    FakeLookupClient,
+    kv_blocks,
+    make_kv_cache_config,
+    make_request,
+    make_vllm_config,
+    new_req,
+    scheduler_output,
+)
+from kvpool.config import load_config
+from kvpool.errors import ConfigError
+from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
+from kvpool.vllm.scheduler import PoolScheduler, check_hash_seed
+
+BS = BLOCK_SIZE
+
+
+def make_scheduler(extra: dict[str, Any] | None = None, role: str = "kv_both", hash_algo: str = "sha256",
+                   groups: int = 1, cache_block_size: int = BS) -> PoolScheduler:
+    return PoolScheduler(make_vllm_config(block_size=BS, hash_algo=hash_algo), load_config(extra, role),
+                         make_kv_cache_config(block_size=cache_block_size, groups=groups))
+
+
+def pool(fake: type[FakeLookupClient], request, n_blocks: int) -> None:
+    """Make the first `n_blocks` blocks of `request`'s prompt pooled."""
+    fake.pooled.update(request.block_hashes[:n_blocks])
+
+
+def tasks(tasks: list[BlockTask]) -> list[tuple[str, list[bytes], list[int]]]:
+    return [(t.req_id, t.block_hashes, t.block_ids) for t in tasks]
+
+
+def empty_step(sched: PoolScheduler) -> KVPoolMetadata:
+    return sched.build_connector_meta(scheduler_output())
+
+
+# ---- how much is offered --------------------------------------------------------------------------
+
+
+def test_nothing_pooled_offers_nothing(fake_lookup):
+    sched = make_scheduler()
+    req = make_request("a", 5 * BS)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, kv_blocks(range(5)), 0)
+    assert empty_step(sched).loads == []
+
+
+def test_leading_pooled_blocks_are_offered_and_loaded(fake_lookup):
+    sched = make_scheduler()
+    req = make_request("a", 5 * BS + 2)
+    pool(fake_lookup, req, 2)
+    assert sched.get_num_new_matched_tokens(req, 0) == (2 * BS, False)
+    sched.update_state_after_alloc(req, kv_blocks([10, 11, 12, 13, 14, 15]), 2 * BS)
+    meta = empty_step(sched)
+    assert tasks(meta.loads) == [("a", req.block_hashes[:2], [10, 11])]
+    assert meta.loads[0].is_async is False
+
+
+def test_a_gap_ends_the_hit(fake_lookup):
+    # Block hashes are chained: block 2 without block 1 is unusable, so the hit stops at the gap.
+    sched = make_scheduler()
+    req = make_request("a", 4 * BS + 1)
+    fake_lookup.pooled.update([req.block_hashes[0], req.block_hashes[2], req.block_hashes[3]])
+    assert sched.get_num_new_matched_tokens(req, 0) == (BS, False)
+
+
+@pytest.mark.parametrize("extra_tokens", [0, 1, BS - 1])
+def test_full_hit_gives_one_token_back(fake_lookup, extra_tokens):
+    """A hit covering every prompt token leaves one for vLLM to compute logits from; a prompt
+    with a partial last block already has tokens left to compute, so its full blocks are all offered."""
+    sched = make_scheduler()
+    req = make_request("a", 4 * BS + extra_tokens)
+    pool(fake_lookup, req, 4)
+    expected = 4 * BS - 1 if extra_tokens == 0 else 4 * BS
+    assert sched.get_num_new_matched_tokens(req, 0) == (expected, False)
+    sched.update_state_after_alloc(req, kv_blocks(range(5)), expected)
+    # The last block is still loaded whole: vLLM recomputes its final token over identical bytes.
+    assert tasks(empty_step(sched).loads) == [("a", req.block_hashes[:4], [0, 1, 2, 3])]
+
+
+def test_only_whole_blocks_are_offered(fake_lookup):
+    # The partial last block has no block hash, so it is never looked up nor offered.
+    sched = make_scheduler()
+    req = make_request("a", 2 * BS + 3)
+    pool(fake_lookup, req, 2)
+    offered, _ = sched.get_num_new_matched_tokens(req, 0)
+    assert offered == 2 * BS
+    assert offered % BS == 0
+    assert fake_lookup.instances[0].calls == [req.block_hashes[:2]]
+
+
+def test_locally_computed_tokens_are_not_reloaded(fake_lookup):
+    sched = make_scheduler()
+    req = make_request("a", 5 * BS + 1)
+    pool(fake_lookup, req, 4)
+    # vLLM's prefix cache already holds 2 blocks: only blocks 2 and 3 come from the pool.
+    assert sched.get_num_new_matched_tokens(req, 2 * BS) == (2 * BS, False)
+    assert fake_lookup.instances[0].calls == [req.block_hashes[2:]]
+    sched.update_state_after_alloc(req, kv_blocks([7, 8, 9, 10, 11, 12]), 2 * BS)
+    assert tasks(empty_step(sched).loads) == [("a", req.block_hashes[2:4], [9, 10])]
+
+
+def test_local_hit_covering_the_pool_hit_offers_nothing(fake_lookup):
+    sched = make_scheduler()
+    req = make_request("a", 5 * BS + 1)
+    pool(fake_lookup, req, 3)
+    # Blocks 3.. are not pooled: nothing beyond the local 3 blocks.
+    assert sched.get_num_new_matched_tokens(req, 3 * BS) == (0, False)
+    # All block hashes computed locally: the lookup is not even asked.
+    calls = len(fake_lookup.instances[0].calls)
+    assert sched.get_num_new_matched_tokens(req, 5 * BS) == (0, False)
+    assert len(fake_lookup.instances[0].calls) == calls
+
+
+def test_load_async_is_reported_and_planned(fake_lookup):
+    sched = make_scheduler({"load_async": True})
+    req = make_request("a", 3 * BS + 1)
+    pool(fake_lookup, req, 3)
+    assert sched.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
+    sched.update_state_after_alloc(req, kv_blocks([4, 5, 6, 7]), 3 * BS)
+    (task,) = empty_step(sched).loads
+    assert task.is_async is True and task.block_ids == [4, 5, 6]
+
+
+@pytest.mark.parametrize(("granted", "loaded_blocks"), [(BS, 1), (BS + 1, 2), (3 * BS, 3), (0, 0)])
+def test_partial_grant_loads_only_the_granted_blocks(fake_lookup, granted, loaded_blocks):
+    """vLLM (or a MultiConnector sibling) may accept fewer tokens than offered; a grant ending
+    inside a block still needs that whole block, since vLLM treats its first tokens as computed."""
+    sched = make_scheduler()
+    req = make_request("a", 4 * BS + 2)
+    pool(fake_lookup, req, 4)
+    assert sched.get_num_new_matched_tokens(req, 0) == (4 * BS, False)
+    sched.update_state_after_alloc(req, kv_blocks([20, 21, 22, 23, 24]), granted)
+    loads = empty_step(sched).loads
+    if loaded_blocks == 0:
+        assert loads == []
+    else:
+        assert tasks(loads) == [("a", req.block_hashes[:loaded_blocks], list(range(20, 20 + loaded_blocks)))]
+
+
+def test_a_plan_is_sent_to_the_workers_once(fake_lookup):
+    sched = make_scheduler()
+    req = make_request("a", 2 * BS + 1)
+    pool(fake_lookup, req, 2)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, kv_blocks([0, 1, 2]), 2 * BS)
+    assert len(empty_step(sched).loads) == 1
+    assert empty_step(sched).loads == []
+    # A second update (vLLM calls it again once an async load is done) plans nothing new.
+    sched.update_state_after_alloc(req, kv_blocks([0, 1, 2]), 0)
+    assert empty_step(sched).loads == []
+
+
+# ---- saves ----------------------------------------------------------------------------------------
+
+
+def test_chunked_prefill_saves_each_full_prompt_block_once(fake_lookup):
+    sched = make_scheduler()
+    req = make_request("a", 6 * BS + 1, max_tokens=8)  # 6 full prompt blocks, then a partial one
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, kv_blocks([30, 31, 32]), 0)
+    h = req.block_hashes
+
+    # Step 1: 10 tokens computed: blocks 0 and 1 are full; block 2 is half-written.
+    meta = sched.build_connector_meta(scheduler_output(new=[(new_req(req, [30, 31, 32], 0), 10)]))
+    assert tasks(meta.saves) == [("a", h[0:2], [30, 31])]
+    # Step 2: tokens 10..20 (blocks 3 and 4 allocated now): blocks 2..4 become full.
+    meta = sched.build_connector_meta(scheduler_output(cached=[(Cached("a", 10, [33, 34]), 10)]))
+    assert tasks(meta.saves) == [("a", h[2:5], [32, 33, 34])]
+    # Step 3: the prompt's last 5 tokens: block 5 is the last full prompt block.
+    meta = sched.build_connector_meta(scheduler_output(cached=[(Cached("a", 20, [35, 36]), 5)]))
+    assert tasks(meta.saves) == [("a", h[5:6], [35])]
+    # Decode: output tokens complete block 6 and more, but output blocks are never saved.
+    req.append_output_token_ids(list(range(1000, 1000 + BS + 3)))
+    assert len(req.block_hashes) > 7
+    for computed in (25, 26, 27, 28, 29):
+        meta = sched.build_connector_meta(scheduler_output(cached=[(Cached("a", computed, [37] if computed == 28 else None), 1)]))
+        assert meta.saves == []
+
+
+def test_loaded_blocks_are_not_saved_again(fake_lookup):
+    sched = make_scheduler()
+    req = make_request("a", 4 * BS + 1)
+    pool(fake_lookup, req, 2)
+    assert sched.get_num_new_matched_tokens(req, 0) == (2 * BS, False)
+    sched.update_state_after_alloc(req, kv_blocks([0, 1, 2, 3, 4]), 2 * BS)
+    meta = sched.build_connector_meta(scheduler_output(new=[(new_req(req, [0, 1, 2, 3, 4], 2 * BS), 2 * BS + 1)]))
+    assert tasks(meta.loads) == [("a", req.block_hashes[:2], [0, 1])]
+    assert tasks(meta.saves) == [("a", req.block_hashes[2:4], [2, 3])]
+
+
+def test_blocks_beyond_a_partial_grant_are_saved_after_compute(fake_lookup):
+    sched = make_scheduler()
+    req = make_request("a", 4 * BS + 1)
+    pool(fake_lookup, req, 4)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, kv_blocks([0, 1, 2, 3, 4]), BS)  # vLLM took one block only
+    meta = sched.build_connector_meta(scheduler_output(new=[(new_req(req, [0, 1, 2, 3, 4], BS), 3 * BS + 1)]))
+    assert tasks(meta.loads) == [("a", req.block_hashes[:1], [0])]
+    assert tasks(meta.saves) == [("a", req.block_hashes[1:4], [1, 2, 3])]
+
+
+def test_requests_unknown_to_the_connector_are_not_saved(fake_lookup):
+    # update_state_after_alloc was never called for it (e.g. it belongs to another connector's state).
+    sched = make_scheduler()
+    req = make_request("a", 2 * BS)
+    meta = sched.build_connector_meta(scheduler_output(new=[(new_req(req, [0, 1], 0), 2 * BS)]))
+    assert meta.saves == []
+
+
+def test_preempted_then_resumed_request_saves_into_its_new_blocks(fake_lookup):
+    sched = make_scheduler()
+    req = make_request("a", 5 * BS + 1)
+    h = req.block_hashes
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, kv_blocks([1, 2, 3]), 0)
+    meta = sched.build_connector_meta(scheduler_output(new=[(new_req(req, [1, 2, 3], 0), 2 * BS + 2)]))
+    assert tasks(meta.saves) == [("a", h[0:2], [1, 2])]
+
+    # Preempted: the workers are told, so they drain its saves before its blocks are reused.
+    meta = sched.build_connector_meta(scheduler_output(preempted={"a"}))
+    assert meta.preempted == ["a"] and meta.saves == []
+
+    # Resumed with fresh blocks; its two saved blocks are in the pool now and are loaded back.
+    pool(fake_lookup, req, 2)
+    assert sched.get_num_new_matched_tokens(req, 0) == (2 * BS, False)
+    sched.update_state_after_alloc(req, kv_blocks([7, 8, 9, 10, 11, 12]), 2 * BS)
+    meta = sched.build_connector_meta(scheduler_output(
+        cached=[(Cached("a", 2 * BS, [7, 8, 9, 10, 11, 12], resumed=True), 3 * BS + 1)]))
+    assert tasks(meta.loads) == [("a", h[0:2], [7, 8])]
+    # The block ids were replaced, not appended to [1, 2, 3]: block 2 is in vLLM block 9 now.
+    assert tasks(meta.saves) == [("a", h[2:5], [9, 10, 11])]
+    assert meta.preempted == []
+
+
+def test_resumed_request_with_a_pool_miss_recomputes_and_saves_nothing_twice(fake_lookup):
+    sched = make_scheduler()
+    req = make_request("a", 4 * BS + 1)
+    sched.update_state_after_alloc(req, kv_blocks([1, 2, 3]), 0)
+    sched.build_connector_meta(scheduler_output(new=[(new_req(req, [1, 2, 3], 0), 2 * BS)]))
+    sched.build_connector_meta(scheduler_output(preempted={"a"}))
+    sched.update_state_after_alloc(req, kv_blocks([5, 6, 7, 8, 9]), 0)
+    meta = sched.build_connector_meta(scheduler_output(cached=[(Cached("a", 0, [5, 6, 7, 8, 9], resumed=True), 4 * BS + 1)]))
+    # Blocks 0 and 1 were already queued before the preemption; only blocks 2 and 3 are new.
+    assert tasks(meta.saves) == [("a", req.block_hashes[2:4], [7, 8])]
+
+
+# ---- delayed free ---------------------------------------------------------------------------------
+
+
+def test_request_with_io_is_freed_only_after_the_workers_report_it(fake_lookup):
+    sched = make_scheduler()
+    req = make_request("a", 2 * BS + 1)
+    sched.update_state_after_alloc(req, kv_blocks([0, 1, 2]), 0)
+    sched.build_connector_meta(scheduler_output(new=[(new_req(req, [0, 1, 2], 0), 2 * BS + 1)]))
+
+    assert sched.request_finished(req, [0, 1, 2]) == (True, None)
+    assert sched.has_pending_block_frees()
+    meta = empty_step(sched)
+    assert meta.finished_with_io == ["a"]
+    assert empty_step(sched).finished_with_io == []  # told once
+    sched.update_connector_output(KVConnectorOutput(finished_sending=None))
+    assert sched.has_pending_block_frees()
+    sched.update_connector_output(KVConnectorOutput(finished_sending={"other"}))
+    assert sched.has_pending_block_frees()
+    sched.update_connector_output(KVConnectorOutput(finished_sending={"a"}))
+    assert not sched.has_pending_block_frees()
+
+
+def test_request_with_only_a_load_is_also_held(fake_lookup):
+    # An async load may still be writing into its blocks when the request is aborted.
+    sched = make_scheduler({"load_async": True})
+    req = make_request("a", 2 * BS + 1)
+    pool(fake_lookup, req, 2)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, kv_blocks([0, 1, 2]), 2 * BS)
+    assert sched.request_finished(req, [0, 1, 2]) == (True, None)
+
+
+def test_request_without_io_is_freed_at_once(fake_lookup):
+    sched = make_scheduler()
+    req = make_request("a", BS - 1)  # no full block: nothing to save
+    sched.update_state_after_alloc(req, kv_blocks([0]), 0)
+    sched.build_connector_meta(scheduler_output(new=[(new_req(req, [0], 0), BS - 1)]))
+    assert sched.request_finished(req, [0]) == (False, None)
+    assert not sched.has_pending_block_frees()
+    assert empty_step(sched).finished_with_io == []
+
+
+def test_a_plan_dropped_by_finish_is_not_loaded(fake_lookup):
+    sched = make_scheduler()
+    req = make_request("a", 2 * BS + 1)
+    pool(fake_lookup, req, 2)
+    sched.get_num_new_matched_tokens(req, 0)
+    # Aborted before vLLM allocated blocks for it.
+    assert sched.request_finished(req, []) == (False, None)
+    sched.update_state_after_alloc(req, kv_blocks([0, 1, 2]), 2 * BS)
+    assert empty_step(sched).loads == []
+
+
+# ---- roles ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("role", "extra", "loads", "saves"), [
+    ("kv_both", {}, True, True),
+    ("kv_producer", {}, False, True),
+    ("kv_producer", {"producer_is_to_load": True}, True, True),
+    ("kv_consumer", {}, False, False),
+    ("kv_consumer", {"consumer_is_to_load": True}, True, False),
+    ("kv_consumer", {"consumer_is_to_put": True}, False, True),
+    ("kv_consumer", {"consumer_is_to_load": True, "consumer_is_to_put": True}, True, True),
+])
+def test_roles_and_their_flags(fake_lookup, role, extra, loads, saves):
+    sched = make_scheduler(extra, role)
+    assert len(fake_lookup.instances) == (1 if loads else 0)  # no lookup channel when never loading
+    req = make_request("a", 4 * BS + 1)
+    pool(fake_lookup, req, 2)
+    offered, _ = sched.get_num_new_matched_tokens(req, 0)
+    assert offered == (2 * BS if loads else 0)
+    sched.update_state_after_alloc(req, kv_blocks([0, 1, 2, 3, 4]), offered)
+    meta = sched.build_connector_meta(scheduler_output(new=[(new_req(req, [0, 1, 2, 3, 4], offered), 4 * BS + 1 - offered)]))
+    assert len(meta.loads) == (1 if loads else 0)
+    assert [t.block_ids for t in meta.saves] == ([[2, 3]] if loads and saves else [[0, 1, 2, 3]] if saves else [])
+    assert sched.request_finished(req, [0, 1, 2, 3, 4]) == ((loads or saves), None)
+
+
+def test_shutdown_closes_the_lookup_client(fake_lookup):
+    sched = make_scheduler()
+    sched.shutdown()
+    assert fake_lookup.instances[0].closed
+
+
+def test_lookup_client_uses_port_and_dp_rank(fake_lookup):
+    PoolScheduler(make_vllm_config(dp_rank=3), load_config({"lookup_rpc_port": 17}), make_kv_cache_config())
+    assert (fake_lookup.instances[0].port, fake_lookup.instances[0].dp_rank) == (17, 3)
+
+
+# ---- start-up checks --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algo", ["xxhash", "xxhash_cbor"])
+def test_xxhash_without_pythonhashseed_is_refused(fake_lookup, monkeypatch, algo):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    with pytest.raises(ConfigError) as exc:
+        make_scheduler(hash_algo=algo)
+    assert exc.value.key == "prefix_caching_hash_algo" and exc.value.value == algo
+
+
+@pytest.mark.parametrize("algo", ["xxhash", "xxhash_cbor"])
+def test_xxhash_with_pythonhashseed_is_accepted(fake_lookup, monkeypatch, algo):
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    make_scheduler(hash_algo=algo)
+    check_hash_seed(algo)
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
+def test_sha256_needs_no_seed(fake_lookup, monkeypatch, algo):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    check_hash_seed(algo)
+    make_scheduler(hash_algo=algo)
+
+
+def test_more_than_one_kv_cache_group_is_refused(fake_lookup):
+    with pytest.raises(ConfigError) as exc:
+        make_scheduler(groups=2)
+    assert exc.value.key == "kv_cache_groups"
+
+
+def test_group_block_size_must_match_the_cache_block_size(fake_lookup):
+    with pytest.raises(ConfigError) as exc:
+        make_scheduler(cache_block_size=2 * BS)
+    assert exc.value.key == "block_size"
