@@ -30,9 +30,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -rs tests
 
-# Everything but the end-to-end vLLM tests: seconds, for quick iteration.
+# Unit, engine, server, proxy and conformance tests of `local`/`server`: no vLLM engine and no
+# store service is started (under a minute), for quick iteration.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm" tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm and not services" tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/store.py

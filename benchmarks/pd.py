@@ -51,18 +51,10 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import dataclasses
-import datetime as _dt
 import hashlib
-import importlib.metadata
 import json
 import os
-import platform
-import random
-import re
-import signal
 import statistics
-import struct
-import subprocess
 import sys
 import tempfile
 import threading
@@ -71,17 +63,17 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO / "src") not in sys.path:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(REPO / "src"))
+import httpx
+from common import (
+    BLOCK_SIZE, DOCS_PATH, REPO, RESULTS_DIR, choose, count_params, cpu_snapshot, cpu_split, engine_dtype, fmt,
+    loadavg1, log, machine_info, markdown_table, package_version, percentile, provenance, random_token_ids,
+    replace_docs_section, unwind_on_sigterm, vllm_server, wait_quiet, write_json,
+)
 
-import httpx  # noqa: E402
-
-from kvpool.testing.model import SPECS, build_model  # noqa: E402
-from kvpool.testing.launch import OpenAIServer, PoolServer, ServerError, free_port  # noqa: E402
+from kvpool.testing.launch import OpenAIServer, PoolServer, ProxyServer, stream_completion
+from kvpool.testing.model import SPECS, build_model
 
 SECTION = "## PD disaggregation"
-BLOCK_SIZE = 128
 CONFIG_ORDER = ("mixed", "1p1d", "1p1d-reuse")
 DESCRIPTIONS = {
     "mixed": "PD-mixed, 1 instance (kv_both), cores 0-1, direct",
@@ -91,145 +83,31 @@ DESCRIPTIONS = {
 SERVED_NAME = "model"
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# CPU accounting (a shared 2-core machine: record how much of it other jobs used)
-
-# Process groups whose CPU time is ours: this script (and the `kvpool server`s it starts, which
-# stay in its group), each vLLM server and the proxy (each leads its own group).
-OWN_PGIDS: set[int] = {os.getpgrp()}
-
-
-def cpu_snapshot() -> tuple[int, int, int]:
-    """(busy jiffies of the whole machine, total jiffies, jiffies of our own process groups)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    total = sum(v[:8])
-    busy = total - v[3] - v[4]
-    ours = 0
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                st = f.read()
-        except OSError:
-            continue
-        rest = st[st.rfind(")") + 2:].split()
-        if int(rest[2]) in OWN_PGIDS:
-            ours += int(rest[11]) + int(rest[12])
-    return busy, total, ours
-
-
-def cpu_split(before: tuple[int, int, int], after: tuple[int, int, int]) -> tuple[float, float]:
-    """(share of the machine's CPU time we used, share other jobs used) between two snapshots."""
-    busy, total, ours = (a - b for a, b in zip(after, before))
-    total = max(1, total)
-    return round(min(busy, ours) / total, 3), round(max(0, busy - ours) / total, 3)
-
-
-def cpu_busy(interval_s: float) -> float:
-    def snap() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return sum(v[:8]), v[3] + v[4]
-
-    t0, i0 = snap()
-    time.sleep(interval_s)
-    t1, i1 = snap()
-    return round(1 - (i1 - i0) / max(1, t1 - t0), 3)
-
-
-def wait_quiet(max_wait_s: float, window_s: float = 6.0, threshold: float = 0.15) -> dict[str, float]:
-    """Wait (at most `max_wait_s`) until the CPUs have been mostly idle for `window_s` in a row.
-
-    Our servers are idle between passes, so a busy machine means another job is running.
-    """
-    t0 = time.monotonic()
-    quiet_since: float | None = None
-    busy = -1.0
-    while max_wait_s > 0:
-        try:
-            busy = cpu_busy(2.0)
-        except (OSError, ValueError, IndexError):
-            break
-        now = time.monotonic()
-        if busy <= threshold:
-            quiet_since = quiet_since if quiet_since is not None else now - 2.0
-            if now - quiet_since >= window_s:
-                break
-        else:
-            quiet_since = None
-        if now - t0 >= max_wait_s:
-            break
-    return {"cpu_busy_before": busy, "quiet_wait_s": round(time.monotonic() - t0, 1)}
-
-
 # ---------------------------------------------------------------------------------------------
 # Workload
 
 
-def random_ids(seed: str, n: int, vocab_size: int) -> list[int]:
-    """Seeded random token ids, skipping the special ids 0-2 (<s>, </s>, <unk>)."""
-    rng = random.Random(seed)
-    return [rng.randrange(3, vocab_size) for _ in range(n)]
-
-
 def make_pass(pass_index: int, args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
-    prefix = random_ids(f"kvpool-pd/prefix/{pass_index}", args.prefix_tokens, vocab_size)
-    return [prefix + random_ids(f"kvpool-pd/suffix/{pass_index}/{i}", args.suffix_tokens, vocab_size)
+    prefix = random_token_ids(f"kvpool-pd/prefix/{pass_index}", args.prefix_tokens, vocab_size)
+    return [prefix + random_token_ids(f"kvpool-pd/suffix/{pass_index}/{i}", args.suffix_tokens, vocab_size)
             for i in range(args.requests)]
 
 
-def stream_completion(client: httpx.Client, url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    """One streamed `/v1/completions` request; timings, usage and the generated token ids."""
-    body = {
-        "model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-        "ignore_eos": True,  # every request generates exactly max_tokens
-        "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True},
-    }
-    token_ids: list[int] = []
-    usage: dict[str, Any] | None = None
-    ttft: float | None = None
-    t0 = time.perf_counter()
-    with client.stream("POST", url, json=body) as resp:
-        if resp.status_code != 200:
-            resp.read()
-            raise ServerError(f"{url} answered {resp.status_code}: {resp.text[:1500]}")
-        for line in resp.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise ServerError(f"{url} streamed an error: {chunk['error']}")
-            for choice in chunk.get("choices") or ():
-                ids = choice.get("token_ids") or []
-                if ttft is None and (ids or choice.get("text")):
-                    ttft = time.perf_counter() - t0
-                token_ids.extend(ids)
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-    total = time.perf_counter() - t0
-    if usage is None:
-        raise ServerError(f"{url}: the stream ended without a usage record")
-    details = usage.get("prompt_tokens_details") or {}
-    n_out = int(usage.get("completion_tokens") or 0)
-    ttft = ttft if ttft is not None else total
+def request(client: httpx.Client, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One streamed request (`ignore_eos`: exactly `max_tokens` generated); its sample: timings,
+    token counts, cached tokens (through the proxy: the prefill's and the decode's) and the
+    generated token ids."""
+    c = stream_completion(client, SERVED_NAME, prompt, max_tokens, ignore_eos=True)
+    details = c.usage.get("prompt_tokens_details") or {}
     return {
-        "ttft_ms": round(ttft * 1000, 2),
-        "e2e_ms": round(total * 1000, 2),
-        "tpot_ms": round((total - ttft) * 1000 / (n_out - 1), 3) if n_out > 1 else None,
-        "prompt_tokens": int(usage.get("prompt_tokens") or 0),
-        "completion_tokens": n_out,
-        "cached_tokens": int(details.get("cached_tokens") or 0),
+        "ttft_ms": round(c.ttft_s * 1000, 2),
+        "e2e_ms": round(c.total_s * 1000, 2),
+        "tpot_ms": round((c.total_s - c.ttft_s) * 1000 / (c.num_tokens - 1), 3) if c.num_tokens > 1 else None,
+        "prompt_tokens": c.prompt_tokens,
+        "completion_tokens": c.num_tokens,
+        "cached_tokens": c.cached_tokens,
         "decode_cached_tokens": details.get("decode_cached_tokens"),
-        "token_ids": token_ids,
+        "token_ids": c.token_ids,
     }
 
 
@@ -247,7 +125,7 @@ def run_pass(base_url: str, prompts: list[list[int]], args: argparse.Namespace) 
             with lock:
                 clients.append(client)
         sent = time.perf_counter() - t_start
-        r = stream_completion(client, "/v1/completions", prompts[i], args.max_tokens)
+        r = request(client, prompts[i], args.max_tokens)
         r["request"] = i
         r["sent_s"] = round(sent, 4)
         r["done_s"] = round(time.perf_counter() - t_start, 4)
@@ -266,50 +144,6 @@ def run_pass(base_url: str, prompts: list[list[int]], args: argparse.Namespace) 
 # Deployments
 
 
-class Proxy:
-    """`python -m kvpool.proxy` in its own process group, up once `/healthcheck` answers 200."""
-
-    def __init__(self, prefill_port: int, decode_port: int, log_path: Path) -> None:
-        self.port = free_port()
-        self.log_path = log_path
-        self.args = [sys.executable, "-m", "kvpool.proxy", "--host", "127.0.0.1", "--port", str(self.port),
-                     "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", str(prefill_port),
-                     "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(decode_port)]
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float = 60.0) -> "Proxy":
-        with open(self.log_path, "ab") as f:
-            self.proc = subprocess.Popen(self.args, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
-        OWN_PGIDS.add(self.proc.pid)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise ServerError(f"proxy exited with code {self.proc.returncode}: "
-                                  f"{self.log_path.read_text(errors='replace')[-2000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/healthcheck", timeout=2, trust_env=False).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise ServerError(f"proxy not healthy after {timeout_s:.0f} s; log {self.log_path}")
-            time.sleep(0.3)
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        OWN_PGIDS.discard(proc.pid)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-
-
 @dataclasses.dataclass
 class Deployment:
     """The processes of one configuration; `url` is where the client sends requests."""
@@ -318,7 +152,7 @@ class Deployment:
     url: str = ""
     servers: dict[str, OpenAIServer] = dataclasses.field(default_factory=dict)
     pool: PoolServer | None = None
-    proxy: Proxy | None = None
+    proxy: ProxyServer | None = None
     startup_s: float = 0.0
     logs: dict[str, str] = dataclasses.field(default_factory=dict)
     kv_transfer_configs: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -329,8 +163,6 @@ class Deployment:
         if self.proxy is not None:
             self.proxy.stop()
         for srv in self.servers.values():
-            if srv.proc is not None:
-                OWN_PGIDS.discard(srv.proc.pid)
             srv.stop()
         if self.pool is not None:
             self.pool.stop()
@@ -363,11 +195,10 @@ def start_deployment(name: str, model_dir: Path, workdir: Path, args: argparse.N
             dep.logs[role] = str(logs / f"{name}-{role}.log")
             dep.kv_transfer_configs[role] = cfg
             dep.thread_binds[role] = bind
-            return OpenAIServer(
-                model_dir, served_model_name=SERVED_NAME, max_model_len=args.max_model_len,
-                block_size=BLOCK_SIZE, prefix_caching=False, max_num_batched_tokens=args.max_num_batched_tokens,
-                kv_transfer_config=cfg, log_path=dep.logs[role], startup_timeout_s=300,
-                request_timeout_s=args.request_timeout_s,
+            return vllm_server(
+                model_dir, served_model_name=SERVED_NAME, log_path=Path(dep.logs[role]), prefix_caching=False,
+                kv_transfer_config=cfg, max_model_len=args.max_model_len,
+                max_num_batched_tokens=args.max_num_batched_tokens, request_timeout_s=args.request_timeout_s,
                 env={"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                      "VLLM_CPU_KVCACHE_SPACE": str(args.kvcache_gib), "VLLM_RPC_BASE_PATH": str(rpc_dir),
                      "PYTHONHASHSEED": "0"},
@@ -395,21 +226,18 @@ def start_deployment(name: str, model_dir: Path, workdir: Path, args: argparse.N
             t.start()
         for t in threads:
             t.join()
-        for srv in dep.servers.values():
-            if srv.proc is not None:
-                OWN_PGIDS.add(srv.proc.pid)
         if errors:
             raise errors[0]
         for role, srv in dep.servers.items():
             # The dtype the engine really runs (`--dtype auto` may not be the checkpoint's).
-            m = re.search(r"dtype=torch\.(\w+)", srv.log_path.read_text(errors="replace"))
-            dep.engine_dtypes[role] = m.group(1) if m else None
+            dep.engine_dtypes[role] = engine_dtype(srv.log())
         if name == "mixed":
             dep.url = dep.servers["mixed"].base_url
         else:
             dep.logs["proxy"] = str(logs / f"{name}-proxy.log")
-            dep.proxy = Proxy(dep.servers["prefill"].port, dep.servers["decode"].port, Path(dep.logs["proxy"])).start()
-            dep.url = f"http://127.0.0.1:{dep.proxy.port}"
+            dep.proxy = ProxyServer([dep.servers["prefill"].port], [dep.servers["decode"].port],
+                                    log_path=dep.logs["proxy"]).start()
+            dep.url = dep.proxy.base_url
     except BaseException:
         dep.stop()
         raise
@@ -419,17 +247,6 @@ def start_deployment(name: str, model_dir: Path, workdir: Path, args: argparse.N
 
 # ---------------------------------------------------------------------------------------------
 # Statistics
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolation percentile (q in 0..100); None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def _r(x: float | None, nd: int = 1) -> float | None:
@@ -467,14 +284,6 @@ def summarize(entry: dict[str, Any], reuse_threshold: int) -> dict[str, Any]:
     }
 
 
-def fmt(x: Any, nd: int = 1) -> str:
-    if x is None:
-        return "—"
-    if isinstance(x, float):
-        return f"{x:.{nd}f}"
-    return str(x)
-
-
 def table(results: dict[str, Any]) -> str:
     heads = ["configuration", "requests/s", "TTFT p50 ms", "TTFT p90 ms", "TTFT p50 ms, prefix reused / not",
              "TPOT p50 ms", "mean cached tokens (prefill or mixed)", "mean decode cached tokens", "outputs = mixed"]
@@ -493,72 +302,18 @@ def table(results: dict[str, Any]) -> str:
             fmt(s["mean_decode_cached_tokens"]),
             "—" if match is None else f"{match[0]}/{match[1]}",
         ])
-    aligns = ["---"] + ["---:"] * (len(heads) - 1)
-    lines = ["| " + " | ".join(heads) + " |", "| " + " | ".join(aligns) + " |"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
+    return markdown_table(heads, rows)
 
 
 # ---------------------------------------------------------------------------------------------
 # Environment, docs, main
 
 
-def count_params(model_dir: Path) -> int:
-    """Parameter count from the safetensors headers (no torch needed)."""
-    total = 0
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for k, v in header.items():
-            if k != "__metadata__":
-                size = 1
-                for d in v["shape"]:
-                    size *= d
-                total += size
-    return total
-
-
 def environment(model_name: str, model_dir: Path) -> dict[str, Any]:
-    def version(pkg: str) -> str | None:
-        try:
-            return importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    commit = None
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                text=True, timeout=5).stdout.strip() or None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
-        if commit and dirty:
-            commit += "+uncommitted changes"
-    except (OSError, subprocess.SubprocessError):
-        pass
-    cpu_model = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    spec = SPECS[model_name]
     return {
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "vllm": version("vllm") or version("vllm-cpu"),
-        "torch": version("torch"),
-        "httpx": version("httpx"),
-        "kvpool": version("kvpool"),
-        "git_commit": commit,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_model": cpu_model,
-        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
-        "model": {"name": model_name, "dir": str(model_dir), "spec": dataclasses.asdict(spec)},
+        **machine_info(vllm=package_version("vllm", "vllm-cpu"), torch=package_version("torch"),
+                       httpx=package_version("httpx")),
+        "model": {"name": model_name, "dir": str(model_dir), "spec": dataclasses.asdict(SPECS[model_name])},
     }
 
 
@@ -636,40 +391,22 @@ def notes(results: dict[str, Any]) -> list[str]:
     return out
 
 
-def update_docs(path: Path, results: dict[str, Any], text_table: str) -> None:
-    """Replace this script's section of docs/benchmarks.md, or append it; nothing else is touched."""
+def update_docs(results: dict[str, Any], text_table: str) -> None:
+    """Write the "PD disaggregation" section of docs/benchmarks.md: the run's setting, the table, the
+    notes the numbers call for, and how to reproduce it."""
     env, p = results["environment"], results["parameters"]
-    section = "\n".join([
-        SECTION,
-        "",
-        f"`benchmarks/pd.py` on {env['cpu_count']} CPUs ({env['cpu_model']}), {env['date_utc'][:10]}, "
-        f"vLLM {env['vllm']}, Python {env['python']}, commit {env['git_commit']}, load average "
-        f"{env['loadavg_at_start'][0]:.2f} at the start. Workload: {p['passes']} pass(es) of {p['requests']} "
+    replace_docs_section(SECTION, [
+        provenance("pd.py", env, f"vLLM {env['vllm']}")
+        + f" Workload: {p['passes']} pass(es) of {p['requests']} "
         f"requests, each a shared {p['prefix_tokens']}-token prefix (new for every pass) plus its own "
         f"{p['suffix_tokens']}-token suffix (random token ids), `max_tokens={p['max_tokens']}` (ignore_eos), "
         f"greedy, streamed, {p['concurrency']} in flight; requests/s over all passes, TTFT/TPOT percentiles "
         "over all requests. Raw numbers: `benchmarks/results/pd.json`.",
-        "",
         text_table,
-        "",
-        *[f"- {line}" for line in notes(results)],
-        "",
+        "\n".join(f"- {line}" for line in notes(results)),
         "Reproduce: `.venv/bin/python benchmarks/pd.py` (a few minutes; `--model bench` for the ~96M-parameter "
         "model, `--quick` for a smoke run).",
-        "",
     ])
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    start = old.find(SECTION + "\n")
-    if start < 0:
-        new = old.rstrip("\n") + "\n\n" + section
-    else:
-        nxt = old.find("\n## ", start + len(SECTION))
-        new = old[:start] + section + ("" if nxt < 0 else "\n" + old[nxt + 1:])
-    path.write_text(new)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -698,15 +435,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="results JSON (default benchmarks/results/pd.json; pd-quick.json with --quick)")
     ap.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
     args = ap.parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)  # unwind like Ctrl-C: the finally blocks stop the servers
+    unwind_on_sigterm()  # the finally blocks stop the servers
     args.passes = args.passes or (1 if args.quick else 3)
     args.requests = args.requests or (8 if args.quick else 24)
-    configs = [c for c in (args.configs or ("mixed,1p1d" if args.quick else ",".join(CONFIG_ORDER))).split(",") if c]
-    for c in configs:
-        if c not in CONFIG_ORDER:
-            ap.error(f"unknown configuration {c!r}: one of {', '.join(CONFIG_ORDER)}")
-    configs = [c for c in CONFIG_ORDER if c in configs]
-    out = args.out or REPO / "benchmarks" / "results" / ("pd-quick.json" if args.quick else "pd.json")
+    configs = choose(ap, args.configs or ("mixed,1p1d" if args.quick else ",".join(CONFIG_ORDER)), CONFIG_ORDER,
+                     "configuration")
+    out = args.out or RESULTS_DIR / ("pd-quick.json" if args.quick else "pd.json")
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvpool-pd-"))
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
 
@@ -717,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"model {args.model} ({model_dir}); vLLM {env['vllm']}; {env['cpu_count']} CPUs; configs {configs}; "
         f"{args.passes} x {args.requests} requests, {args.concurrency} in flight; workdir {workdir}")
     passes = [make_pass(i, args, vocab) for i in range(args.passes)]
-    warmup = [random_ids(f"kvpool-pd/warmup/{i}", args.prefix_tokens + args.suffix_tokens, vocab) for i in range(1)]
+    warmup = [random_token_ids(f"kvpool-pd/warmup/{i}", args.prefix_tokens + args.suffix_tokens, vocab) for i in range(1)]
 
     results: dict[str, Any] = {
         "benchmark": "pd",
@@ -751,11 +485,11 @@ def main(argv: list[str] | None = None) -> int:
             with httpx.Client(base_url=dep.url, timeout=args.request_timeout_s, trust_env=False) as c:
                 for prompt in warmup:  # cold, then a pool hit: first-request costs land here
                     for _ in range(2):
-                        stream_completion(c, "/v1/completions", prompt, args.max_tokens)
+                        request(c, prompt, args.max_tokens)
             matches = [0, 0]
             for i, prompts in enumerate(passes):
-                quiet = wait_quiet(args.quiet_wait_s)
-                la = round(os.getloadavg()[0], 2)
+                quiet = wait_quiet(args.quiet_wait_s, window_s=6.0)
+                la = loadavg1()
                 snap = cpu_snapshot()
                 samples, wall = run_pass(dep.url, prompts, args)
                 ours, others = cpu_split(snap, cpu_snapshot())
@@ -799,12 +533,11 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for line in notes(results)[5:]:  # the numbers-driven notes
         print(f"- {line}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
+    write_json(out, results)
     print(f"\nwrote {out} ({results['duration_s']:.0f} s); server logs in {workdir / 'logs'}")
     if not args.quick and not args.no_docs and not failed:
-        update_docs(REPO / "docs" / "benchmarks.md", results, text)
-        print(f"updated {REPO / 'docs' / 'benchmarks.md'} ({SECTION[3:]} section)")
+        update_docs(results, text)
+        print(f"updated {DOCS_PATH} ({SECTION[3:]} section)")
     return 1 if failed else 0
 
 

@@ -19,7 +19,7 @@ as a vLLM step moves a chunk of blocks) it measures, side by side in one run:
   server   a `kvpool server` daemon and two client processes (each `create_backend` with
            `backend: server`): a writer process puts, a reader process gets. Only when
            `kvpool.server.daemon` exists; otherwise reported as "not available".
-  redis    a real `redis-server` (tests/services.py), a writer and a reader client process.
+  redis    a real `redis-server` (kvpool.testing.services), a writer and a reader client process.
   mooncake a real `mooncake_master` (the spec's flags), TCP; the writer client mounts the pool as
            its segment, the reader mounts none. Objects live in the holder's segment and vanish
            when it closes, so the writer stays alive until the reader's gets and lookups are done.
@@ -58,18 +58,12 @@ it; `--no-docs` skips this).
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import importlib.metadata
 import importlib.util
 import json
 import multiprocessing as mp
 import os
-import platform
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -79,16 +73,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from common import (
+    DOCS_PATH, RESULTS_DIR, choose, fmt, machine_info, markdown_table, percentile, provenance, replace_docs_section,
+    write_json,
+)
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO / "src") not in sys.path:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(REPO / "src"))
-# The launchers of the real services the distributed backends talk to (redis-server,
-# mooncake_master, the datasystem worker) live in tests/services.py, shared with the conformance
-# suite; tests/ is not a package and not installed, so put it on the path to import `services`
-# rather than keep a second copy of those launchers here.
-if str(REPO / "tests") not in sys.path:
-    sys.path.insert(0, str(REPO / "tests"))
+from kvpool.testing.launch import PoolServer
+from kvpool.testing.proc import tail
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = {"256KiB": 256 * KiB, "2MiB": 2 * MiB}
@@ -214,30 +205,27 @@ class BackendCase:
     def keys(self, rnd: int) -> list[str]:
         return [f"{self.tag}-{self.size}-r{rnd}-{i}" for i in range(self.n)]
 
-    def put(self, rnd: int) -> tuple[float, bool]:
-        keys, vals = self.keys(rnd), _views(self.src, self.size)
+    def _batches(self, op: str, rnd: int, buf: np.ndarray) -> float:
+        """Seconds to `op` ("put" or "get") round `rnd`'s keys from/into `buf`, BATCH keys a call."""
+        call = self.backend.batch_put if op == "put" else self.backend.batch_get_into
+        keys, views = self.keys(rnd), _views(buf, self.size)
         codes: list[int] = []
         t = time.perf_counter()
         for j in range(0, self.n, BATCH):
-            codes += self.backend.batch_put(keys[j : j + BATCH], [[v] for v in vals[j : j + BATCH]])
+            codes += call(keys[j : j + BATCH], [[v] for v in views[j : j + BATCH]])
         elapsed = time.perf_counter() - t
         if any(codes):
-            raise AssertionError(f"put round {rnd}: codes {sorted(set(codes))}")
-        return elapsed, True
+            raise AssertionError(f"{op} round {rnd}: codes {sorted(set(codes))}")
+        return elapsed
+
+    def put(self, rnd: int) -> tuple[float, bool]:
+        return self._batches("put", rnd, self.src), True
 
     def get(self, rnd: int) -> tuple[float, bool]:
         if self._dst is None:
             self._dst = _prefault(self.working_set)
         self._dst.fill(0)
-        keys, dsts = self.keys(rnd), _views(self._dst, self.size)
-        codes: list[int] = []
-        t = time.perf_counter()
-        for j in range(0, self.n, BATCH):
-            codes += self.backend.batch_get_into(keys[j : j + BATCH], [[d] for d in dsts[j : j + BATCH]])
-        elapsed = time.perf_counter() - t
-        if any(codes):
-            raise AssertionError(f"get round {rnd}: codes {sorted(set(codes))}")
-        return elapsed, bool(np.array_equal(self._dst, self.src))
+        return self._batches("get", rnd, self._dst), bool(np.array_equal(self._dst, self.src))
 
     def lookup(self, rnd: int, iterations: int) -> dict[str, list[float]]:
         keys = self.keys(rnd)
@@ -378,61 +366,20 @@ def run_local(size: int, working_set: int, rounds: int, seed: int, lookups: int)
         backend.close()
 
 
-class ServerDaemon:
-    """`python -m kvpool.server.daemon` on a private socket; stopped with SIGTERM."""
-
-    def __init__(self, memory_size: int) -> None:
-        self.dir = tempfile.mkdtemp(prefix="kvpb-")
-        self.socket = os.path.join(self.dir, "s.sock")
-        self.log = os.path.join(self.dir, "server.log")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", SERVER_MODULE, "--socket", self.socket, "--memory-size", str(memory_size)],
-            stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                with socket.socket(socket.AF_UNIX) as s:
-                    s.connect(self.socket)
-                return
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"kvpool server did not come up:\n{self.tail()}") from None
-                time.sleep(0.02)
-
-    def tail(self) -> str:
-        try:
-            return Path(self.log).read_text(errors="replace")[-2000:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for name in os.listdir(self.dir):
-            os.unlink(os.path.join(self.dir, name))
-        os.rmdir(self.dir)
-
-
 def server_available() -> bool:
     return importlib.util.find_spec(SERVER_MODULE) is not None
 
 
 def run_server(size: int, working_set: int, rounds: int, seed: int, lookups: int) -> dict[str, Any]:
-    daemon = ServerDaemon(_pool_capacity(working_set))
-    try:
-        extra = {"backend": "server", "server_socket": daemon.socket}
-        return _two_processes(_backend_worker, (extra, size, working_set, seed), rounds, lookups)
-    except Exception as exc:
-        raise RuntimeError(f"{exc}\n--- server log ---\n{daemon.tail()}") from exc
-    finally:
-        daemon.stop()
+    """A `kvpool server` on a private socket (a short path: sun_path holds 107 bytes)."""
+    with tempfile.TemporaryDirectory(prefix="kvpb-") as d:
+        with PoolServer(os.path.join(d, "s.sock"), memory_size=_pool_capacity(working_set),
+                        log_path=os.path.join(d, "server.log"), startup_timeout_s=15) as daemon:
+            try:
+                extra = {"backend": "server", "server_socket": daemon.socket_path}
+                return _two_processes(_backend_worker, (extra, size, working_set, seed), rounds, lookups)
+            except Exception as exc:
+                raise RuntimeError(f"{exc}\n--- server log ---\n{daemon.log_tail(2000)}") from exc
 
 
 class _Skip(Exception):
@@ -479,7 +426,7 @@ def run_mooncake(size: int, working_set: int, rounds: int, seed: int, lookups: i
                  "reader": {"backend": "mooncake", "mooncake_config_path": client}}
         return _two_processes(_backend_worker, (extra, size, working_set, seed), rounds, lookups)
     except Exception as exc:
-        raise RuntimeError(f"{exc}\n--- mooncake_master log ---\n{tail_of(master.log)}") from exc
+        raise RuntimeError(f"{exc}\n--- mooncake_master log ---\n{tail(master.log, 2000)}") from exc
     finally:
         master.stop()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -518,13 +465,6 @@ class YuanrongPool:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def tail_of(path, n: int = 2000) -> str:
-    try:
-        return Path(path).read_text(errors="replace")[-n:]
-    except OSError:
-        return ""
-
-
 # ---- report --------------------------------------------------------------------------------------
 
 CASES = ("memcpy", "shm", "local", "server", "redis", "mooncake", "yuanrong", "memcache")
@@ -549,14 +489,10 @@ def _summary(raw: dict[str, Any]) -> dict[str, Any]:
     if "lookup_ms" in raw:
         for mode, lat in raw["lookup_ms"].items():
             out[f"lookup_{mode}_median_ms"] = statistics.median(lat)
-            out[f"lookup_{mode}_p99_ms"] = float(np.percentile(lat, 99))
+            out[f"lookup_{mode}_p99_ms"] = percentile(lat, 99)
             out[f"lookup_{mode}_first100_median_ms"] = statistics.median(lat[:100])
             out[f"lookup_{mode}_last100_median_ms"] = statistics.median(lat[-100:])
     return out
-
-
-def _f(x: float | None, fmt: str = "{:.2f}") -> str:
-    return "—" if x is None else fmt.format(x)
 
 
 def table(results: dict[str, Any]) -> str:
@@ -564,7 +500,7 @@ def table(results: dict[str, Any]) -> str:
     for label in SIZES:
         head += [f"put {label} GB/s", f"get {label} GB/s"]
     head += ["lookup64 lease median ms", "p99 ms", "lookup64 no-lease median ms", "p99 ms"]
-    rows = [head, ["---"] + ["---:"] * (len(head) - 1)]
+    rows = []
     for case in CASES:
         row = [LABELS[case]]
         entry = results["cases"].get(case, {})
@@ -578,12 +514,12 @@ def table(results: dict[str, Any]) -> str:
         row.append(f"{entry.get('working_set', results['parameters']['working_set']) // MiB} MiB")
         for label in SIZES:
             s = entry["sizes"][label]
-            row += [_f(s["put_gbps"]), _f(s["get_gbps"])]
+            row += [fmt(s["put_gbps"], 2), fmt(s["get_gbps"], 2)]
         look = entry["sizes"][next(iter(SIZES))]
         for mode in ("lease", "no_lease"):
-            row += [_f(look.get(f"lookup_{mode}_median_ms"), "{:.3f}"), _f(look.get(f"lookup_{mode}_p99_ms"), "{:.3f}")]
+            row += [fmt(look.get(f"lookup_{mode}_median_ms"), 3), fmt(look.get(f"lookup_{mode}_p99_ms"), 3)]
         rows.append(row)
-    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+    return markdown_table(head, rows)
 
 
 def targets(results: dict[str, Any]) -> dict[str, Any]:
@@ -600,7 +536,7 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
         m = cases["memcpy"]["sizes"][label]
         ceiling = (m["put_gbps"] + m["get_gbps"]) / 2
         raw = results["raw"]["memcpy"][label]
-        best = float(np.percentile(raw["put_gbps"] + raw["get_gbps"], 90))
+        best = percentile(raw["put_gbps"] + raw["get_gbps"], 90)
         for op in ("put", "get"):
             got = cases["server"]["sizes"][label][f"{op}_gbps"]
             out[f"server_{op}_{label}_ge_40pct_memcpy"] = {
@@ -634,101 +570,39 @@ def _target_lines(tg: dict[str, Any]) -> list[str]:
     return lines
 
 
-def environment() -> dict[str, Any]:
-    def version(pkg: str) -> str | None:
-        try:
-            return importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    commit = None
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                text=True, timeout=5).stdout.strip() or None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
-        if commit and dirty:
-            commit += "+uncommitted changes"
-    except (OSError, subprocess.SubprocessError):
-        pass
-    mem = None
-    try:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        pass
-    return {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_model": _cpu_model(),
-        "memory_bytes": mem,
-        "loadavg": list(os.getloadavg()),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "kvpool": version("kvpool"),
-        "git_commit": commit,
-        "platform": platform.platform(),
-    }
-
-
-def _cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def update_docs(path: Path, results: dict[str, Any], text_table: str, target_lines: list[str]) -> None:
-    """Replace this script's section of docs/benchmarks.md, or append it; nothing else is touched."""
+def update_docs(results: dict[str, Any], text_table: str, target_lines: list[str]) -> None:
+    """Write the "Store throughput" section of docs/benchmarks.md: the run's parameters, the table,
+    what each case measures, the targets' verdicts, and how to reproduce it."""
     env, p = results["environment"], results["parameters"]
-    section = "\n".join([
-        SECTION,
-        "",
-        f"`benchmarks/store.py` on {env['cpu_count']} CPUs ({env['cpu_model']}), {env['date'][:10]}, "
-        f"Python {env['python']}, numpy {env['numpy']}, commit {env['git_commit']}, load average "
-        f"{env['loadavg'][0]:.2f} at the start. Working set "
-        f"{p['working_set'] // MiB} MiB per round, {p['rounds']} rounds after {WARMUP_ROUNDS} warm-up "
-        f"rounds (memcpy: {p['rounds']} rounds before the first case and after each other case, pooled), "
+    replace_docs_section(SECTION, [
+        provenance("store.py", env, f"numpy {env['numpy']}")
+        + f" Working set {p['working_set'] // MiB} MiB per round, {p['rounds']} rounds after {WARMUP_ROUNDS} "
+        f"warm-up rounds (memcpy: {p['rounds']} rounds before the first case and after each other case, pooled), "
         f"batches of {BATCH} keys, median round; 1 GB = 10^9 bytes. Raw numbers: "
         "`benchmarks/results/store.json`.",
-        "",
         text_table,
-        "",
-        "- memcpy: numpy copies in one process (the ceiling); shared_memory: a writer process copies "
-        "into a `multiprocessing.shared_memory` segment, a reader process copies out; local: the "
-        "in-process engine, put and get in the same process; server: a `kvpool server` daemon, a "
-        "writer client process puts, a reader client process gets.",
-        "- redis, mooncake, yuanrong: a real service started by `tests/services.py` on 127.0.0.1 "
-        "(`redis-server`; `mooncake_master` with the spec's flags, TCP transport, the writer client "
-        "mounting the pool as its segment and staying alive until the reader is done; a datasystem "
-        "worker via `dscli`, one for both value sizes), a writer and a reader client process. "
-        f"Working set {p['distributed_working_set'] // MiB} MiB per round (column \"working set\"), "
-        "and their pools hold every round, so nothing is evicted while they are measured (redis' "
-        "sampled LRU and mooncake's ratio eviction drop values of the round being read in a pool "
-        "of two working sets). memcache: its client cannot start without the Ascend driver "
-        "(docs/backends.md).",
-        "- lookup64: `batch_exists` of 64 stored keys, repeated on the same keys "
-        f"({p['lookups']} times per mode), with a lease (as the connector looks up) and without.",
-        "",
+        "\n".join([
+            "- memcpy: numpy copies in one process (the ceiling); shared_memory: a writer process copies "
+            "into a `multiprocessing.shared_memory` segment, a reader process copies out; local: the "
+            "in-process engine, put and get in the same process; server: a `kvpool server` daemon, a "
+            "writer client process puts, a reader client process gets.",
+            "- redis, mooncake, yuanrong: a real service started by `kvpool.testing.services` on 127.0.0.1 "
+            "(`redis-server`; `mooncake_master` with the spec's flags, TCP transport, the writer client "
+            "mounting the pool as its segment and staying alive until the reader is done; a datasystem "
+            "worker via `dscli`, one for both value sizes), a writer and a reader client process. "
+            f"Working set {p['distributed_working_set'] // MiB} MiB per round (column \"working set\"), "
+            "and their pools hold every round, so nothing is evicted while they are measured (redis' "
+            "sampled LRU and mooncake's ratio eviction drop values of the round being read in a pool "
+            "of two working sets). memcache: its client cannot start without the Ascend driver "
+            "(docs/backends.md).",
+            "- lookup64: `batch_exists` of 64 stored keys, repeated on the same keys "
+            f"({p['lookups']} times per mode), with a lease (as the connector looks up) and without.",
+        ]),
         "Targets (issue 3):",
-        "",
-        *[f"- {line}" for line in target_lines],
-        "",
-        f"Reproduce: `.venv/bin/python benchmarks/store.py` ({results['runtime_s']:.0f} s here; `--quick` for a smoke run).",
-        "",
+        "\n".join(f"- {line}" for line in target_lines),
+        f"Reproduce: `.venv/bin/python benchmarks/store.py` ({results['runtime_s']:.0f} s here; "
+        "`--quick` for a smoke run).",
     ])
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    start = old.find(SECTION + "\n")
-    if start < 0:
-        new = old.rstrip("\n") + "\n\n" + section
-    else:
-        nxt = old.find("\n## ", start + len(SECTION))
-        new = old[:start] + section + ("" if nxt < 0 else "\n" + old[nxt + 1 :])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(new)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -739,19 +613,23 @@ def main(argv: list[str] | None = None) -> int:
                     help="MiB per round for redis/mooncake/yuanrong (default 64, quick 32)")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5, quick 3)")
     ap.add_argument("--lookups", type=int, default=None, help="64-key lookups per mode (default 1000, quick 200)")
+    ap.add_argument("--cases", default=None,
+                    help=f"comma-separated subset of {','.join(CASES[1:])} (default all; memcpy, the "
+                         "reference, always runs; a subset never updates the docs)")
     ap.add_argument("--out", type=Path, default=None, help="JSON output path")
     ap.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
     args = ap.parse_args(argv)
+    cases = choose(ap, args.cases, CASES[1:], "case") if args.cases else list(CASES[1:])
     working_set = (args.working_set or (64 if args.quick else 256)) * MiB
     dist_ws = (args.dist_working_set or (32 if args.quick else 64)) * MiB
     rounds = args.rounds or (3 if args.quick else 5)
     lookups = args.lookups or (200 if args.quick else 1000)
-    out = args.out or REPO / "benchmarks" / "results" / ("store-quick.json" if args.quick else "store.json")
+    out = args.out or RESULTS_DIR / ("store-quick.json" if args.quick else "store.json")
     seed = 1234
 
     t0 = time.monotonic()
     results: dict[str, Any] = {
-        "environment": environment(),
+        "environment": machine_info(numpy=np.__version__),
         "parameters": {"working_set": working_set, "rounds": rounds, "warmup_rounds": WARMUP_ROUNDS,
                        "batch": BATCH, "lookups": lookups, "lookup_keys": LOOKUP_KEYS,
                        "value_sizes": SIZES, "quick": args.quick,
@@ -782,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
                 memcpy_raw[label][op] += raw[op]
 
     memcpy_block()
-    for case in CASES[1:]:
+    for case in cases:
         if case == "server" and not server_available():
             results["cases"][case] = {"status": "not available"}
             print(f"{case}: not available ({SERVER_MODULE} does not exist yet)", flush=True)
@@ -840,12 +718,11 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     print(f"\nruntime {results['runtime_s']:.1f} s; {working_set // MiB} MiB working set "
           f"({dist_ws // MiB} MiB for {', '.join(DISTRIBUTED)}), {rounds} rounds")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
+    write_json(out, results)
     print(f"wrote {out}")
-    if not args.quick and not args.no_docs and not failed:
-        update_docs(REPO / "docs" / "benchmarks.md", results, text, lines)
-        print(f"updated {REPO / 'docs' / 'benchmarks.md'} ({SECTION[3:]} section)")
+    if not args.quick and not args.no_docs and not failed and not args.cases:
+        update_docs(results, text, lines)
+        print(f"updated {DOCS_PATH} ({SECTION[3:]} section)")
     return 1 if failed else 0
 
 

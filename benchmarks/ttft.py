@@ -45,18 +45,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as _dt
-import importlib.metadata
-import json
 import os
-import platform
-import random
-import re
-import shutil
-import signal
-import socket
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -66,16 +56,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO / "src") not in sys.path:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(REPO / "src"))
+import httpx
+from common import (
+    BLOCK_SIZE, RESULTS_DIR, choose, count_params, cpu_snapshot, cpu_split, engine_dtype, loadavg1, log, machine_info,
+    markdown_table, package_version, pyplot, random_token_ids, unwind_on_sigterm, vllm_server, wait_quiet,
+    write_json,
+)
 
-import httpx  # noqa: E402
+from kvpool.testing.launch import DEFAULT_ENV, OpenAIServer, ServerError
+from kvpool.testing.model import SPECS, build_model
+from kvpool.testing.services import MooncakeMaster, ServiceError, mooncake_master_binary
 
-from kvpool.testing.model import SPECS, build_model  # noqa: E402
-from kvpool.testing.launch import DEFAULT_ENV, OpenAIServer, ServerError, free_port  # noqa: E402
-
-BLOCK_SIZE = 128
 MAX_MODEL_LEN = 8448  # 8192 prompt tokens + 1 generated, rounded up to whole blocks
 SIZES = {"1K": 1024, "4K": 4096, "8K": 8192}
 CONFIG_ORDER = ("vllm", "kvpool", "example", "mooncake")
@@ -88,53 +79,9 @@ TARGETS = {
 }
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def loadavg() -> float:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:
-        return -1.0
-
-
-# Process groups whose CPU time is ours (this script, the vLLM server, mooncake_master): CPU
-# time used by anything else during a measurement means another job disturbed it.
-OWN_PGIDS: set[int] = {os.getpgrp()}
-
-
-def cpu_snapshot() -> tuple[int, int, int]:
-    """(busy jiffies of the whole machine, total jiffies, jiffies of our own process groups)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    total = sum(v[:8])  # guest time is already counted in user time
-    busy = total - v[3] - v[4]
-    ours = 0
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                st = f.read()
-        except OSError:
-            continue
-        rest = st[st.rfind(")") + 2:].split()
-        if int(rest[2]) in OWN_PGIDS:
-            ours += int(rest[11]) + int(rest[12])
-    return busy, total, ours
-
-
-def others_cpu(before: tuple[int, int, int], after: tuple[int, int, int]) -> float:
-    """Fraction of the machine's CPU time that other jobs used between two snapshots."""
-    busy, total, ours = (a - b for a, b in zip(after, before))
-    return round(max(0, busy - ours) / max(1, total), 3)
-
-
 def make_prompt(n_tokens: int, index: int, vocab_size: int) -> list[int]:
-    """Seeded random token ids, skipping the special ids 0-2 (<s>, </s>, <unk>)."""
-    rng = random.Random(f"kvpool-ttft/{n_tokens}/{index}")
-    return [rng.randrange(3, vocab_size) for _ in range(n_tokens)]
+    """Prompt `index` of `n_tokens` random token ids (the same in every run)."""
+    return random_token_ids(f"kvpool-ttft/{n_tokens}/{index}", n_tokens, vocab_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,78 +104,20 @@ class ServerPlan:
     skip_ext: str | None = None
 
 
-class MooncakeMaster:
-    """A `mooncake_master` bound to 127.0.0.1 on free ports, in its own process group."""
-
-    def __init__(self, binary: str, log_path: Path) -> None:
-        self.binary = binary
-        self.log_path = log_path
-        self.port = free_port()
-        self.metrics_port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def args(self) -> list[str]:
-        return [
-            self.binary,
-            "--rpc_address=127.0.0.1", f"--rpc_port={self.port}",
-            "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
-            "--eviction_high_watermark_ratio=0.9", "--eviction_ratio=0.1",
-            "--default_kv_lease_ttl=11000",
-        ]
-
-    def start(self) -> None:
-        with open(self.log_path, "ab") as f:
-            f.write(f"$ {' '.join(self.args)}\n".encode())
-            f.flush()
-            self.proc = subprocess.Popen(self.args, stdout=f, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-        OWN_PGIDS.add(self.proc.pid)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with code {self.proc.returncode}: "
-                                   f"{self.log_path.read_text(errors='replace')[-2000:]}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    return
-            except OSError:
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"mooncake_master not listening on 127.0.0.1:{self.port} after 30 s")
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        OWN_PGIDS.discard(proc.pid)
-        if proc.poll() is not None:
-            return
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait(timeout=10)
-
-
 def mooncake_probe() -> tuple[str | None, str | None, str | None]:
     """(mooncake_master path, package version, None) or (None, None, why it cannot run)."""
-    try:
-        version = importlib.metadata.version("mooncake-transfer-engine-non-cuda")
-    except importlib.metadata.PackageNotFoundError:
-        try:
-            version = importlib.metadata.version("mooncake-transfer-engine")
-        except importlib.metadata.PackageNotFoundError:
-            return None, None, ("mooncake-transfer-engine-non-cuda is not installed (`make setup`, or "
-                                "pip install -e '.[mooncake]' and Debian's libibverbs1)")
+    version = package_version("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine")
+    if version is None:
+        return None, None, ("mooncake-transfer-engine-non-cuda is not installed (`make setup`, or "
+                            "pip install -e '.[mooncake]' and Debian's libibverbs1)")
     probe = subprocess.run([sys.executable, "-c", "from mooncake.store import MooncakeDistributedStore"],
                            capture_output=True, text=True, timeout=60)
     if probe.returncode != 0:
         return None, version, f"`from mooncake.store import MooncakeDistributedStore` failed: {probe.stderr.strip()[-1500:]}"
-    binary = shutil.which("mooncake_master", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    if binary is None:
-        return None, version, "mooncake_master not found next to the Python interpreter nor on PATH"
+    try:
+        binary = mooncake_master_binary()
+    except ServiceError as exc:
+        return None, version, str(exc)
     return binary, version, None
 
 
@@ -260,23 +149,14 @@ def build_plans(workdir: Path, configs: list[str], mooncake: tuple[str | None, s
     if "example" in configs:
         plans["example"] = example_plan(workdir / "example-storage")
     if "mooncake" in configs and mooncake[0] is not None:
-        binary = mooncake[0]
         cfg_path = workdir / "mooncake.json"
         n_starts = [0]
 
         def mooncake_setup() -> Callable[[], None]:
             # A fresh master for every server start: nothing stored by an earlier server remains.
             n_starts[0] += 1
-            master = MooncakeMaster(binary, workdir / "logs" / f"mooncake_master-{n_starts[0]}.log")
-            master.start()
-            cfg_path.write_text(json.dumps({
-                "metadata_server": "P2PHANDSHAKE",
-                "master_server_address": f"127.0.0.1:{master.port}",
-                "protocol": "tcp",
-                "device_name": "",
-                "global_segment_size": "2GB",
-                "local_buffer_size": "1GB",
-            }, indent=2))
+            master = MooncakeMaster(workdir / "logs" / f"mooncake_master-{n_starts[0]}")
+            master.write_config(cfg_path, global_segment_size="2GB", local_buffer_size="1GB")
             return master.stop
 
         plans["mooncake"] = ServerPlan("mooncake", prefix_caching=False, kv_transfer_config={
@@ -312,13 +192,12 @@ class Runner:
         if self.plan.setup is not None:
             self.cleanup = self.plan.setup()
         t0 = time.monotonic()
-        srv = OpenAIServer(
-            self.model_dir, served_model_name="bench", max_model_len=MAX_MODEL_LEN,
-            block_size=BLOCK_SIZE, prefix_caching=self.plan.prefix_caching,
+        srv = vllm_server(
+            self.model_dir, served_model_name="bench", log_path=log_path, prefix_caching=self.plan.prefix_caching,
+            kv_transfer_config=self.plan.kv_transfer_config, max_model_len=MAX_MODEL_LEN,
             max_num_batched_tokens=self.plan.max_num_batched_tokens or self.args.max_num_batched_tokens,
-            kv_transfer_config=self.plan.kv_transfer_config,
+            request_timeout_s=self.args.request_timeout_s,
             env={"VLLM_CPU_KVCACHE_SPACE": str(self.args.kvcache_gib), **self.plan.env},
-            log_path=log_path, startup_timeout_s=300, request_timeout_s=self.args.request_timeout_s,
         )
         try:
             srv.start()
@@ -326,8 +205,6 @@ class Runner:
             self.stop()
             raise
         self.server = srv
-        if srv.proc is not None:
-            OWN_PGIDS.add(srv.proc.pid)  # the server leads its own process group
         self.startup_s.append(round(time.monotonic() - t0, 1))
         log(f"{self.plan.name}: server up in {self.startup_s[-1]} s (log {log_path})")
         # Warm-up (not recorded): a short prompt cold and hit, so first-request costs
@@ -341,16 +218,9 @@ class Runner:
     def alive(self) -> bool:
         """After a failed request: is the server still serving? (Gives a dying engine ~10 s.)"""
         srv = self.server
-        if srv is None or srv.proc is None:
-            return False
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            if srv.proc.poll() is not None:
-                return False
-            try:
-                if httpx.get(f"{srv.base_url}/health", timeout=2).status_code != 200:
-                    return False
-            except httpx.HTTPError:
+            if srv is None or not srv.healthy():
                 return False
             time.sleep(1)
         return True
@@ -358,8 +228,6 @@ class Runner:
     def stop(self) -> None:
         srv, self.server = self.server, None
         if srv is not None:
-            if srv.proc is not None:
-                OWN_PGIDS.discard(srv.proc.pid)
             srv.stop()
         cleanup, self.cleanup = self.cleanup, None
         if cleanup is not None:
@@ -374,49 +242,8 @@ def _error_excerpt(log_text: str, limit: int = 1500) -> str:
     return text[-limit:]
 
 
-def cpu_busy(interval_s: float = 1.0) -> float:
-    """Fraction of all CPUs busy over `interval_s` (from /proc/stat; -1 where unavailable)."""
-    def snap() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        idle = v[3] + (v[4] if len(v) > 4 else 0)
-        return sum(v), idle
-
-    try:
-        t0, i0 = snap()
-        time.sleep(interval_s)
-        t1, i1 = snap()
-    except (OSError, ValueError, IndexError):
-        return -1.0
-    return round(1 - (i1 - i0) / max(1, t1 - t0), 3)
-
-
-def wait_quiet(max_wait_s: float, window_s: float = 10.0, threshold: float = 0.15) -> dict[str, float]:
-    """Wait (at most `max_wait_s`) until the CPUs have been mostly idle for `window_s` in a row.
-
-    Our own server is idle between requests, so a busy machine means another job is running
-    (on a shared machine: someone's vLLM tests, which come in bursts). Returns what was seen,
-    recorded with the samples.
-    """
-    t0 = time.monotonic()
-    quiet_since: float | None = None
-    busy = 0.0
-    while True:
-        busy = cpu_busy(2.0)
-        now = time.monotonic()
-        if busy <= threshold:
-            quiet_since = quiet_since if quiet_since is not None else now - 2.0
-            if now - quiet_since >= window_s:
-                break
-        else:
-            quiet_since = None
-        if now - t0 >= max_wait_s:
-            break
-    return {"cpu_busy_before": busy, "waited_s": round(time.monotonic() - t0, 1)}
-
-
 def measure_one(srv: OpenAIServer, prompt: list[int], index: int) -> tuple[dict[str, Any], list[int]]:
-    la = loadavg()
+    la = loadavg1()
     r = srv.complete(prompt, max_tokens=1)
     return {
         "prompt": index,
@@ -479,7 +306,7 @@ def run_config(plan: ServerPlan, sizes: list[str], reps: int, model_dir: Path, w
                     got: dict[str, dict[str, Any]] = {}
                     phase = "cold"
                     try:
-                        quiet = wait_quiet(args.quiet_wait_s)
+                        quiet = wait_quiet(args.quiet_wait_s, window_s=10.0)
                         snap = cpu_snapshot()
                         got["cold"], generated = measure_one(runner.server, prompt, index)
                         time.sleep(args.wait_s)
@@ -489,7 +316,7 @@ def run_config(plan: ServerPlan, sizes: list[str], reps: int, model_dir: Path, w
                             time.sleep(args.wait_s)
                             phase = "ext"
                             got["ext"], _ = measure_one(runner.server, prompt + generated[:1], index)
-                        other = others_cpu(snap, cpu_snapshot())
+                        other = cpu_split(snap, cpu_snapshot())[1]
                     except (ServerError, httpx.HTTPError) as e:
                         srv = runner.server
                         alive = runner.alive()
@@ -679,13 +506,13 @@ def format_tables(summary: dict[str, Any], sizes: list[str], show_exampleu: bool
              "example": "ExampleConnector", "exampleu": "Example, unchunked", "mooncake": "MooncakeStore"}
     out = ["Cold: first time the server sees the prompt. Median TTFT, ms"]
     cols = ["vllm"] + peers
-    out.append(_table(["tokens"] + [names[c] for c in cols],
+    out.append(markdown_table(["tokens"] + [names[c] for c in cols],
                       [[size] + [_fmt_ms(med[size][f"{c}_cold"]) for c in cols] for size in sizes]))
     cols = ["kvpool", "prefix"] + peers[1:]
     for kind, title in (("hit", "Hit, same prompt again"),
                         ("ext", "Hit, prompt + its generated token (like for like: every cache can serve all of the prompt)")):
         out += ["", f"{title}. Median TTFT, ms (cached_tokens)"]
-        out.append(_table(["tokens"] + [names[c] for c in cols],
+        out.append(markdown_table(["tokens"] + [names[c] for c in cols],
                           [[size] + [_fmt_ms(med[size][f"{c}_{kind}"], True) for c in cols] for size in sizes]))
     keys = [("kvpool_hit/kvpool_cold", "hit/cold"), ("kvpool_hit/prefix_hit", "hit/prefix"),
             ("kvpool_hit/example_hit", "hit/Example"), ("kvpool_hit/mooncake_hit", "hit/Mooncake"),
@@ -694,7 +521,7 @@ def format_tables(summary: dict[str, Any], sizes: list[str], show_exampleu: bool
     if show_exampleu:
         keys.insert(3, ("kvpool_hit/exampleu_hit", "hit/Example unchunked"))
     out += ["", "Ratios of medians, kvpool over the other (below 1: kvpool faster; hit = same prompt, +1 = prompt + 1 token)"]
-    out.append(_table(["tokens"] + [k[1] for k in keys],
+    out.append(markdown_table(["tokens"] + [k[1] for k in keys],
                       [[size] + ["-" if ratios[size][k] is None else f"{ratios[size][k]:.3f}" for k, _ in keys] for size in sizes]))
     if any(c.get("n_disturbed") for row in med.values() for c in row.values()):
         out += ["", "* includes samples during which other jobs used the CPUs even after the retakes"]
@@ -716,65 +543,15 @@ def format_tables(summary: dict[str, Any], sizes: list[str], show_exampleu: bool
     return "\n".join(out)
 
 
-def _table(heads: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(heads, *rows)]
-    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    return "\n".join([line(heads), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
-
-
 # ---------------------------------------------------------------------------------------------
 # Environment, plot, main
 
 
-def count_params(model_dir: Path) -> int:
-    """Parameter count from the safetensors headers (no torch needed)."""
-    total = 0
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for k, v in header.items():
-            if k != "__metadata__":
-                p = 1
-                for d in v["shape"]:
-                    p *= d
-                total += p
-    return total
-
-
 def environment(model_dir: Path, mooncake_version: str | None, kvcache_gib: int) -> dict[str, Any]:
-    def version(pkg: str) -> str | None:
-        try:
-            return importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    cpu_model = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem_gib = None
-    try:
-        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (ValueError, OSError):
-        pass
     spec = SPECS["bench"]
     return {
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "vllm": version("vllm") or version("vllm-cpu"),
-        "torch": version("torch"),
-        "kvpool": version("kvpool"),
-        "mooncake_transfer_engine": mooncake_version,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_model": cpu_model,
-        "memory_gib": mem_gib,
+        **machine_info(vllm=package_version("vllm", "vllm-cpu"), torch=package_version("torch"),
+                       mooncake_transfer_engine=mooncake_version),
         "model": {"spec": dataclasses.asdict(spec), "params": count_params(model_dir),
                   "stored_dtype": spec.dtype},
         "server_env": {**DEFAULT_ENV, "VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib)},
@@ -790,26 +567,18 @@ def served_dtype(results: dict[str, Any]) -> str | None:
     for r in results.values():
         for path in r.get("server_logs", ()):
             try:
-                text = Path(path).read_text(errors="replace")
+                dtype = engine_dtype(Path(path).read_text(errors="replace"))
             except OSError:
                 continue
-            m = re.search(r"Downcasting torch\.(\w+) to torch\.(\w+)", text)
-            if m:
-                return m.group(2)
-            if "Initializing a V1 LLM engine" in text:
-                m = re.search(r"dtype=torch\.(\w+)", text)
-                if m:
-                    return m.group(1)
+            if dtype is not None:
+                return dtype
     return None
 
 
 def plot(summary: dict[str, Any], sizes: list[str], path: Path) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    """A bar chart of the median TTFTs at `path` (None: matplotlib is not installed)."""
+    plt = pyplot()
+    if plt is None:
         return None
     cols = ["vllm_cold", "kvpool_cold", "kvpool_hit", "prefix_hit", "example_hit", "mooncake_hit",
             "kvpool_ext", "prefix_ext", "mooncake_ext"]
@@ -826,10 +595,6 @@ def plot(summary: dict[str, Any], sizes: list[str], path: Path) -> str | None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return str(path)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -856,20 +621,12 @@ def main(argv: list[str] | None = None) -> int:
                                      "is cached in $TMPDIR/kvpool-bench-model)")
     p.add_argument("--out", help="results JSON (default benchmarks/results/ttft.json, ttft-quick.json with --quick)")
     args = p.parse_args(argv)
-    # SIGTERM unwinds like Ctrl-C, so the `finally` blocks stop the servers and mooncake_master.
-    signal.signal(signal.SIGTERM, _interrupt)
+    unwind_on_sigterm()  # the `finally` blocks stop the servers and mooncake_master
 
-    sizes = args.sizes.split(",") if args.sizes else (["1K", "4K"] if args.quick else list(SIZES))
-    for s in sizes:
-        if s not in SIZES:
-            p.error(f"unknown size {s!r}: one of {', '.join(SIZES)}")
+    sizes = choose(p, args.sizes or ("1K,4K" if args.quick else ",".join(SIZES)), list(SIZES), "size")
     reps = args.reps or (1 if args.quick else 3)
-    configs = [c for c in args.configs.split(",") if c]
-    for c in configs:
-        if c not in CONFIG_ORDER:
-            p.error(f"unknown configuration {c!r}: one of {', '.join(CONFIG_ORDER)}")
-    configs = [c for c in CONFIG_ORDER if c in configs]
-    out_path = Path(args.out) if args.out else REPO / "benchmarks" / "results" / ("ttft-quick.json" if args.quick else "ttft.json")
+    configs = choose(p, args.configs, CONFIG_ORDER, "configuration")
+    out_path = Path(args.out) if args.out else RESULTS_DIR / ("ttft-quick.json" if args.quick else "ttft.json")
 
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvpool-bench-"))
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
@@ -939,8 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if mooncake[2] is not None:
         report["mooncake_unavailable"] = mooncake[2]
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(out_path, report)
     png = plot(summary, sizes, out_path.with_suffix(".png"))
 
     print()

@@ -7,9 +7,17 @@ import os
 import pytest
 
 
+# Fixtures of tests/backends/ that start a store's own service (redis-server, mooncake_master,
+# a Yuanrong worker): their tests are `services` tests, outside `make test-fast`.
+SERVICE_FIXTURES = {"redis_service", "master", "worker"}
+
+
 def pytest_collection_modifyitems(config, items):
-    if not items:
+    if not items and not config.getoption("markexpr"):
         raise pytest.UsageError("no tests were collected")
+    for item in items:
+        if "tests/backends/" in item.nodeid.replace("\\", "/") and SERVICE_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.services)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import math
 import os
 import re
@@ -158,6 +159,18 @@ def _parse_dir(key: str, value: Any) -> str:
     except ConfigError as exc:  # name the key as the user wrote it
         raise ConfigError(key, value, exc.expected) from None
     return value
+
+
+def read_json_object(key: str, path: str, what: str) -> dict[str, Any]:
+    """A store's JSON config file (mooncake.json, the Yuanrong client config) as a dict."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(key, path, f"a readable {what} file holding a JSON object: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(key, path, f"a {what} file holding a JSON object")
+    return raw
 
 
 def _parse_redis_url(key: str, value: Any) -> str:

@@ -29,10 +29,22 @@ class ErrorCode(enum.IntEnum):
     UNAVAILABLE_IN_CURRENT_STATUS = -1000
 
 
+# The codes as plain ints, for the data paths that build per-key code lists.
+OK = int(ErrorCode.OK)
+NOT_FOUND = int(ErrorCode.OBJECT_NOT_FOUND)
+EXISTS = int(ErrorCode.OBJECT_ALREADY_EXISTS)
+INVALID = int(ErrorCode.INVALID_PARAMS)
+INVALID_KEY = int(ErrorCode.INVALID_KEY)
+NO_HANDLE = int(ErrorCode.NO_AVAILABLE_HANDLE)
+RPC_FAIL = int(ErrorCode.RPC_FAIL)
+RPC_TIMEOUT = int(ErrorCode.RPC_TIMEOUT)
+INTERNAL = int(ErrorCode.INTERNAL_ERROR)
+
+
 # What a put may answer for a key the pool now holds: written by this put (OK), or stored
 # before it and left as it was (OBJECT_ALREADY_EXISTS). Keys name content, so both mean the
 # caller's bytes are in the pool.
-STORED: frozenset[int] = frozenset({int(ErrorCode.OK), int(ErrorCode.OBJECT_ALREADY_EXISTS)})
+STORED: frozenset[int] = frozenset({OK, EXISTS})
 
 
 def is_stored(code: int) -> bool:

@@ -150,6 +150,7 @@ def test_server_not_running(tmp_path):
         "kvpool server --socket")
 
 
+@pytest.mark.services
 def test_redis(tmp_path):
     has(run(tmp_path, {"backend": "redis", "redis_url": f"redis://127.0.0.1:{free_port()}/0"}), "error",
         "does not answer", "redis-server")
@@ -166,7 +167,7 @@ def test_yuanrong_and_memcache_services_down(tmp_path):
     port = free_port()
     r = run(tmp_path, {"backend": "yuanrong"}, env={"DS_WORKER_ADDR": f"127.0.0.1:{port}",
                                                      "DS_ENABLE_EXCLUSIVE_CONNECTION": "0"})
-    has(r, "error", "no datasystem worker answers", "dscli start -w --worker_address")
+    has(r, "error", "datasystem worker at", "does not answer", "dscli start -w --worker_address")
     has(r, "warning", "EXCLUSIVE_CONNECTION is off")
     has(run(tmp_path, {"backend": "yuanrong"}), "error", "DS_WORKER_ADDR=None is invalid")
     conf = tmp_path / "mmc-local.conf"

@@ -62,6 +62,7 @@ def test_missing(tmp_path):
     bad(None, {"MMC_LOCAL_CONFIG_PATH": conf(tmp_path, text)}, "ock.mmc.meta_service_url", "tcp://10.0.0.1:5000")
 
 
+@pytest.mark.services
 def test_meta_service_runs_but_the_local_service_needs_the_npu_driver(tmp_path, capfd):
     """The finding docs/backends.md reports: on an NPU host this test instead sees a working store."""
     try:

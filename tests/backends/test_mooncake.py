@@ -157,7 +157,7 @@ def test_codes_map_to_ours():
     assert map_code(-707) == ErrorCode.LEASE_EXPIRED
     assert map_code(-200) == ErrorCode.NO_AVAILABLE_HANDLE
     assert map_code(-703) == ErrorCode.OBJECT_NOT_FOUND
-    assert map_code(-705) == ErrorCode.OK
+    assert map_code(-705) == ErrorCode.OBJECT_ALREADY_EXISTS  # passed on (the client answers 0 here)
     assert map_code(-800) == ErrorCode.RPC_FAIL
     assert map_code(-12345) == ErrorCode.INTERNAL_ERROR
 
@@ -194,7 +194,7 @@ class _ExpiringStore:
 def test_lease_expiry_is_a_load_error_not_a_crash():
     b = MooncakeBackend.__new__(MooncakeBackend)
     b.config = load_mooncake_config(None, {"MOONCAKE_MASTER": "127.0.0.1:1"})
-    b.store, b._registered, b._stats = _ExpiringStore(), set(), dict.fromkeys(("gets", "get_bytes", "misses", "failures"), 0)
+    b.store, b._registered = _ExpiringStore(), set()
     dest = [np.full(10, 7, np.uint8)]
     assert b.batch_get_into(["k"], [dest]) == [ErrorCode.LEASE_EXPIRED]
     assert b.stats()["failures"] == 1
@@ -228,7 +228,8 @@ def restart(m: MooncakeMaster, workdir) -> MooncakeMaster:
 
 
 def test_master_not_there_at_start_then_comes_up(tmp_path, monkeypatch):
-    monkeypatch.setattr(mc, "_RETRY_S", 0.2)
+    monkeypatch.setattr(MooncakeBackend, "retry_first_s", 0.2)
+    monkeypatch.setattr(MooncakeBackend, "retry_cap_s", 0.2)
     port = free_port()
     cfg = tmp_path / "m.json"
     cfg.write_text(json.dumps({**SPEC, "master_server_address": f"127.0.0.1:{port}", "global_segment_size": "16MB"}))
@@ -238,6 +239,7 @@ def test_master_not_there_at_start_then_comes_up(tmp_path, monkeypatch):
     assert b.batch_exists(["k"]) == [False]
     assert b.batch_put(["k"], [[data]]) == [ErrorCode.RPC_FAIL]
     assert time.monotonic() - t0 < 5, "a missing master must not stall start-up (setup() alone waits ~90 s)"
+    assert b.stats()["connect_failures"] >= 1
     m = MooncakeMaster.__new__(MooncakeMaster)
     m.port, m.metrics_port = port, free_port()
     m = restart(m, tmp_path / "late-master")

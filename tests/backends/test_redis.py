@@ -16,6 +16,7 @@ from kvpool.testing.services import RedisService, ServiceError
 
 MiB = 1 << 20
 OK, NOT_FOUND, NO_HANDLE = ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND, ErrorCode.NO_AVAILABLE_HANDLE
+EXISTS = ErrorCode.OBJECT_ALREADY_EXISTS
 
 
 @pytest.fixture
@@ -53,8 +54,8 @@ def test_values_above_the_chunk_size_are_chunked_and_read_back(redis_service):
     out = [np.empty(big.size, np.uint8)]
     assert b.batch_get_into(["big"], [out]) == [OK]
     assert np.array_equal(out[0], big)
-    # A second put of the key is an OK no-op and leaves no stray chunks behind.
-    assert b.batch_put(["big"], [[data(3 * MiB, 1)]]) == [OK]
+    # A second put of the key writes nothing (SET NX) and leaves no stray chunks behind.
+    assert b.batch_put(["big"], [[data(3 * MiB, 1)]]) == [EXISTS]
     assert len(raw(redis_service).keys("big#chunk:*")) == 3
     out = [np.empty(MiB, np.uint8), np.empty(big.size - MiB, np.uint8)]
     assert b.batch_get_into(["big"], [out]) == [OK]
@@ -77,7 +78,7 @@ def test_concurrent_writers_of_one_chunked_key(redis_service):
         t.start()
     for t in threads:
         t.join(30)
-    assert codes == [[OK]] * len(vals)
+    assert sorted(codes) == [[EXISTS]] * (len(vals) - 1) + [[OK]], codes  # one writer won
     out = [np.empty(vals[0].size, np.uint8)]
     assert backends[0].batch_get_into(["race"], [out]) == [OK]
     assert any(np.array_equal(out[0], v) for v in vals), "the bytes are a mix of writers"
@@ -111,6 +112,7 @@ def test_ttl(redis_service):
     b.close()
 
 
+@pytest.mark.services
 def test_server_down_is_misses_and_rpc_fail_then_recovers(tmp_path):
     svc = RedisService(tmp_path / "r1")
     port = svc.port
@@ -126,8 +128,13 @@ def test_server_down_is_misses_and_rpc_fail_then_recovers(tmp_path):
     assert time.monotonic() - t0 < 5, "calls to a dead server must not hang"
     svc = RedisService(tmp_path / "r2", port=port)  # a fresh (empty) server on the same port
     try:
-        assert b.batch_exists(["k"]) == [False]
-        assert b.batch_put(["k"], [[data(1000)]]) == [OK]
+        # Calls reach the server again once the backoff is over (50 ms, doubling while it stays
+        # down): until then they keep failing fast.
+        deadline = time.monotonic() + 2
+        while (codes := b.batch_put(["k"], [[data(1000)]])) != [OK]:
+            assert codes == [ErrorCode.RPC_FAIL] and time.monotonic() < deadline, codes
+            time.sleep(0.02)
+        assert b.batch_exists(["k", "x"]) == [True, False]  # "x" went to the old server only
         assert b.batch_get_into(["k"], [[np.empty(1000, np.uint8)]]) == [OK]
     finally:
         b.close()
@@ -143,6 +150,7 @@ def test_unreachable_at_start_is_not_fatal(tmp_path):
     b.close()
 
 
+@pytest.mark.services
 def test_noeviction_oom_is_no_available_handle(tmp_path):
     svc = RedisService(tmp_path / "r", capacity=2 * MiB, policy="noeviction")
     try:

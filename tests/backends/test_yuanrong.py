@@ -166,6 +166,7 @@ def _worker_pid(w: YuanrongWorker) -> int:
     return int(m[-1])
 
 
+@pytest.mark.services
 def test_worker_dies_then_comes_back(tmp_path):
     try:
         w = YuanrongWorker(tmp_path / "w", shared_memory_mb=64)

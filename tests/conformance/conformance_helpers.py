@@ -6,6 +6,8 @@ import hashlib
 
 import numpy as np
 
+from kvpool.errors import is_stored
+
 
 def payload(key: str, size: int) -> np.ndarray:
     """Deterministic bytes derived from the key (and size): a mixed-up or torn object is visible."""
@@ -65,8 +67,9 @@ def workload(backend, worker: int, n_workers: int, n_own: int = 32, n_shared: in
 
     Every value is derived from its key. Capacity must hold everything (no eviction): this
     worker's own keys must be found and read back OK right after its put. Another worker's key
-    may be a miss (not written yet), and so may a shared key: a put of a key that a peer is
-    still writing is an OK no-op, and the key becomes visible when the peer commits. A read that
+    may be a miss (not written yet), and so may a shared key: a put of a key that a peer stored
+    or is still writing is OBJECT_ALREADY_EXISTS (nothing written), and the key becomes visible
+    when the peer commits. A read that
     says OK must return exactly that key's bytes. The caller checks, after every worker is done,
     that all keys are there. Returns counts and a list of errors.
     """
@@ -101,7 +104,7 @@ def workload(backend, worker: int, n_workers: int, n_own: int = 32, n_shared: in
         if not batch:
             continue
         codes = backend.batch_put(batch, [value_of(k) for k in batch])
-        errors.extend(f"{k}: put returned {c}" for k, c in zip(batch, codes) if c != OK)
+        errors.extend(f"{k}: put returned {c}" for k, c in zip(batch, codes) if not is_stored(c))
         mine = set(own[r * chunk : (r + 1) * chunk])
         found = backend.batch_exists(batch)
         errors.extend(f"{k}: not found right after put" for k, f in zip(batch, found) if k in mine and not f)

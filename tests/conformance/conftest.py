@@ -18,12 +18,8 @@ import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,6 +28,7 @@ import pytest
 from kvpool.backends import Backend, create_backend
 from kvpool.backends.registry import REGISTRY
 from kvpool.config import load_config
+from kvpool.testing.launch import PoolServer
 
 # Every registered backend, but Memcache: its local service needs the Ascend driver and does not
 # start on a host without one (docs/backends.md); its adapter has tests of its own.
@@ -137,31 +134,17 @@ class ServerFactory(BackendFactory):
                 pytrace=False,
             )
         super().__init__(workdir)
-        self._servers: list[tuple[subprocess.Popen, str]] = []
+        self._servers: list[PoolServer] = []
         self._sockets: dict[int, str] = {}
 
     def __call__(self, capacity_bytes: int) -> Backend:
         n = len(self._servers)
         # AF_UNIX paths are limited to ~107 bytes, so not under pytest's (long) tmp_path.
         sock = os.path.join(self.workdir, f"s{n}.sock")
-        log = os.path.join(self.workdir, f"server{n}.log")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", SERVER_MODULE, "--socket", sock, "--memory-size", str(capacity_bytes)],
-            stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-        )
-        self._servers.append((proc, log))
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                with socket.socket(socket.AF_UNIX) as s:
-                    s.connect(sock)
-                break
-            except OSError:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"kvpool server exited with {proc.returncode}:\n{_tail(log)}") from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"kvpool server did not accept on {sock} within 15 s:\n{_tail(log)}") from None
-                time.sleep(0.02)
+        server = PoolServer(sock, memory_size=capacity_bytes, entry=("-m", SERVER_MODULE),
+                            log_path=os.path.join(self.workdir, f"server{n}.log"), startup_timeout_s=15.0)
+        self._servers.append(server)
+        server.start()  # ServerError (a RuntimeError) with the log's tail if it does not come up
         backend = create_backend(load_config(self._config(sock)), self._client_name())
         self._sockets[id(backend)] = sock
         return self._track(backend)
@@ -184,29 +167,15 @@ class ServerFactory(BackendFactory):
             super().close()
         except AssertionError as exc:
             errors.append(str(exc))
-        for proc, log in self._servers:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-                    errors.append(f"kvpool server ignored SIGTERM for 10 s:\n{_tail(log)}")
-                    continue
-            if proc.returncode != 0:
-                errors.append(f"kvpool server exited with {proc.returncode} on SIGTERM:\n{_tail(log)}")
+        for server in self._servers:
+            rc = server.stop(grace_s=10)
+            if rc == -signal.SIGKILL:
+                errors.append(f"kvpool server ignored SIGTERM for 10 s:\n{server.log_tail(3000)}")
+            elif rc != 0:
+                errors.append(f"kvpool server exited with {rc} on SIGTERM:\n{server.log_tail(3000)}")
         self._servers.clear()
         if errors:
             raise AssertionError("\n".join(errors))
-
-
-def _tail(path: str, n: int = 3000) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()[-n:]
-    except OSError as exc:
-        return f"(no log: {exc})"
 
 
 class RedisFactory(BackendFactory):
@@ -413,13 +382,18 @@ def _factory(name: str) -> Iterator[BackendFactory]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-@pytest.fixture(params=BACKENDS)
+def _params(names: list[str]) -> list:
+    """One fixture param per backend; those that start a store's own service are marked `services`."""
+    return [pytest.param(n, marks=[] if n in ("local", "server") else [pytest.mark.services]) for n in names]
+
+
+@pytest.fixture(params=_params(BACKENDS))
 def backend_factory(request) -> Iterator[BackendFactory]:
     """`make(capacity_bytes) -> Backend` for each backend in BACKENDS."""
     yield from _factory(request.param)
 
 
-@pytest.fixture(params=MULTIPROCESS_BACKENDS)
+@pytest.fixture(params=_params(MULTIPROCESS_BACKENDS))
 def shared_backend_factory(request) -> Iterator[BackendFactory]:
     """As `backend_factory`, for the backends several processes share (`client_config` works)."""
     yield from _factory(request.param)

@@ -11,16 +11,21 @@ import os
 import subprocess
 import sys
 import threading
+from collections import Counter
 
 import numpy as np
+import pytest
 
 from conformance_helpers import empty_like_segments, joined, payload, split, workload
+from kvpool.backends.base import COUNTERS
 from kvpool.errors import ErrorCode
 
 OK = ErrorCode.OK
 NOT_FOUND = ErrorCode.OBJECT_NOT_FOUND
 NO_HANDLE = ErrorCode.NO_AVAILABLE_HANDLE
 INVALID = ErrorCode.INVALID_PARAMS
+INVALID_KEY = ErrorCode.INVALID_KEY
+EXISTS = ErrorCode.OBJECT_ALREADY_EXISTS
 
 KiB, MiB = 1 << 10, 1 << 20
 SENTINEL = 0xA5
@@ -43,6 +48,12 @@ def assert_intact(backend, keys: list[str], size: int) -> None:
 
 def untouched(buffers: list[np.ndarray]) -> bool:
     return all(bool((b == SENTINEL).all()) for b in buffers)
+
+
+def already(backend) -> int:
+    """What a put of a stored key answers: OBJECT_ALREADY_EXISTS, or OK where the store's client
+    cannot tell (`Capabilities.put_reports_existing`: Mooncake answers 0 for a key it skipped)."""
+    return EXISTS if backend.capabilities.put_reports_existing else OK
 
 
 # ---- put / get / exists -------------------------------------------------------------------------
@@ -124,20 +135,106 @@ def test_missing_keys_are_not_found_and_buffers_untouched(backend_factory):
     assert b.batch_get_into(["nope-0"], [dest]) == [NOT_FOUND] and untouched(dest)
 
 
-def test_duplicate_put_is_ok_noop_and_keeps_first_bytes(backend_factory):
+def test_put_of_a_stored_key_is_already_exists_and_keeps_the_bytes(backend_factory):
     b = backend_factory(4 * MiB)
     first, second = payload("first", 8192), payload("second", 8192)
     assert b.batch_put(["dup"], [[first]]) == [OK]
-    assert b.batch_put(["dup"], [[second]]) == [OK]
-    assert b.batch_put(["dup"], [[payload("third", 100)]]) == [OK]  # even with another size
+    # Put-if-absent: nothing is written, the first bytes stay, and the caller learns the key is
+    # there (a success: no existence check is needed before a put).
+    assert b.batch_put(["dup"], [[second]]) == [already(b)]
+    assert b.batch_put(["dup"], [[payload("third", 100)]]) == [already(b)]  # even with another size
+    assert b.batch_put(["fresh", "dup"], [[second], [second]]) == [OK, already(b)]  # per key
     code, got = get(b, "dup", [8192])
     assert code == OK and np.array_equal(got, first)
     code, got = get(b, "dup", [100])
     assert code == INVALID
-    # The same key twice in one batch: both OK, the first value wins.
-    assert b.batch_put(["twice", "twice"], [[first], [second]]) == [OK, OK]
+    code, got = get(b, "fresh", [8192])
+    assert code == OK and np.array_equal(got, second)
+    stats = b.stats()
+    assert stats["put_existing"] == (3 if b.capabilities.put_reports_existing else 0)
+    assert stats["puts"] + stats["put_existing"] == 5
+
+
+def test_duplicate_keys_in_one_batch(backend_factory):
+    b = backend_factory(4 * MiB)
+    first, second = payload("first", 8192), payload("second", 8192)
+    # Written once, from the first value; every copy gets the first one's code.
+    assert b.batch_put(["twice", "other", "twice"], [[first], [second], [second]]) == [OK, OK, OK]
     code, got = get(b, "twice", [4096, 4096])
     assert code == OK and np.array_equal(got, first)
+    assert b.batch_put(["twice", "twice"], [[second], [first]]) == [already(b)] * 2
+    e = np.empty(0, dtype=np.uint8)
+    assert b.batch_put(["dup-e", "dup-e"], [[e], [first]]) == [INVALID, INVALID]  # the first is empty
+    assert b.batch_exists(["dup-e"]) == [False]
+    stats = b.stats()
+    assert stats["puts"] + stats["put_existing"] == 3  # once per distinct key and batch
+    # Lookups and reads of a key given twice answer (and fill) each copy.
+    assert b.batch_exists(["twice", "nope", "twice"], lease=True) == [True, False, True]
+    dests = [empty_like_segments([8192]), empty_like_segments([4096, 4096]), empty_like_segments([100])]
+    assert b.batch_get_into(["twice", "twice", "twice"], dests) == [OK, OK, INVALID]
+    assert np.array_equal(joined(dests[0]), first) and np.array_equal(joined(dests[1]), first)
+    assert untouched(dests[2])
+
+
+def test_bad_arguments(backend_factory):
+    b = backend_factory(4 * MiB)
+    data = payload("args", 256)
+    with pytest.raises(ValueError, match="2 keys but 1 values"):
+        b.batch_put(["a", "b"], [[data]])
+    with pytest.raises(ValueError, match="1 keys but 0 values"):
+        b.batch_get_into(["a"], [])
+    # Per key, never for the whole batch: a strided (non-contiguous) buffer and an empty key
+    # are refused, the others stored.
+    strided = np.arange(512, dtype=np.uint8)[::2]
+    assert b.batch_put(["strided", "", "args"], [[strided], [data], [data]]) == [INVALID, INVALID_KEY, OK]
+    assert b.batch_exists(["strided", "", "args"]) == [False, False, True]
+    read_only = np.zeros(256, dtype=np.uint8)
+    read_only.flags.writeable = False
+    assert b.batch_get_into(["args", ""], [[read_only], [np.zeros(256, np.uint8)]]) == [INVALID, INVALID_KEY]
+
+
+def test_stats_have_one_shape(backend_factory):
+    b = backend_factory(4 * MiB)
+    data = payload("s", 5000)
+    assert b.batch_put(["s"], [[data]]) == [OK]
+    assert b.batch_put(["s"], [[data]]) == [already(b)]
+    assert b.batch_get_into(["s", "miss"], [[np.empty(5000, np.uint8)], [np.empty(5000, np.uint8)]]) == [OK, NOT_FOUND]
+    assert b.batch_get_into(["s"], [[np.empty(10, np.uint8)]]) == [INVALID]
+    stats = b.stats()
+    # The client-side counters are the same for every backend; the store's own numbers (if
+    # any) come after them, prefixed.
+    assert list(stats)[: len(COUNTERS)] == list(COUNTERS)
+    assert all(k in COUNTERS or k.startswith("store_") for k in stats), list(stats)
+    puts = 1 if b.capabilities.put_reports_existing else 2
+    assert (stats["puts"], stats["put_bytes"], stats["gets"], stats["get_bytes"]) == (puts, puts * 5000, 1, 5000)
+    assert (stats["misses"], stats["failures"]) == (1, 1)
+
+
+@pytest.mark.parametrize("backend_factory", ["server"], indirect=True)
+def test_server_save_costs_two_round_trips(backend_factory):
+    """A save (PoolWorker._save_values: one batch_put, no lookup first) is Allocate + Commit;
+    one round trip when every block is stored already. It used to be Exists + Allocate + Commit."""
+    b = backend_factory(4 * MiB)
+    keys = [f"blk{i}" for i in range(8)]
+    values = [split(payload(k, 3 * 4096), [4096] * 3) for k in keys]  # a block is several segments
+    assert b.batch_put(keys[:3], values[:3]) == [OK] * 3
+
+    def round_trips(call) -> tuple[list[int], dict[str, int]]:
+        before = Counter(b.client.requests)
+        codes = call()
+        after = Counter(b.client.requests)
+        after.subtract(before)
+        return codes, {k: n for k, n in after.items() if n and k != "Ping"}  # the pinger runs on its own
+
+    codes, trips = round_trips(lambda: b.batch_put(keys, values))
+    assert codes == [EXISTS] * 3 + [OK] * 5
+    assert trips == {"Allocate": 1, "Commit": 1}, trips
+    codes, trips = round_trips(lambda: b.batch_put(keys, values))
+    assert codes == [EXISTS] * 8
+    assert trips == {"Allocate": 1}, trips
+    dests = [empty_like_segments([3 * 4096]) for _ in keys]
+    assert b.batch_get_into(keys, dests) == [OK] * 8
+    assert all(np.array_equal(d[0], payload(k, 3 * 4096)) for k, d in zip(keys, dests))
 
 
 # ---- capacity, eviction, leases ------------------------------------------------------------------
@@ -264,22 +361,19 @@ def test_large_multi_buffer_values(backend_factory):
         assert np.array_equal(d[0], data[k]), k
 
 
-def test_empty_values(backend_factory):
+def test_empty_value_is_refused(backend_factory):
+    """A KV block is never empty: an empty value is INVALID_PARAMS, refused before the store."""
     b = backend_factory(4 * MiB)
     e = np.empty(0, dtype=np.uint8)
     data = payload("mixed", 1000)
-    assert b.batch_put(["e-none", "e-one", "mixed"], [[], [e], [e, data, e]]) == [OK, OK, OK]
-    assert b.batch_exists(["e-none", "e-one", "mixed"]) == [True, True, True]
-    for key in ("e-none", "e-one"):
-        assert b.batch_get_into([key], [[np.empty(0, dtype=np.uint8)]]) == [OK]
-        assert b.batch_get_into([key], [[]]) == [OK]
-        dest = empty_like_segments([1])
-        assert b.batch_get_into([key], [dest]) == [INVALID] and untouched(dest)
-    code, got = get(b, "mixed", [0, 1000])
+    assert b.batch_put(["e-none", "e-one", "e-two", "mixed"], [[], [e], [e, e], [e, data, e]]) == [
+        INVALID, INVALID, INVALID, OK]
+    assert b.batch_exists(["e-none", "e-one", "e-two", "mixed"]) == [False, False, False, True]
+    code, got = get(b, "mixed", [0, 1000])  # empty segments around real bytes are fine
     assert code == OK and np.array_equal(got, data)
-    # Two empty objects are two objects: both stay, neither hides the other.
-    assert b.batch_put(["e-two"], [[e]]) == [OK]
-    assert b.batch_exists(["e-none", "e-one", "e-two"]) == [True] * 3
+    # An empty destination: a miss is a miss, a stored object is the wrong size.
+    assert b.batch_get_into(["e-one", "mixed", "mixed"], [[e], [], [e]]) == [NOT_FOUND, INVALID, INVALID]
+    assert b.stats()["puts"] == 1
 
 
 def test_wrong_size_destination_is_invalid_params(backend_factory):

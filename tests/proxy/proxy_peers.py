@@ -25,16 +25,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvpool.testing.proc import free_port  # noqa: F401  (used by the proxy tests through this module)
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
-
 
 class ServerThread:
     """An ASGI app served by uvicorn in a daemon thread on 127.0.0.1."""

@@ -5,10 +5,10 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
-from proxy_peers import free_port
+
+from kvpool.testing.launch import ProxyServer
 
 
 def test_python_m_kvpool_proxy_rejects_mismatched_lists_with_a_clear_message():
@@ -20,25 +20,13 @@ def test_python_m_kvpool_proxy_rejects_mismatched_lists_with_a_clear_message():
                                   "port, or a single host for all the ports (got 2 hosts and 3 ports)")
 
 
-def test_kvpool_proxy_serves_with_the_spec_arguments(make_peer):
+def test_kvpool_proxy_serves_with_the_spec_arguments(make_peer, tmp_path):
     p, d = make_peer("P", cached_tokens=3), make_peer("D")
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpool.cli", "proxy", "--host", "localhost", "--port", str(port),
-         "--prefiller-hosts", "localhost", "--prefiller-ports", str(p.port),
-         "--decoder-hosts", "localhost", "--decoder-ports", str(d.port), "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=10) as client:
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    if client.get("/healthcheck").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not come up"
-                time.sleep(0.05)
+    proxy = ProxyServer([p.port], [d.port], host="localhost", backend_host="localhost",
+                        entry=("-m", "kvpool.cli", "proxy"), extra_args=["--log-level", "warning"],
+                        log_path=tmp_path / "proxy.log", startup_timeout_s=20)
+    with proxy:
+        with httpx.Client(base_url=f"http://127.0.0.1:{proxy.port}", trust_env=False, timeout=10) as client:
             resp = client.post("/v1/completions", json={
                 "model": "m", "prompt": "Hello. I have a question. The president of the United States is",
                 "max_completion_tokens": 20, "temperature": 0.0})
@@ -46,9 +34,6 @@ def test_kvpool_proxy_serves_with_the_spec_arguments(make_peer):
             assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 3
         assert p.completions()[0].body["max_completion_tokens"] == 1
         assert d.completions()[0].body["max_completion_tokens"] == 20
-    finally:
-        proc.terminate()
-        out, _ = proc.communicate(timeout=10)
     # uvicorn shuts down gracefully on SIGTERM and then re-raises it, so -SIGTERM is a clean exit.
-    assert proc.returncode in (0, -signal.SIGTERM), out
-    assert "Traceback" not in out, out
+    assert proxy.returncode in (0, -signal.SIGTERM), proxy.log()
+    assert "Traceback" not in proxy.log(), proxy.log()

@@ -8,7 +8,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from proxy_peers import free_port, wait_for
+
+from kvpool.testing.proc import expect, free_port
 
 BODY = {"model": "test-model", "prompt": "a shared prefix and a question", "max_tokens": 8}
 
@@ -24,12 +25,12 @@ def test_concurrent_requests_spread_over_the_least_loaded_instances(make_peer, s
     proxy = start_proxy([p1, p2], [d1, d2])
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(proxy.post, "/v1/completions", BODY) for _ in range(6)]
-        wait_for(lambda: sum(_count([p1, p2])) == 6, what="6 prefills in flight")
+        expect(lambda: sum(_count([p1, p2])) == 6, what="6 prefills in flight")
         assert _count([p1, p2]) == [3, 3]  # in flight: 3 and 3, never 4 and 2
         inst = proxy.instances()
         assert inst[f"prefill:{p1.port}"]["in_flight"] == 3 and inst[f"prefill:{p2.port}"]["in_flight"] == 3
         gate_p.set()
-        wait_for(lambda: sum(_count([d1, d2])) == 6, what="6 decodes in flight")
+        expect(lambda: sum(_count([d1, d2])) == 6, what="6 decodes in flight")
         assert _count([d1, d2]) == [3, 3]
         gate_d.set()
         assert all(f.result().status_code == 200 for f in futures)
@@ -44,7 +45,7 @@ def test_a_busy_instance_gets_no_new_requests_until_it_is_free(make_peer, start_
     proxy = start_proxy([p1, p2], [d])
     with ThreadPoolExecutor(6) as pool:
         held = pool.submit(proxy.post, "/v1/completions", BODY)
-        wait_for(lambda: len(p1.completions()) == 1, what="P1 holding a request")
+        expect(lambda: len(p1.completions()) == 1, what="P1 holding a request")
         for _ in range(5):
             assert proxy.post("/v1/completions", BODY).status_code == 200
         assert _count([p1, p2]) == [1, 5]
@@ -58,7 +59,7 @@ def test_connection_refused_is_retried_on_another_prefiller_which_takes_over(mak
     p_up, d = make_peer("P-up"), make_peer("D")
     # A long probe interval so that requests, not the probe, find the dead instance.
     proxy = start_proxy([p_dead, p_up], [d], health_interval=300, max_retries=1)
-    wait_for(lambda: p_dead.health_probes >= 1, what="the start-up probe")
+    expect(lambda: p_dead.health_probes >= 1, what="the start-up probe")
     p_dead.stop()
     for _ in range(4):
         resp = proxy.post("/v1/completions", BODY)
@@ -74,13 +75,13 @@ def test_a_down_instance_leaves_the_rotation_and_rejoins_when_healthy(make_peer,
     port = free_port()
     p_up, d = make_peer("P-up"), make_peer("D")
     proxy = start_proxy([port, p_up], [d])  # the first prefiller is not started yet
-    wait_for(lambda: proxy.instances()[f"prefill:{port}"]["healthy"] is False, what="probe marks it down")
+    expect(lambda: proxy.instances()[f"prefill:{port}"]["healthy"] is False, what="probe marks it down")
     assert proxy.client.get("/healthcheck").json()["healthy_prefill_instances"] == 1
     for _ in range(3):
         assert proxy.post("/v1/completions", BODY).status_code == 200
     assert proxy.instances()[f"prefill:{port}"]["requests"] == 0  # out of rotation: never tried
     late = make_peer("P-late", port=port)  # it comes up
-    wait_for(lambda: proxy.instances()[f"prefill:{port}"]["healthy"] is True, what="probe re-admits it")
+    expect(lambda: proxy.instances()[f"prefill:{port}"]["healthy"] is True, what="probe re-admits it")
     for _ in range(4):
         assert proxy.post("/v1/completions", BODY).status_code == 200
     assert len(late.completions()) == 2 and len(p_up.completions()) == 5  # back in the rotation
@@ -139,7 +140,7 @@ def test_client_disconnect_mid_stream_closes_the_upstream_stream(make_peer, star
     # Leaving the block closed the connection mid-stream: the decoder must see it.
     assert d.disconnected.wait(5), "the decoder's stream was not cancelled"
     assert d.finished_streams == 0
-    wait_for(lambda: proxy.instances()[f"decode:{d.port}"]["in_flight"] == 0, what="decode lease released")
+    expect(lambda: proxy.instances()[f"decode:{d.port}"]["in_flight"] == 0, what="decode lease released")
     assert proxy.instances()[f"decode:{d.port}"]["healthy"] is True  # a client leaving is not a failure
 
 
@@ -168,7 +169,7 @@ def test_client_disconnect_during_prefill_cancels_it(make_peer, start_proxy):
     except httpx.ReadTimeout:
         pass  # the client gives up and closes its connection
     assert p.disconnected.wait(5), "the prefill request was not cancelled"
-    wait_for(lambda: proxy.instances()[f"prefill:{p.port}"]["in_flight"] == 0, what="prefill lease released")
+    expect(lambda: proxy.instances()[f"prefill:{p.port}"]["in_flight"] == 0, what="prefill lease released")
     assert d.completions() == []
 
 
@@ -200,7 +201,7 @@ def test_instances_can_be_added_listed_and_removed(make_peer, start_proxy):
     resp = proxy.post("/instances/add", {"type": "decoder", "host": "127.0.0.1", "port": port})
     assert resp.status_code == 200 and resp.json()["added"][0]["healthy"] is False
     make_peer("D3", port=port)
-    wait_for(lambda: proxy.instances()[f"decode:{port}"]["healthy"] is True, what="the new decoder joins")
+    expect(lambda: proxy.instances()[f"decode:{port}"]["healthy"] is True, what="the new decoder joins")
 
     assert proxy.post("/instances/remove", {"type": "prefill", "host": "127.0.0.1", "port": 1}).status_code == 404
     for bad in ({"type": "middle", "host": "h", "port": 1}, {"type": "prefill", "host": "h", "port": "x"},

@@ -7,7 +7,8 @@ import threading
 
 import httpx
 import pytest
-from proxy_peers import wait_for
+
+from kvpool.testing.proc import expect
 
 COMPLETION = {"model": "test-model", "prompt": "Hello. I have a question. The president of the United States is",
               "max_tokens": 20, "temperature": 0.0}
@@ -103,7 +104,7 @@ def test_streams_pass_through_chunk_by_chunk(path, make_peer, start_proxy):
     (pre,), (dec,) = p.completions(), d.completions()
     assert pre.body["stream"] is False and "stream_options" not in pre.body and pre.body["max_tokens"] == 1
     assert dec.body["stream"] is True and dec.body["stream_options"] == {"include_usage": True}
-    wait_for(lambda: proxy.instances()[f"decode:{d.port}"]["in_flight"] == 0, what="decode lease released")
+    expect(lambda: proxy.instances()[f"decode:{d.port}"]["in_flight"] == 0, what="decode lease released")
 
 
 def test_upstream_4xx_is_passed_through_without_retry(make_peer, start_proxy):
@@ -136,7 +137,7 @@ def test_models_from_a_decoder_and_healthcheck(make_peer, start_proxy):
     assert hc.json()["status"] == "ok"
     assert hc.json()["prefill_instances"] == 1 and hc.json()["decode_instances"] == 1
     d.stop()  # no decoder left: the probe takes it out, /healthcheck says so
-    wait_for(lambda: proxy.client.get("/healthcheck").status_code == 503, what="healthcheck 503")
+    expect(lambda: proxy.client.get("/healthcheck").status_code == 503, what="healthcheck 503")
     assert proxy.client.get("/healthcheck").json()["healthy_decode_instances"] == 0
     resp = proxy.client.get("/v1/models")
     assert resp.status_code == 502 and resp.json()["error"]["type"] == "bad_gateway"

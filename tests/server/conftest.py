@@ -7,10 +7,11 @@ import shutil
 from collections.abc import Callable, Iterator
 
 import pytest
-from srvutil import ServerProc, arena_files, socket_dir
+from srvutil import arena_files, socket_dir
 
 from kvpool.server import shm
 from kvpool.server.client import PoolClient
+from kvpool.testing.launch import PoolServer
 
 
 @pytest.fixture
@@ -27,25 +28,25 @@ def sock_path(sock_dir: str) -> str:
 
 
 @pytest.fixture
-def start_server(sock_path: str, sock_dir: str) -> Iterator[Callable[..., ServerProc]]:
-    procs: list[ServerProc] = []
+def start_server(sock_path: str, sock_dir: str) -> Iterator[Callable[..., PoolServer]]:
+    """`start_server(*flags, expect_ready=True, socket_path=None, entry=...)`: a `kvpool server`
+    with these flags (16MB unless they size it), its log in sock_dir; killed at teardown."""
+    servers: list[PoolServer] = []
 
     def factory(*flags: str, expect_ready: bool = True, socket_path: str | None = None,
-                entry: tuple[str, ...] = ("-m", "kvpool.server.daemon")) -> ServerProc:
-        args = list(flags)
-        if not any(a.startswith(("--memory", "--global")) for a in args):
-            args += ["--memory-size", "16MB"]
-        path = socket_path or sock_path
-        proc = ServerProc(path, os.path.join(sock_dir, f"server{len(procs)}.log"), args, entry)
-        procs.append(proc)
-        return proc.start(expect_ready=expect_ready)
+                entry: tuple[str, ...] = ("-m", "kvpool.server.daemon")) -> PoolServer:
+        sized = any(a.startswith(("--memory", "--global")) for a in flags)
+        server = PoolServer(socket_path or sock_path, memory_size=None if sized else "16MB", extra_args=flags,
+                            log_path=os.path.join(sock_dir, f"server{len(servers)}.log"), entry=entry,
+                            startup_timeout_s=15.0)
+        servers.append(server)
+        return server.start(wait=expect_ready)
 
     yield factory
-    for proc in procs:
-        if proc.proc is not None and proc.alive():
-            proc.kill()
-    for proc in procs:  # arenas of SIGKILLed servers
-        for name in arena_files(proc.socket_path):
+    for server in servers:
+        server.kill()
+    for server in servers:  # arenas of SIGKILLed servers
+        for name in arena_files(server.socket_path):
             shm.unlink(name)
 
 

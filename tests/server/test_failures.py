@@ -12,10 +12,11 @@ import sys
 import time
 
 import numpy as np
-from srvutil import WORKER, arena_files, payload, payload_ok, stop_process, wait_for
+from srvutil import WORKER, arena_files, payload, payload_ok
 
 from kvpool.errors import ErrorCode
 from kvpool.server import shm
+from kvpool.testing.proc import sigstop, wait_for
 
 OK = 0
 RPC_FAIL = int(ErrorCode.RPC_FAIL)
@@ -61,7 +62,7 @@ def test_stalled_writer_loses_its_allocation_after_client_ttl(start_server, make
     writer = spawn("hang-put", server.socket_path, "stalled", str(1 << 20))
     try:
         assert writer.stdout.readline().startswith("ALLOCATED"), writer.stderr.read()
-        stop_process(writer.pid)  # alive, connected, but no pings any more
+        sigstop(writer.pid)  # alive, connected, but no pings any more
         t0 = time.monotonic()
         assert wait_for(lambda: observer.server_stats()[0]["memory_used"] == base, 6)
         assert time.monotonic() - t0 >= 0.5  # not before the TTL
@@ -106,7 +107,7 @@ def test_hung_server_times_out_instead_of_hanging(start_server, make_client):
     server = start_server()
     client = make_client(timeout_s=0.5, connect_timeout_s=0.3, retry_interval_s=0.1)
     assert client.put(["k"], [[payload("k", 64)]]) == [OK]
-    stop_process(server.pid)
+    server.pause()
     try:
         t0 = time.monotonic()
         assert client.exists(["k"]) == [False]
@@ -114,7 +115,7 @@ def test_hung_server_times_out_instead_of_hanging(start_server, make_client):
         assert client.get_into(["k"], [[np.zeros(64, np.uint8)]]) == [RPC_FAIL]
         assert time.monotonic() - t0 < 2.0
     finally:
-        os.kill(server.pid, signal.SIGCONT)
+        server.resume()
     assert wait_for(lambda: client.exists(["k"]) == [True], 10)
 
 

@@ -11,12 +11,14 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from srvutil import ServerProc, arena_files, payload, socket_dir, wait_for
+from srvutil import arena_files, payload, socket_dir
 
 from kvpool.errors import ErrorCode
 from kvpool.server import protocol as P
 from kvpool.server import shm
 from kvpool.server.client import PoolClient
+from kvpool.testing.launch import PoolServer
+from kvpool.testing.proc import wait_for
 
 INVALID = int(ErrorCode.INVALID_PARAMS)
 
@@ -24,8 +26,8 @@ INVALID = int(ErrorCode.INVALID_PARAMS)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     d = socket_dir(tmp_path_factory.mktemp("fuzz"))
-    proc = ServerProc(os.path.join(d, "kvpool.sock"), os.path.join(d, "server.log"),
-                      ["--memory-size", "4MB", "--hello_timeout", "0.5", "--max-connections", "64"]).start()
+    proc = PoolServer(os.path.join(d, "kvpool.sock"), memory_size="4MB", log_path=os.path.join(d, "server.log"),
+                      extra_args=["--hello_timeout", "0.5", "--max-connections", "64"], startup_timeout_s=15.0).start()
     yield proc
     try:
         log = proc.log()
@@ -48,13 +50,13 @@ def good(server):
     client.close()
 
 
-def assert_still_serving(server: ServerProc, good: PoolClient) -> None:
+def assert_still_serving(server: PoolServer, good: PoolClient) -> None:
     assert server.alive(), server.log()[-2000:]
     assert good.ping() == 0
     assert good.exists(["good"]) == [True]
 
 
-def connect(server: ServerProc) -> socket.socket:
+def connect(server: PoolServer) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(3)
     s.connect(server.socket_path)
@@ -69,7 +71,7 @@ def hello() -> bytes:
     return bytes(P.encode_frame(P.Hello("fuzz", os.getpid())))
 
 
-def exchange(server: ServerProc, data: bytes, close_write: bool = True) -> list[P.Message] | str:
+def exchange(server: PoolServer, data: bytes, close_write: bool = True) -> list[P.Message] | str:
     """Send ``data``, then read replies until the server closes. Returns the decoded replies, all of
     which must be valid frames; raises if the server neither answers nor closes."""
     s = connect(server)

@@ -12,7 +12,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from srvutil import arena_files, payload, payload_ok, wait_for
+from srvutil import arena_files, payload, payload_ok
 
 from kvpool.backends import create_backend
 from kvpool.config import DEFAULT_SERVER_SOCKET, load_config
@@ -21,6 +21,7 @@ from kvpool.server import protocol as P
 from kvpool.server import shm
 from kvpool.config import ServerSettings
 from kvpool.server.daemon import add_arguments, config_from_args
+from kvpool.testing.proc import wait_for
 
 OK = 0
 
@@ -63,7 +64,7 @@ def test_starts_fast_with_private_files_and_cleans_up_on_sigterm(start_server, m
 def test_kvpool_server_subcommand(start_server, make_client):
     server = start_server("--memory_size", "2MB", entry=("-m", "kvpool.cli", "server"))
     assert make_client().server_info.arena_size == 2 << 20
-    server.proc.send_signal(signal.SIGINT)  # Ctrl-C takes the same clean path as SIGTERM
+    server.send_signal(signal.SIGINT)  # Ctrl-C takes the same clean path as SIGTERM
     assert server.wait() == 0 and "received SIGINT" in server.log()
 
 
@@ -151,7 +152,8 @@ def test_put_get_exists_through_the_shared_arena(start_server, make_client):
     # Several segments per value, as vLLM passes one view per layer.
     values = [[data[k][:100], data[k][100:555], data[k][555:]] for k in keys]
     assert writer.put(keys, values) == [OK] * 20
-    assert writer.put(keys[:2], values[:2]) == [OK, OK]  # existing key: no-op success
+    # An existing key: nothing written, and the answer says so (the server's put-if-absent).
+    assert writer.put(keys[:2], values[:2]) == [int(ErrorCode.OBJECT_ALREADY_EXISTS)] * 2
     assert reader.exists(keys + ["absent"], lease=True) == [True] * 20 + [False]
     outs = {k: np.zeros(data[k].size, np.uint8) for k in keys}
     codes = reader.get_into(keys + ["absent"], [[outs[k][:10], outs[k][10:]] for k in keys]
@@ -256,14 +258,15 @@ def test_backend_server_from_config(start_server, sock_path):
     a = create_backend(cfg, "vllm-dp0-tp0-pp0")
     b = create_backend(cfg, "vllm-dp0-tp1-pp0")
     try:
-        assert a.name == "server" and a.shared_across_processes is True
+        assert a.name == "server" and a.capabilities.shared_across_processes is True
         v = payload("blk", 4096)
         assert a.batch_put(["blk"], [[v[:2048], v[2048:]]]) == [OK]
         assert b.batch_exists(["blk", "nope"], lease=True) == [True, False]
         out = np.zeros(4096, np.uint8)
         assert b.batch_get_into(["blk"], [[out]]) == [OK] and np.array_equal(out, v)
         stats = b.stats()
-        assert stats["object_count"] == 1 and stats["connected_clients"] == 2
+        assert stats["store_object_count"] == 1 and stats["store_connected_clients"] == 2
+        assert a.stats()["puts"] == 1 and b.stats()["gets"] == 1
     finally:
         a.close()
         b.close()
@@ -276,7 +279,8 @@ def test_backend_without_a_server_starts_and_misses(sock_path):
         assert backend.batch_exists(["a"]) == [False]
         assert backend.batch_put(["a"], [[np.zeros(8, np.uint8)]]) == [int(ErrorCode.RPC_FAIL)]
         assert backend.batch_get_into(["a"], [[np.zeros(8, np.uint8)]]) == [int(ErrorCode.RPC_FAIL)]
-        assert backend.stats() == {}
+        stats = backend.stats()  # the client's counters only: no server to ask
+        assert not any(k.startswith("store_") for k in stats) and stats["failures"] == 2
     finally:
         backend.close()
 

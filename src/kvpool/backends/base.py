@@ -25,11 +25,25 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvpool.errors import ErrorCode, KVPoolError
+from kvpool.errors import (
+    EXISTS,
+    ErrorCode,
+    INTERNAL,
+    INVALID,
+    INVALID_KEY,
+    KVPoolError,
+    NOT_FOUND,
+    OK,
+    RPC_FAIL,
+)
 from kvpool.store.buffers import as_u8, gather, scatter, spans, total_size
+
+if TYPE_CHECKING:
+    from kvpool.backends.registry import Capabilities
 
 __all__ = ["Backend", "Buffers", "Reconnect", "gather", "scatter", "spans", "total_size"]
 
@@ -37,13 +51,6 @@ logger = logging.getLogger(__name__)
 
 Buffers = Sequence[np.ndarray]
 
-OK = int(ErrorCode.OK)
-EXISTS = int(ErrorCode.OBJECT_ALREADY_EXISTS)
-NOT_FOUND = int(ErrorCode.OBJECT_NOT_FOUND)
-INVALID = int(ErrorCode.INVALID_PARAMS)
-INVALID_KEY = int(ErrorCode.INVALID_KEY)
-RPC_FAIL = int(ErrorCode.RPC_FAIL)
-INTERNAL = int(ErrorCode.INTERNAL_ERROR)
 
 # The client-side counters every backend reports, in this order (`Backend.stats`).
 COUNTERS = ("puts", "put_bytes", "put_existing", "gets", "get_bytes", "misses", "failures", "connect_failures")
@@ -63,8 +70,10 @@ class Reconnect:
     adapter calls `down()` again if it fails.
     """
 
-    def __init__(self, connect: Callable[[], bool], first_s: float = 0.5, cap_s: float = 5.0) -> None:
+    def __init__(self, connect: Callable[[], bool], first_s: float = 0.5, cap_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._connect = connect
+        self._clock = clock  # injectable so tests can move time
         self.first_s, self.cap_s = first_s, cap_s
         self._lock = threading.Lock()
         self._up = False
@@ -86,7 +95,7 @@ class Reconnect:
         """Whether calls may go to the store now; tries to connect when the backoff is over."""
         if self._up:
             return True
-        if self._closed or time.monotonic() < self._next_try:
+        if self._closed or self._clock() < self._next_try:
             return False
         if not self._lock.acquire(blocking=False):
             return False  # another caller is connecting
@@ -134,7 +143,7 @@ class Reconnect:
         return ok
 
     def _backoff_locked(self) -> None:
-        self._next_try = time.monotonic() + self._delay
+        self._next_try = self._clock() + self._delay
         self._delay = min(self._delay * 2, self.cap_s)
 
 
@@ -159,15 +168,16 @@ class Backend(abc.ABC):
     """
 
     name: str = "base"
-    # Whether every process of an instance sees the same pool (needed for TP/PP > 1).
-    shared_across_processes: bool = False
-    # Whether a put tells OBJECT_ALREADY_EXISTS from OK. Stores whose client answers 0 for a key
-    # it skipped (Mooncake 0.3.13, MemCache 1.3: both put-if-absent, measured / in their source)
-    # say OK for both; either way nothing is overwritten.
-    put_reports_existing: bool = True
     # Reconnect backoff (`Reconnect`): the first retry of a store that is down, and the cap.
     retry_first_s: float = 0.5
     retry_cap_s: float = 5.0
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this store promises (its registry entry)."""
+        from kvpool.backends.registry import REGISTRY  # the registry imports this module
+
+        return REGISTRY[self.name].capabilities
 
     # ---- public protocol ------------------------------------------------------------------
 
@@ -227,7 +237,7 @@ class Backend(abc.ABC):
                 codes[i] = codes[j]
             else:
                 primary.append(i)
-        self._count_puts(primary, codes, views)
+        self._tally(primary, codes, views, ("puts", "put_bytes"), EXISTS, "put_existing")
         return codes
 
     def batch_get_into(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
@@ -256,7 +266,7 @@ class Backend(abc.ABC):
             results = self._run("get", self._get_into, todo, [keys[i] for i in todo], [views[i] for i in todo])
             for i, code in zip(todo, results):
                 codes[i] = code
-        self._count_gets(views, codes)
+        self._tally(range(len(codes)), codes, views, ("gets", "get_bytes"), NOT_FOUND, "misses")
         return codes
 
     def stats(self) -> dict[str, float]:
@@ -370,42 +380,27 @@ class Backend(abc.ABC):
         with st.lock:
             st.counters[counter] += n
 
-    def _count_puts(self, primary: list[int], codes: list[int], views: dict[int, list[np.ndarray]]) -> None:
-        puts = put_bytes = existing = failures = 0
-        for i in primary:
+    def _tally(self, indices: Sequence[int], codes: list[int], views: dict[int, list[np.ndarray]],
+               done: tuple[str, str], other_code: int, other: str) -> None:
+        """Count a batch's outcome: `done` = (count, bytes) counters for OK keys, `other` for keys
+        answered `other_code` (a miss, an existing key: not failures), `failures` for the rest."""
+        n_done = n_bytes = n_other = n_failed = 0
+        for i in indices:
             c = codes[i]
             if c == OK:
-                puts += 1
-                put_bytes += sum(s.size for s in views[i])
-            elif c == EXISTS:
-                existing += 1
+                n_done += 1
+                n_bytes += sum(v.size for v in views[i])
+            elif c == other_code:
+                n_other += 1
             else:
-                failures += 1
+                n_failed += 1
         st = self._state
         with st.lock:
             cnt = st.counters
-            cnt["puts"] += puts
-            cnt["put_bytes"] += put_bytes
-            cnt["put_existing"] += existing
-            cnt["failures"] += failures
-
-    def _count_gets(self, views: dict[int, list[np.ndarray]], codes: list[int]) -> None:
-        gets = get_bytes = misses = failures = 0
-        for i, c in enumerate(codes):
-            if c == OK:
-                gets += 1
-                get_bytes += sum(v.size for v in views[i])
-            elif c == NOT_FOUND:
-                misses += 1
-            else:
-                failures += 1
-        st = self._state
-        with st.lock:
-            cnt = st.counters
-            cnt["gets"] += gets
-            cnt["get_bytes"] += get_bytes
-            cnt["misses"] += misses
-            cnt["failures"] += failures
+            cnt[done[0]] += n_done
+            cnt[done[1]] += n_bytes
+            cnt[other] += n_other
+            cnt["failures"] += n_failed
 
 
 def _check_lengths(keys: Sequence[str], values: Sequence[Buffers]) -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import itertools
 import threading
+
 import numpy as np
 
 from kvpool.backends.base import Backend
+from kvpool.backends.registry import Capabilities
 from kvpool.errors import ErrorCode
 
 
@@ -18,7 +20,6 @@ class FaultInjectingBackend(Backend):
         self.inner = inner
         self.every = every
         self.name = f"{inner.name}+faults"
-        self.shared_across_processes = inner.shared_across_processes
         self._counter = itertools.count(1)
         self._lock = threading.Lock()
 
@@ -37,6 +38,10 @@ class FaultInjectingBackend(Backend):
             for i, c in zip(ok_idx, self.inner.batch_get_into([keys[i] for i in ok_idx], [values[i] for i in ok_idx])):
                 codes[i] = c
         return codes
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.inner.capabilities
 
     def stats(self) -> dict[str, float]:
         """The wrapped backend's numbers (what the store saw, not the injected misses)."""

@@ -14,7 +14,6 @@ class LocalBackend(Backend):
     """An in-process `PoolEngine`; its SSD tier, if any, is what survives a restart."""
 
     name = "local"
-    shared_across_processes = False
 
     def __init__(self, settings: LocalSettings, client_name: str) -> None:
         self._client = client_name

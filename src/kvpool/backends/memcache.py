@@ -24,7 +24,17 @@ import numpy as np
 from kvpool.backends.base import Backend, spans
 from kvpool.backends.net import parse_tcp_url, probe
 from kvpool.config import MemcacheSettings, parse_size
-from kvpool.errors import BackendUnavailable, ConfigError, ErrorCode
+from kvpool.errors import (
+    BackendUnavailable,
+    ConfigError,
+    EXISTS,
+    ErrorCode,
+    INTERNAL,
+    INVALID,
+    NOT_FOUND,
+    OK,
+    RPC_FAIL,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +46,6 @@ LOG_LEVELS = ("debug", "info", "warn", "error")
 REQUIRED = ("ock.mmc.meta_service_url", "ock.mmc.local_service.config_store_url")
 H2G, G2H = 3, 2  # memfabric_hybrid.bm.BmCopyType
 
-OK = int(ErrorCode.OK)
-NOT_FOUND = int(ErrorCode.OBJECT_NOT_FOUND)
-INVALID = int(ErrorCode.INVALID_PARAMS)
-RPC_FAIL = int(ErrorCode.RPC_FAIL)
-INTERNAL = int(ErrorCode.INTERNAL_ERROR)
-EXISTS = int(ErrorCode.OBJECT_ALREADY_EXISTS)
 # MemCache's MMC_DUPLICATED_OBJECT. Its batch put turns it into 0 ("Duplicated key, put
 # operation skipped", mmcache_store.cpp ReturnWrapper); mapped in case a release passes it on.
 MMC_DUPLICATED_OBJECT = -3006
@@ -143,8 +147,6 @@ class MemcacheBackend(Backend):
     """One `DistributedObjectStore` (an embedded local service) per process."""
 
     name = "memcache"
-    shared_across_processes = True
-    put_reports_existing = False  # put-if-absent, but a skipped key is answered 0 (see above)
 
     @classmethod
     def from_settings(cls, settings: MemcacheSettings, client_name: str) -> "MemcacheBackend":

@@ -23,7 +23,7 @@ Mooncake facts this adapter works around (measured with mooncake-transfer-engine
   timeout; the client re-mounts its segment by itself when a master is back.
 - A put is put-if-absent in the master (PutStart refuses an existing key), but the client
   answers 0 for a key it skipped as for one it wrote: this adapter reports OK for both
-  (`put_reports_existing = False`) and never asks for existence first.
+  (`Capabilities.put_reports_existing` is off) and never asks for existence first.
 - Eviction runs on a master thread every few ms, after a put found no room: a put that failed
   with NO_AVAILABLE_HANDLE is retried briefly so eviction can make room, as the pool engine does
   synchronously.
@@ -35,10 +35,8 @@ Mooncake facts this adapter works around (measured with mooncake-transfer-engine
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-import socket
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -47,8 +45,18 @@ import numpy as np
 
 from kvpool.backends.base import Backend, spans
 from kvpool.backends.net import default_local_hostname, parse_host_port, probe
-from kvpool.config import MooncakeSettings, parse_size
-from kvpool.errors import ConfigError, ErrorCode
+from kvpool.config import MooncakeSettings, parse_size, read_json_object
+from kvpool.errors import (
+    ConfigError,
+    EXISTS,
+    ErrorCode,
+    INTERNAL,
+    INVALID,
+    NOT_FOUND,
+    NO_HANDLE,
+    OK,
+    RPC_FAIL,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +77,6 @@ KNOWN_FIELDS = (
     "enable_ssd_offload", "ssd_offload_path",
 )
 
-OK = int(ErrorCode.OK)
-NOT_FOUND = int(ErrorCode.OBJECT_NOT_FOUND)
-EXISTS = int(ErrorCode.OBJECT_ALREADY_EXISTS)
-INVALID = int(ErrorCode.INVALID_PARAMS)
-NO_HANDLE = int(ErrorCode.NO_AVAILABLE_HANDLE)
-RPC_FAIL = int(ErrorCode.RPC_FAIL)
-INTERNAL = int(ErrorCode.INTERNAL_ERROR)
 _OURS = {int(c) for c in ErrorCode}
 # Mooncake codes with no twin in ours.
 _MAP = {
@@ -151,13 +152,7 @@ def load_mooncake_config(path: str | None = None, env: Mapping[str, str] | None 
         where = "mooncake_config_path"
     raw: dict[str, Any] = {}
     if path is not None:
-        try:
-            with open(path) as f:
-                raw = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(where, path, f"a readable mooncake.json (JSON object): {exc}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(where, path, "a mooncake.json holding a JSON object")
+        raw = read_json_object(where, path, "mooncake.json")
         sources.update({k: path for k in raw})
     elif not env.get("MOONCAKE_MASTER"):
         raise ConfigError(
@@ -266,8 +261,6 @@ class MooncakeBackend(Backend):
     """One `MooncakeDistributedStore` client per process (vLLM worker)."""
 
     name = "mooncake"
-    shared_across_processes = True
-    put_reports_existing = False  # the client answers 0 for a key the master already had
 
     @classmethod
     def from_settings(cls, settings: MooncakeSettings, client_name: str) -> "MooncakeBackend":

@@ -20,7 +20,6 @@ class ServerBackend(Backend):
     """A `PoolClient` behind the Backend protocol."""
 
     name = "server"
-    shared_across_processes = True
 
     def __init__(self, socket_path: str, client_name: str, **client_kwargs: object) -> None:
         # Without a server this still succeeds (the client logs one warning): vLLM then runs

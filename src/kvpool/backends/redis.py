@@ -39,18 +39,21 @@ import numpy as np
 
 from kvpool.backends.base import Backend, gather, scatter, total_size
 from kvpool.config import RedisSettings
-from kvpool.errors import ConfigError, ErrorCode
+from kvpool.errors import (
+    ConfigError,
+    EXISTS,
+    ErrorCode,
+    INTERNAL,
+    INVALID,
+    NOT_FOUND,
+    NO_HANDLE,
+    OK,
+    RPC_FAIL,
+    RPC_TIMEOUT,
+)
 
 logger = logging.getLogger(__name__)
 
-OK = int(ErrorCode.OK)
-NOT_FOUND = int(ErrorCode.OBJECT_NOT_FOUND)
-EXISTS = int(ErrorCode.OBJECT_ALREADY_EXISTS)
-INVALID = int(ErrorCode.INVALID_PARAMS)
-NO_HANDLE = int(ErrorCode.NO_AVAILABLE_HANDLE)
-RPC_FAIL = int(ErrorCode.RPC_FAIL)
-RPC_TIMEOUT = int(ErrorCode.RPC_TIMEOUT)
-INTERNAL = int(ErrorCode.INTERNAL_ERROR)
 
 MAGIC = b"kvp1"
 INLINE, CHUNKED = 0, 1
@@ -81,7 +84,6 @@ class RedisBackend(Backend):
     """A redis-py client behind the Backend protocol (thread-safe: redis-py pools connections)."""
 
     name = "redis"
-    shared_across_processes = True
     # A refused connection costs microseconds: try again soon (the backoff still grows to the
     # cap while the server stays away, which matters when each try costs a connect timeout).
     retry_first_s = 0.05

@@ -35,12 +35,16 @@ class Capabilities:
     - `exact_lru`: eviction takes the least recently used object first (others approximate it).
     - `evicts_on_refused_put`: a put that does not fit may evict other objects and still fail.
     - `shared_across_processes`: every process of an instance sees the same pool (TP/PP > 1).
+    - `put_reports_existing`: a put of a stored key answers OBJECT_ALREADY_EXISTS. Stores whose
+      client answers 0 for a key it skipped (Mooncake 0.3.13 measured, Memcache 1.3 in its
+      source; both put-if-absent) say OK for both; either way nothing is overwritten.
     """
 
     leases: bool
     exact_lru: bool
     evicts_on_refused_put: bool
     shared_across_processes: bool
+    put_reports_existing: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +84,8 @@ REGISTRY: dict[str, BackendSpec] = {spec.name: spec for spec in (
     ),
     BackendSpec(
         MooncakeSettings, "kvpool.backends.mooncake:MooncakeBackend.from_settings", "kvpool.cli.doctor:check_mooncake",
-        Capabilities(leases=True, exact_lru=True, evicts_on_refused_put=True, shared_across_processes=True),
+        Capabilities(leases=True, exact_lru=True, evicts_on_refused_put=True, shared_across_processes=True,
+                     put_reports_existing=False),
         "Mooncake Store (mooncake_master + per-process segments), over TCP here",
     ),
     BackendSpec(
@@ -90,7 +95,8 @@ REGISTRY: dict[str, BackendSpec] = {spec.name: spec for spec in (
     ),
     BackendSpec(
         MemcacheSettings, "kvpool.backends.memcache:MemcacheBackend.from_settings", "kvpool.cli.doctor:check_memcache",
-        Capabilities(leases=True, exact_lru=False, evicts_on_refused_put=True, shared_across_processes=True),
+        Capabilities(leases=True, exact_lru=False, evicts_on_refused_put=True, shared_across_processes=True,
+                     put_reports_existing=False),
         "Memcache (memcache-hybrid); its local service needs the Ascend driver",
     ),
     BackendSpec(
@@ -124,6 +130,8 @@ def capability_table() -> str:
         ("`exact_lru`: eviction takes the least recently used first, strictly", "exact_lru"),
         ("`evicts_on_refused_put`: a put refused for room may have evicted others first", "evicts_on_refused_put"),
         ("`shared_across_processes`: every worker process sees one pool (TP/PP > 1)", "shared_across_processes"),
+        ("`put_reports_existing`: a put of a stored key answers OBJECT_ALREADY_EXISTS (else OK)",
+         "put_reports_existing"),
     ]
     lines = ["| capability | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
     for text, attr in rows:

@@ -36,7 +36,6 @@ What the datasystem does differently from the pool engine (measured with 0.8.1):
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import threading
@@ -49,20 +48,24 @@ import numpy as np
 from kvpool.backends.base import Backend, gather, scatter, total_size
 from kvpool.backends.keynorm import normalize_yuanrong_key
 from kvpool.backends.net import parse_host_port, probe
-from kvpool.config import YuanrongSettings
-from kvpool.errors import BackendUnavailable, ConfigError, ErrorCode
+from kvpool.config import YuanrongSettings, read_json_object
+from kvpool.errors import (
+    BackendUnavailable,
+    ConfigError,
+    EXISTS,
+    ErrorCode,
+    INTERNAL,
+    INVALID,
+    INVALID_KEY,
+    NOT_FOUND,
+    NO_HANDLE,
+    OK,
+    RPC_FAIL,
+    RPC_TIMEOUT,
+)
 
 logger = logging.getLogger(__name__)
 
-OK = int(ErrorCode.OK)
-NOT_FOUND = int(ErrorCode.OBJECT_NOT_FOUND)
-EXISTS = int(ErrorCode.OBJECT_ALREADY_EXISTS)
-INVALID = int(ErrorCode.INVALID_PARAMS)
-INVALID_KEY = int(ErrorCode.INVALID_KEY)
-NO_HANDLE = int(ErrorCode.NO_AVAILABLE_HANDLE)
-RPC_FAIL = int(ErrorCode.RPC_FAIL)
-RPC_TIMEOUT = int(ErrorCode.RPC_TIMEOUT)
-INTERNAL = int(ErrorCode.INTERNAL_ERROR)
 
 KNOWN_FIELDS = (
     "worker_addr", "connect_timeout_ms", "request_timeout_ms", "get_sub_timeout_ms",
@@ -120,13 +123,7 @@ def load_yuanrong_config(path: str | None = None, env: Mapping[str, str] | None 
     raw: dict[str, Any] = {}
     sources: dict[str, str] = {}
     if path is not None:
-        try:
-            with open(path) as f:
-                raw = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(where, path, f"a readable JSON file: {exc}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(where, path, "a JSON object")
+        raw = read_json_object(where, path, "client config")
         sources.update({k: path for k in raw})
     addr = raw.get("worker_addr")
     addr_key = "worker_addr"
@@ -227,7 +224,6 @@ class YuanrongBackend(Backend):
     """One `KVClient` per process, connected to the host's datasystem worker."""
 
     name = "yuanrong"
-    shared_across_processes = True
 
     @classmethod
     def from_settings(cls, settings: YuanrongSettings, client_name: str) -> "YuanrongBackend":

@@ -161,6 +161,17 @@ def _env_int(env: Mapping[str, str], name: str, report: Report) -> int | None:
     return int(raw)
 
 
+def check_answers(report: Report, what: str, address: str, host_port: tuple[str, int], timeout: float,
+                  fix: str) -> bool:
+    """Whether the service at host:port accepts a connection within `timeout` (reported either way)."""
+    why = probe(*host_port, timeout)
+    if why:
+        report.error(f"{what} at {address} does not answer ({why})", fix)
+    else:
+        report.ok(f"{what} answers at {address}")
+    return why is None
+
+
 def check_lease(lease_ms: int, source: str, env: Mapping[str, str], report: Report) -> None:
     """The spec: default_kv_lease_ttl must exceed ASCEND_CONNECT_TIMEOUT and ASCEND_TRANSFER_TIMEOUT."""
     checked = bad = False
@@ -277,13 +288,9 @@ def check_mooncake(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) 
         report.warn(f"mooncake.json fields kvpool does not use: {', '.join(mc.ignored_fields)}",
                     "remove them, or ignore this if another tool reads the same file")
     host, port = parse_host_port("master_server_address", mc.master_server_address)
-    why = probe(host, port, args.timeout)
-    if why:
-        report.error(f"mooncake_master at {mc.master_server_address} does not answer ({why})",
-                     f"start it: mooncake_master --rpc_address {host} --port {port} --eviction_high_watermark_ratio 0.9 "
-                     "--eviction_ratio 0.1 --default_kv_lease_ttl 11000 (or fix master_server_address / MOONCAKE_MASTER)")
-    else:
-        report.ok(f"mooncake_master answers at {mc.master_server_address}")
+    check_answers(report, "mooncake_master", mc.master_server_address, (host, port), args.timeout,
+                  f"start it: mooncake_master --rpc_address {host} --port {port} --eviction_high_watermark_ratio 0.9 "
+                  "--eviction_ratio 0.1 --default_kv_lease_ttl 11000 (or fix master_server_address / MOONCAKE_MASTER)")
     lease = args.default_kv_lease_ttl or MOONCAKE_DEFAULT_LEASE_MS
     check_lease(lease, "--default_kv_lease_ttl of mooncake_master" if args.default_kv_lease_ttl
                 else "mooncake_master's default; pass --default-kv-lease-ttl with the master's value", env, report)
@@ -325,15 +332,10 @@ def check_yuanrong(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) 
     except ConfigError as exc:
         report.error(f"Yuanrong: {exc.key}={exc.value!r} is invalid", exc.expected)
         return
-    host, port = parse_host_port("worker_addr", yr.worker_addr)
-    why = probe(host, port, args.timeout)
-    if why:
-        report.error(f"no datasystem worker answers at {yr.worker_addr} ({why})",
-                     f"start it: dscli start -w --worker_address {yr.worker_addr} --etcd_address <etcd host:port> "
-                     "--shared_memory_size_mb 40960 --arena_per_tenant 1 (or --metastore_address ... "
-                     "--start_metastore_service true without etcd); DS_WORKER_ADDR must equal --worker_address")
-    else:
-        report.ok(f"datasystem worker answers at {yr.worker_addr}")
+    check_answers(report, "datasystem worker", yr.worker_addr, parse_host_port("worker_addr", yr.worker_addr),
+                  args.timeout, f"start it: dscli start -w --worker_address {yr.worker_addr} --etcd_address "
+                  "<etcd host:port> --shared_memory_size_mb 40960 --arena_per_tenant 1 (or --metastore_address ... "
+                  "--start_metastore_service true without etcd); DS_WORKER_ADDR must equal --worker_address")
     if not yr.enable_exclusive_connection:
         report.warn("DS_ENABLE_EXCLUSIVE_CONNECTION is off: on CPU each datasystem call then costs ~1.5 ms",
                     "export DS_ENABLE_EXCLUSIVE_CONNECTION=1 (at most 128 such clients per worker)")
@@ -356,14 +358,10 @@ def check_memcache(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) 
     except ConfigError as exc:
         report.error(f"MemCache: {exc.key}={exc.value!r} is invalid", exc.expected)
         return
-    host, port = parse_tcp_url("ock.mmc.meta_service_url", mmc.meta_service_url)
-    why = probe(host, port, args.timeout)
-    if why:
-        report.error(f"MemCache MetaService at {mmc.meta_service_url} does not answer ({why})",
-                     "start it: MMC_META_CONFIG_PATH=/path/mmc-meta.conf python -c \"from memcache_hybrid import "
-                     "MetaService; MetaService.main()\"")
-    else:
-        report.ok(f"MemCache MetaService answers at {mmc.meta_service_url}")
+    check_answers(report, "MemCache MetaService", mmc.meta_service_url,
+                  parse_tcp_url("ock.mmc.meta_service_url", mmc.meta_service_url), args.timeout,
+                  "start it: MMC_META_CONFIG_PATH=/path/mmc-meta.conf python -c \"from memcache_hybrid import "
+                  "MetaService; MetaService.main()\"")
     if not any(os.path.exists(p) for p in ("/usr/local/Ascend/driver/version.info", "/etc/ascend_install.info")):
         report.error("no Ascend NPU driver on this host: MemCache's local service (memfabric hybm_init) needs it for "
                      "every protocol, host_tcp and host_shm included",

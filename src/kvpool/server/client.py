@@ -37,7 +37,7 @@ import msgspec
 import numpy as np
 
 from kvpool.config import DEFAULT_SERVER_SOCKET
-from kvpool.errors import BackendUnavailable, ErrorCode
+from kvpool.errors import INVALID, INVALID_KEY, OK, RPC_FAIL, BackendUnavailable, ErrorCode
 from kvpool.server import protocol as P
 from kvpool.server import shm
 from kvpool.store.buffers import as_u8 as _u8
@@ -45,8 +45,6 @@ from kvpool.store.buffers import gather, scatter
 
 logger = logging.getLogger(__name__)
 
-OK = int(ErrorCode.OK)
-RPC_FAIL = int(ErrorCode.RPC_FAIL)
 
 
 class _Down(Exception):
@@ -68,6 +66,27 @@ class _Link:
 
 def _valid_key(key: object) -> bool:
     return isinstance(key, str) and 0 < len(key) <= P.MAX_KEY_BYTES
+
+
+def _prepare(keys: Sequence[str], values: Sequence[Sequence[Any]], writable: bool
+             ) -> tuple[list[int], list[tuple[int, str, list[np.ndarray], int]]]:
+    """Per-key codes (RPC_FAIL until a reply says otherwise; INVALID_KEY / INVALID_PARAMS for
+    bad input) and the (index, key, byte views, total size) of the keys to send."""
+    if len(values) != len(keys):
+        return [INVALID] * len(keys), []
+    codes = [RPC_FAIL] * len(keys)
+    todo = []
+    for i, (key, bufs) in enumerate(zip(keys, values)):
+        if not _valid_key(key):
+            codes[i] = INVALID_KEY
+            continue
+        try:
+            views = [_u8(b, writable=writable) for b in bufs]
+        except (TypeError, ValueError):
+            codes[i] = INVALID
+            continue
+        todo.append((i, key, views, sum(v.size for v in views)))
+    return codes, todo
 
 
 def _chunks(items: list[Any], size_of: Any = None) -> Iterator[list[Any]]:
@@ -204,21 +223,7 @@ class PoolClient:
         Per key: OK (written now), OBJECT_ALREADY_EXISTS (stored, or being written by another
         client: nothing written, objects are immutable) or a failure code.
         """
-        n = len(keys)
-        if len(values) != n:
-            return [int(ErrorCode.INVALID_PARAMS)] * n
-        codes = [RPC_FAIL] * n
-        todo = []
-        for i, (key, bufs) in enumerate(zip(keys, values)):
-            if not _valid_key(key):
-                codes[i] = int(ErrorCode.INVALID_KEY)
-                continue
-            try:
-                segs = [_u8(b) for b in bufs]
-            except (TypeError, ValueError):
-                codes[i] = int(ErrorCode.INVALID_PARAMS)
-                continue
-            todo.append((i, key, segs, sum(s.size for s in segs)))
+        codes, todo = _prepare(keys, values, writable=False)
         for batch in _chunks(todo):
             self._put_batch(batch, codes)
         return codes
@@ -230,21 +235,7 @@ class PoolClient:
         for the whole copy; otherwise the buffers may hold garbage and the code says why
         (LEASE_EXPIRED, OBJECT_NOT_FOUND, RPC_FAIL, ...).
         """
-        n = len(keys)
-        if len(values) != n:
-            return [int(ErrorCode.INVALID_PARAMS)] * n
-        codes = [RPC_FAIL] * n
-        todo = []
-        for i, (key, bufs) in enumerate(zip(keys, values)):
-            if not _valid_key(key):
-                codes[i] = int(ErrorCode.INVALID_KEY)
-                continue
-            try:
-                outs = [_u8(b, writable=True) for b in bufs]
-            except (TypeError, ValueError):
-                codes[i] = int(ErrorCode.INVALID_PARAMS)
-                continue
-            todo.append((i, key, outs, sum(o.size for o in outs)))
+        codes, todo = _prepare(keys, values, writable=True)
         for batch in _chunks(todo, size_of=lambda item: item[3]):
             self._get_batch(batch, codes)
         return codes

@@ -4,6 +4,7 @@ the benchmarks: one copy of each, so a fix reaches all of them."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 from collections.abc import Callable
@@ -60,3 +61,31 @@ def wait_for(cond: Callable[[], bool], timeout: float, interval: float = 0.02) -
         if time.monotonic() >= deadline:
             return False
         time.sleep(interval)
+
+
+def expect(cond: Callable[[], bool], what: str, timeout: float = 5.0, interval: float = 0.01) -> None:
+    """`wait_for`, for tests: a timeout fails with an AssertionError naming `what`."""
+    if not wait_for(cond, timeout, interval):
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def sigstop(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP `pid` and wait until every one of its threads is stopped.
+
+    Linux stops a process's threads asynchronously (one thread takes the signal, then stops
+    the others), so without the wait a thread can still answer a request after kill() returned.
+    """
+    os.kill(pid, signal.SIGSTOP)
+
+    def all_stopped() -> bool:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                stat = Path(f"/proc/{pid}/task/{task}/stat").read_text()
+            except FileNotFoundError:  # a thread that exited meanwhile
+                continue
+            states.append(stat.rsplit(")", 1)[1].split()[0])
+        return all(s in ("T", "t") for s in states)
+
+    if not wait_for(all_stopped, timeout, 0.005):
+        raise TimeoutError(f"process {pid} did not stop within {timeout} s")

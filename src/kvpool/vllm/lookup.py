@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 # A lookup that does not answer in time is a miss: a stuck worker must never stall scheduling.
 LOOKUP_TIMEOUT_MS = 2000
+# How often the server thread wakes to see whether close() was called (bounds close()'s wait).
+POLL_INTERVAL_MS = 200
 
 
 def lookup_socket_path(lookup_rpc_port: int, dp_rank: int = 0) -> str:
@@ -61,7 +63,7 @@ class LookupServer:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(200):
+            if not poller.poll(POLL_INTERVAL_MS):
                 continue
             try:
                 hashes = msgspec.msgpack.decode(self._sock.recv(), type=list[bytes])

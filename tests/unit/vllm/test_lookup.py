@@ -1,0 +1,202 @@
+"""The lookup channel: LookupClient (scheduler) <-> LookupServer (worker rank 0) over the real
+ZMQ IPC socket, in this test's own VLLM_RPC_BASE_PATH; and the worker's hit count behind it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+import pytest
+
+import kvpool.vllm.lookup as lookup_mod
+from connector_fakes import (
+    BLOCK_SIZE,
+    DictBackend,
+    kv_blocks,
+    make_kv_cache_config,
+    make_request,
+    make_vllm_config,
+    new_req,
+    scheduler_output,
+)
+from kvpool.config import load_config
+from kvpool.errors import ConfigError
+from kvpool.vllm.lookup import LookupClient, LookupServer, lookup_socket_path
+from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
+from kvpool.vllm.scheduler import PoolScheduler
+
+HASHES = [bytes([i]) * 32 for i in range(5)]
+
+
+@pytest.fixture
+def closing() -> Iterator[Callable]:
+    """Register servers/clients to close after the test, whatever it asserted."""
+    objs: list = []
+
+    def register(obj):
+        objs.append(obj)
+        return obj
+
+    yield register
+    for obj in reversed(objs):
+        obj.close()
+
+
+def counting_server(port: int, pooled: set[bytes], seen: list[list[bytes]], dp_rank: int = 0) -> LookupServer:
+    def count_hits(hashes: Sequence[bytes]) -> int:
+        seen.append(list(hashes))
+        n = 0
+        while n < len(hashes) and hashes[n] in pooled:
+            n += 1
+        return n
+
+    return LookupServer(port, dp_rank, count_hits)
+
+
+def test_round_trip_over_ipc(rpc_dir, closing):
+    seen: list[list[bytes]] = []
+    server = closing(counting_server(5, set(HASHES[:3]), seen))
+    assert server.path == lookup_socket_path(5, 0)
+    assert os.path.dirname(server.path) == rpc_dir and os.path.exists(server.path)
+    client = closing(LookupClient(5))
+    assert client.lookup(HASHES) == 3
+    assert client.lookup(HASHES[3:]) == 0
+    assert seen == [HASHES, HASHES[3:]]  # the hashes arrive as sent, as bytes
+
+
+def test_an_empty_lookup_is_answered_without_asking(closing):
+    seen: list[list[bytes]] = []
+    closing(counting_server(5, set(HASHES), seen))
+    assert closing(LookupClient(5)).lookup([]) == 0
+    assert seen == []
+
+
+def test_dp_ranks_have_separate_channels(closing):
+    seen0: list[list[bytes]] = []
+    seen1: list[list[bytes]] = []
+    closing(counting_server(5, set(HASHES[:1]), seen0, dp_rank=0))
+    closing(counting_server(5, set(HASHES[:2]), seen1, dp_rank=1))
+    assert closing(LookupClient(5, 1)).lookup(HASHES) == 2
+    assert closing(LookupClient(5, 0)).lookup(HASHES) == 1
+
+
+def test_a_backend_error_answers_zero_and_the_server_lives_on(closing):
+    calls = []
+
+    def count_hits(hashes: Sequence[bytes]) -> int:
+        calls.append(len(hashes))
+        if len(calls) == 1:
+            raise ConnectionError("store went away")
+        return len(hashes)
+
+    closing(LookupServer(6, 0, count_hits))
+    client = closing(LookupClient(6))
+    assert client.lookup(HASHES) == 0
+    assert client.lookup(HASHES[:2]) == 2
+    assert calls == [5, 2]
+
+
+def test_no_server_is_a_miss_within_the_timeout_and_the_client_recovers(monkeypatch, closing):
+    monkeypatch.setattr(lookup_mod, "LOOKUP_TIMEOUT_MS", 50)
+    client = closing(LookupClient(7))
+    assert client.lookup(HASHES) == 0
+    assert client.lookup(HASHES) == 0
+    # The server comes up late (worker rank 0 starts after the scheduler): the next lookup works.
+    # (The timeout is read when the client opens its next socket; a generous one keeps a slow
+    # machine from turning the connect into a miss.)
+    closing(counting_server(7, set(HASHES[:4]), []))
+    monkeypatch.setattr(lookup_mod, "LOOKUP_TIMEOUT_MS", 5000)
+    assert client.lookup(HASHES) == 4
+
+
+def test_a_stuck_server_is_a_miss_and_does_not_poison_the_next_lookup(monkeypatch, closing):
+    monkeypatch.setattr(lookup_mod, "LOOKUP_TIMEOUT_MS", 300)
+    calls: list[int] = []
+    stuck, entered, release = threading.Event(), threading.Event(), threading.Event()
+
+    def count_hits(hashes: Sequence[bytes]) -> int:
+        calls.append(len(hashes))
+        if stuck.is_set() and not release.is_set():
+            entered.set()
+            assert release.wait(10)
+        return len(calls)  # the n-th lookup answers n, so a stale answer is recognisable
+
+    closing(LookupServer(8, 0, count_hits))
+    client = closing(LookupClient(8))
+    # Connect first, so the stuck lookup below times out waiting for its answer, not for the connect.
+    for _ in range(20):
+        if client.lookup(HASHES):
+            break
+    else:
+        pytest.fail("the lookup server never answered")
+    stuck.set()
+    assert client.lookup(HASHES) == 0  # the server is stuck: a miss, not a stalled scheduler
+    assert entered.wait(5)
+    stuck_call = len(calls)
+    release.set()
+    monkeypatch.setattr(lookup_mod, "LOOKUP_TIMEOUT_MS", 5000)
+    # The stuck lookup's late answer went to the abandoned socket; this one gets its own.
+    assert client.lookup(HASHES) == stuck_call + 1
+
+
+def test_a_second_server_on_the_same_port_is_refused_until_the_first_closes(closing):
+    first = counting_server(9, set(), [])
+    try:
+        with pytest.raises(ConfigError) as exc:
+            counting_server(9, set(), [])
+        assert exc.value.key == "lookup_rpc_port" and exc.value.value == 9
+        closing(counting_server(10, set(), []))  # another port is free
+        closing(counting_server(9, set(), [], dp_rank=1))  # so is another DP rank's channel
+    finally:
+        first.close()
+    assert not os.path.exists(first.path)
+    second = closing(counting_server(9, set(HASHES[:1]), []))
+    assert closing(LookupClient(9)).lookup(HASHES) == 1
+    assert second.path == first.path
+
+
+# ---- through the worker -----------------------------------------------------------------------------
+
+
+def test_scheduler_finds_what_the_worker_saved(make_worker, closing):
+    """Worker rank 0 serves lookups from its backend; the scheduler's real client asks it."""
+    worker, _, _ = make_worker({"lookup_rpc_port": 11})
+    req = make_request("a", 3 * BLOCK_SIZE + 1)
+    worker.wait_for_save(KVPoolMetadata(saves=[BlockTask("a", req.block_hashes[:2], [1, 2])]))
+    assert worker._transfer.wait(timeout=10)
+
+    sched = PoolScheduler(make_vllm_config(), load_config({"lookup_rpc_port": 11}), make_kv_cache_config())
+    closing(sched._client)
+    other = make_request("b", 3 * BLOCK_SIZE + 1)  # same prompt, another request
+    assert sched.get_num_new_matched_tokens(other, 0) == (2 * BLOCK_SIZE, False)
+    sched.update_state_after_alloc(other, kv_blocks([5, 6, 7, 8]), 2 * BLOCK_SIZE)
+    meta = sched.build_connector_meta(scheduler_output(new=[(new_req(other, [5, 6, 7, 8], 2 * BLOCK_SIZE), BLOCK_SIZE + 1)]))
+    assert [(t.block_hashes, t.block_ids) for t in meta.loads] == [(req.block_hashes[:2], [5, 6])]
+    stats = worker.get_stats()
+    assert stats is not None and (stats.data["lookups"], stats.data["lookup_hit_blocks"]) == (1, 2)
+
+
+def test_a_block_is_a_hit_only_when_every_tp_shard_has_it(make_worker, closing):
+    pool = DictBackend(shared=True)
+    extra = {"backend": "server", "lookup_rpc_port": 12}
+    rank0, _, _ = make_worker(extra, tp=(0, 2), backend=pool)
+    hashes = HASHES[:3]
+    rank0.wait_for_save(KVPoolMetadata(saves=[BlockTask("a", hashes, [1, 2, 3])]))
+    assert rank0._transfer.wait(timeout=10)
+    client = closing(LookupClient(12))
+    assert client.lookup(hashes) == 0  # rank 1's keys are missing
+    rank1, _, _ = make_worker(extra, tp=(1, 2), backend=pool)  # rank 1 serves no lookups
+    rank1.wait_for_save(KVPoolMetadata(saves=[BlockTask("a", hashes[:2], [1, 2])]))
+    assert rank1._transfer.wait(timeout=10)
+    assert client.lookup(hashes) == 2
+
+
+def test_only_rank_zero_of_a_loading_instance_serves_lookups(make_worker, rpc_dir):
+    make_worker({"lookup_rpc_port": 13}, role="kv_producer")  # never loads: no server
+    assert not os.path.exists(lookup_socket_path(13))
+    make_worker({"backend": "server", "lookup_rpc_port": 14}, tp=(1, 2), backend=DictBackend(shared=True))
+    assert not os.path.exists(lookup_socket_path(14))
+    make_worker({"lookup_rpc_port": 15})
+    assert os.path.exists(lookup_socket_path(15))

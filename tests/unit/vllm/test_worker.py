@@ -1,0 +1,299 @@
+"""PoolWorker: copies between real CPU KV tensors and an in-memory pool, load-error reports,
+delayed free, preemption drain and stats counters.
+
+The KV caches are real `[num_blocks, 2, block_size, heads*head_dim]` tensors viewed by the real
+`KVLayout`; only the store (`DictBackend`) and vLLM's TP/PP groups are faked.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import kvpool.vllm.worker as worker_mod
+from connector_fakes import LAYER_NAMES, NUM_BLOCKS, DictBackend, block_hash
+from kvpool.errors import ConfigError
+from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
+from kvpool.vllm.worker import PoolWorker
+
+H = [block_hash(i) for i in range(8)]
+
+
+@pytest.fixture(autouse=True)
+def short_drain(monkeypatch) -> None:
+    # A regression that never finishes a drain fails in seconds instead of after a minute.
+    monkeypatch.setattr(worker_mod, "DRAIN_TIMEOUT_S", 10.0)
+
+
+def block_bytes(caches: dict[str, torch.Tensor]) -> int:
+    """One block's bytes over all layers, computed from the tensors, not from the layout."""
+    return sum(t[0].numel() * t.element_size() for t in caches.values())
+
+
+def save(worker: PoolWorker, req_id: str, hashes: list[bytes], block_ids: list[int]) -> None:
+    worker.wait_for_save(KVPoolMetadata(saves=[BlockTask(req_id, hashes, block_ids)]))
+
+
+def load(worker: PoolWorker, req_id: str, hashes: list[bytes], block_ids: list[int], is_async: bool = False) -> None:
+    worker.start_load_kv(KVPoolMetadata(loads=[BlockTask(req_id, hashes, block_ids, is_async=is_async)]))
+
+
+def drain(worker: PoolWorker, req_ids: set[str] | None = None) -> None:
+    """Wait for the worker's background transfers (the test's only reach into its internals)."""
+    assert worker._transfer.wait(req_ids, timeout=10)
+
+
+def counters(worker: PoolWorker) -> dict[str, float]:
+    stats = worker.get_stats()
+    return dict(stats.data) if stats is not None else {}
+
+
+def same_block(a: dict[str, torch.Tensor], a_id: int, b: dict[str, torch.Tensor], b_id: int) -> bool:
+    return all(torch.equal(a[n][a_id], b[n][b_id]) for n in LAYER_NAMES)
+
+
+def snapshot(caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in caches.items()}
+
+
+# ---- copies -----------------------------------------------------------------------------------------
+
+
+def test_save_then_load_into_other_blocks_is_byte_exact(make_worker):
+    writer, w_kv, pool = make_worker(seed=1)
+    reader, r_kv, _ = make_worker({"lookup_rpc_port": 1}, backend=pool, seed=2)
+    assert not same_block(w_kv, 1, r_kv, 5)  # so a copy that did nothing would fail
+    before = snapshot(r_kv)
+
+    save(writer, "a", H[:2], [1, 2])
+    drain(writer)
+    load(reader, "b", H[:2], [5, 6])
+
+    assert same_block(r_kv, 5, w_kv, 1) and same_block(r_kv, 6, w_kv, 2)
+    for b in set(range(NUM_BLOCKS)) - {5, 6}:
+        assert same_block(r_kv, b, before, b)  # no other block was touched
+    assert reader.get_block_ids_with_load_errors() == set()
+    n = block_bytes(w_kv)
+    w, r = counters(writer), counters(reader)
+    assert (w["save_blocks"], w["save_bytes"], w["save_failed_blocks"], w["save_skipped_blocks"]) == (2, 2 * n, 0, 0)
+    assert (r["load_blocks"], r["load_bytes"], r["load_failed_blocks"]) == (2, 2 * n, 0)
+    assert len(pool.data) == 2 and all(len(v) == n for v in pool.data.values())
+
+
+def test_sync_load_errors_are_reported_in_the_same_step(make_worker):
+    worker, kv, pool = make_worker()
+    save(worker, "a", H[:1], [1])
+    drain(worker)
+    counters(worker)  # start the counters from here
+    before = snapshot(kv)
+
+    load(worker, "b", [H[0], H[5]], [5, 6])  # H[5] was never saved
+
+    assert worker.get_block_ids_with_load_errors() == {6}
+    assert worker.get_block_ids_with_load_errors() == set()  # reported once
+    assert same_block(kv, 5, kv, 1)
+    assert same_block(kv, 6, before, 6)
+    assert worker.get_finished(None) == (None, None)  # a sync load is never "finished receiving"
+    c = counters(worker)
+    assert (c["load_blocks"], c["load_failed_blocks"]) == (1, 1)
+
+
+def test_a_store_error_fails_every_block_of_the_load(make_worker):
+    worker, _, pool = make_worker()
+    save(worker, "a", H[:2], [1, 2])
+    drain(worker)
+    pool.raise_on_get = True
+    load(worker, "b", H[:2], [5, 6])
+    assert worker.get_block_ids_with_load_errors() == {5, 6}
+    c = counters(worker)
+    assert (c["load_blocks"], c["load_failed_blocks"]) == (0, 2)
+
+
+def test_injected_load_failures_are_reported_per_block(make_worker):
+    # inject_load_failure_every=2 wraps the store in FaultInjectingBackend: every 2nd key read fails.
+    worker, kv, _ = make_worker({"inject_load_failure_every": 2})
+    save(worker, "a", H[:4], [0, 1, 2, 3])
+    drain(worker)
+    load(worker, "b", H[:4], [4, 5, 6, 7])
+    assert worker.get_block_ids_with_load_errors() == {5, 7}
+    assert same_block(kv, 4, kv, 0) and same_block(kv, 6, kv, 2)
+
+
+def test_async_load_errors_arrive_with_the_finish_not_before(make_worker):
+    worker, kv, pool = make_worker()
+    save(worker, "a", [H[0], H[2]], [1, 3])
+    drain(worker)
+    pool.get_gate = threading.Event()
+
+    load(worker, "b", H[:3], [5, 6, 7], is_async=True)  # H[1] is missing: block 6 fails
+    assert pool.get_started.wait(10)
+    # In flight: neither the finish nor its errors may be reported yet.
+    assert worker.get_finished(None) == (None, None)
+    assert worker.get_block_ids_with_load_errors() == set()
+
+    pool.get_gate.set()
+    drain(worker, {"b"})
+    # Done, but this step's get_finished has not run yet: vLLM must not see the errors before
+    # it sees the request finish receiving.
+    assert worker.get_block_ids_with_load_errors() == set()
+    done_sending, done_recving = worker.get_finished(None)
+    assert done_recving == {"b"} and done_sending is None
+    assert worker.get_block_ids_with_load_errors() == {6}
+    assert worker.get_finished(None) == (None, None)
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert same_block(kv, 5, kv, 1) and same_block(kv, 7, kv, 3)
+    c = counters(worker)
+    assert (c["load_blocks"], c["load_failed_blocks"]) == (2, 1)
+
+
+def test_async_load_without_errors_is_reported_finished_once(make_worker):
+    worker, kv, _ = make_worker()
+    save(worker, "a", H[:2], [1, 2])
+    drain(worker)
+    load(worker, "b", H[:2], [5, 6], is_async=True)
+    drain(worker, {"b"})
+    assert worker.get_finished(None) == (None, {"b"})
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert worker.get_finished(None) == (None, None)
+    assert same_block(kv, 5, kv, 1) and same_block(kv, 6, kv, 2)
+
+
+# ---- saves ------------------------------------------------------------------------------------------
+
+
+def test_blocks_already_pooled_are_skipped_not_rewritten(make_worker):
+    worker, kv, pool = make_worker()
+    save(worker, "a", H[:2], [1, 2])
+    drain(worker)
+    stored = dict(pool.data)
+    counters(worker)
+
+    kv[LAYER_NAMES[0]][1].zero_()  # other bytes under the same key: a rewrite would show
+    save(worker, "b", H[:3], [1, 2, 3])
+    drain(worker)
+
+    c = counters(worker)
+    assert (c["save_skipped_blocks"], c["save_blocks"], c["save_failed_blocks"]) == (2, 1, 0)
+    assert c["save_bytes"] == block_bytes(kv)
+    assert len(pool.data) == 3
+    assert all(pool.data[k] == v for k, v in stored.items())
+
+
+def test_a_failed_put_is_counted_and_stores_nothing(make_worker):
+    worker, _, pool = make_worker()
+    pool.raise_on_put = True
+    save(worker, "a", H[:2], [1, 2])
+    drain(worker)
+    c = counters(worker)
+    assert (c["save_failed_blocks"], c["save_blocks"]) == (2, 0)
+    assert pool.data == {}
+
+
+def test_save_sync_returns_only_once_the_blocks_are_pooled(make_worker):
+    # A producer (prefill node) saves synchronously by default, so a decode node finds the blocks
+    # as soon as the prefill answers.
+    worker, _, pool = make_worker(role="kv_producer")
+    assert worker.config.save_sync
+    save(worker, "a", H[:2], [1, 2])
+    assert len(pool.data) == 2
+
+
+def test_preemption_waits_for_the_preempted_requests_saves(make_worker):
+    worker, kv, pool = make_worker()
+    original = snapshot(kv)
+    pool.put_gate = threading.Event()
+    save(worker, "a", H[:2], [1, 2])
+    assert pool.put_started.wait(10)
+
+    # Another request's preemption does not wait for "a".
+    worker.handle_preemptions(KVPoolMetadata(preempted=["other"]))
+
+    drained = threading.Event()
+    t = threading.Thread(target=lambda: (worker.handle_preemptions(KVPoolMetadata(preempted=["a"])), drained.set()))
+    t.start()
+    # The put is held, so a correct drain cannot have returned; a drain that does not wait would have.
+    assert not drained.wait(0.2)
+    pool.put_gate.set()
+    t.join(10)
+    assert drained.is_set()
+    # vLLM may now hand blocks 1 and 2 to another request: the pool keeps what "a" computed.
+    for t_ in kv.values():
+        t_[1:3].fill_(7.0)
+    load(worker, "b", H[:2], [5, 6])
+    assert same_block(kv, 5, original, 1) and same_block(kv, 6, original, 2)
+
+
+def test_delayed_free_reports_done_sending_only_after_the_save_ran(make_worker):
+    worker, _, pool = make_worker()
+    pool.put_gate = threading.Event()
+    save(worker, "a", H[:2], [1, 2])
+    assert pool.put_started.wait(10)
+
+    # Finished while its save is in flight: its blocks must stay allocated.
+    assert worker.get_finished(KVPoolMetadata(finished_with_io=["a", "idle"])) == ({"idle"}, None)
+    assert worker.get_finished(None) == (None, None)
+    pool.put_gate.set()
+    drain(worker, {"a"})
+    assert worker.get_finished(None) == ({"a"}, None)
+    assert worker.get_finished(None) == (None, None)
+    assert len(pool.data) == 2
+
+
+def test_shutdown_finishes_queued_saves(make_worker):
+    worker, _, pool = make_worker()
+    save(worker, "a", H[:3], [1, 2, 3])
+    worker.shutdown()
+    assert len(pool.data) == 3 and pool.closed
+
+
+# ---- ranks ------------------------------------------------------------------------------------------
+
+
+def test_only_the_first_rank_of_a_shared_kv_shard_writes(make_worker):
+    # One KV head over TP=2: both ranks hold the same bytes, so rank 1 leaves the write to rank 0.
+    extra = {"backend": "server"}
+    pool = DictBackend(shared=True)
+    rank1, _, _ = make_worker(extra, tp=(1, 2), kv_heads=1, backend=pool)
+    save(rank1, "a", H[:2], [1, 2])
+    drain(rank1)
+    assert pool.data == {}
+    rank0, _, _ = make_worker(extra, tp=(0, 2), kv_heads=1, backend=pool)
+    save(rank0, "a", H[:2], [1, 2])
+    drain(rank0)
+    assert len(pool.data) == 2
+
+
+def test_tp_ranks_with_their_own_heads_write_their_own_keys(make_worker):
+    extra = {"backend": "server"}
+    pool = DictBackend(shared=True)
+    for rank in (1, 0):
+        worker, _, _ = make_worker(extra, tp=(rank, 2), backend=pool)
+        save(worker, "a", H[:1], [1])
+        drain(worker)
+    assert len(pool.data) == 2
+    assert {k.split("@")[2] for k in pool.data} == {"tp0/2", "tp1/2"}
+
+
+def test_tp_needs_a_backend_shared_across_processes(make_worker):
+    with pytest.raises(ConfigError) as exc:
+        make_worker(tp=(0, 2), backend=DictBackend(shared=False))
+    assert exc.value.key == "backend"
+
+
+# ---- stats ------------------------------------------------------------------------------------------
+
+
+def test_stats_are_taken_per_interval(make_worker):
+    worker, kv, _ = make_worker()
+    assert worker.get_stats() is None  # nothing happened: nothing to send
+    save(worker, "a", H[:3], [1, 2, 3])
+    drain(worker)
+    load(worker, "b", H[:4], [5, 6, 7, 8])
+    first = counters(worker)
+    assert (first["save_blocks"], first["load_blocks"], first["load_failed_blocks"]) == (3, 3, 1)
+    assert first["save_time_s"] > 0 and first["load_time_s"] > 0
+    assert worker.get_stats() is None  # taken: the next interval starts at zero
+    load(worker, "c", H[:1], [9])
+    assert counters(worker)["load_blocks"] == 1
