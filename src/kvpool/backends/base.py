@@ -29,17 +29,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvpool.errors import (
-    EXISTS,
-    ErrorCode,
-    INTERNAL,
-    INVALID,
-    INVALID_KEY,
-    KVPoolError,
-    NOT_FOUND,
-    OK,
-    RPC_FAIL,
-)
+from kvpool.errors import ErrorCode, KVPoolError
+from kvpool.errors import EXISTS, INTERNAL, INVALID, INVALID_KEY, NOT_FOUND, OK, RPC_FAIL  # the codes as ints
 from kvpool.store.buffers import as_u8, gather, scatter, spans, total_size
 
 if TYPE_CHECKING:

@@ -24,17 +24,8 @@ import numpy as np
 from kvpool.backends.base import Backend, spans
 from kvpool.backends.net import parse_tcp_url, probe
 from kvpool.config import MemcacheSettings, parse_size
-from kvpool.errors import (
-    BackendUnavailable,
-    ConfigError,
-    EXISTS,
-    ErrorCode,
-    INTERNAL,
-    INVALID,
-    NOT_FOUND,
-    OK,
-    RPC_FAIL,
-)
+from kvpool.errors import BackendUnavailable, ConfigError, ErrorCode
+from kvpool.errors import EXISTS, INTERNAL, INVALID, NOT_FOUND, OK, RPC_FAIL  # the codes as ints
 
 logger = logging.getLogger(__name__)
 

@@ -46,17 +46,8 @@ import numpy as np
 from kvpool.backends.base import Backend, spans
 from kvpool.backends.net import default_local_hostname, parse_host_port, probe
 from kvpool.config import MooncakeSettings, parse_size, read_json_object
-from kvpool.errors import (
-    ConfigError,
-    EXISTS,
-    ErrorCode,
-    INTERNAL,
-    INVALID,
-    NOT_FOUND,
-    NO_HANDLE,
-    OK,
-    RPC_FAIL,
-)
+from kvpool.errors import ConfigError, ErrorCode
+from kvpool.errors import EXISTS, INTERNAL, INVALID, NOT_FOUND, NO_HANDLE, OK, RPC_FAIL  # the codes as ints
 
 logger = logging.getLogger(__name__)
 

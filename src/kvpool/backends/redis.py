@@ -39,18 +39,8 @@ import numpy as np
 
 from kvpool.backends.base import Backend, gather, scatter, total_size
 from kvpool.config import RedisSettings
-from kvpool.errors import (
-    ConfigError,
-    EXISTS,
-    ErrorCode,
-    INTERNAL,
-    INVALID,
-    NOT_FOUND,
-    NO_HANDLE,
-    OK,
-    RPC_FAIL,
-    RPC_TIMEOUT,
-)
+from kvpool.errors import ConfigError, ErrorCode
+from kvpool.errors import EXISTS, INTERNAL, INVALID, NOT_FOUND, NO_HANDLE, OK, RPC_FAIL, RPC_TIMEOUT  # the codes as ints
 
 logger = logging.getLogger(__name__)
 

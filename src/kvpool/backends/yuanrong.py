@@ -49,20 +49,9 @@ from kvpool.backends.base import Backend, gather, scatter, total_size
 from kvpool.backends.keynorm import normalize_yuanrong_key
 from kvpool.backends.net import parse_host_port, probe
 from kvpool.config import YuanrongSettings, read_json_object
-from kvpool.errors import (
-    BackendUnavailable,
-    ConfigError,
-    EXISTS,
-    ErrorCode,
-    INTERNAL,
-    INVALID,
-    INVALID_KEY,
-    NOT_FOUND,
-    NO_HANDLE,
-    OK,
-    RPC_FAIL,
-    RPC_TIMEOUT,
-)
+from kvpool.errors import BackendUnavailable, ConfigError, ErrorCode
+from kvpool.errors import EXISTS, INTERNAL, INVALID, INVALID_KEY  # the codes as ints
+from kvpool.errors import NOT_FOUND, NO_HANDLE, OK, RPC_FAIL, RPC_TIMEOUT
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import os
 import shutil
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvpool.backends.net import parse_host_port, parse_tcp_url, probe
@@ -161,6 +161,17 @@ def _env_int(env: Mapping[str, str], name: str, report: Report) -> int | None:
     return int(raw)
 
 
+def read_store_config(report: Report, what: str, loader: Callable[[str | None, Mapping[str, str]], Any],
+                      path: str | None, env: Mapping[str, str]) -> Any:
+    """A store's own config (its file and environment) through its backend's loader; None, and an
+    error reported, when the loader refuses it."""
+    try:
+        return loader(path, env)
+    except ConfigError as exc:
+        report.error(f"{what}: {exc.key}={exc.value!r} is invalid", exc.expected)
+        return None
+
+
 def check_answers(report: Report, what: str, address: str, host_port: tuple[str, int], timeout: float,
                   fix: str) -> bool:
     """Whether the service at host:port accepts a connection within `timeout` (reported either way)."""
@@ -277,10 +288,9 @@ def check_mooncake(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) 
     from kvpool.backends.mooncake import DEFAULT_OFFLOAD_BUFFER, load_mooncake_config
 
     env = args.env
-    try:
-        mc = load_mooncake_config(getattr(cfg.backend_settings, "mooncake_config_path", None), env)
-    except ConfigError as exc:
-        report.error(f"Mooncake: {exc.key}={exc.value!r} is invalid", exc.expected)
+    mc = read_store_config(report, "Mooncake", load_mooncake_config,
+                           getattr(cfg.backend_settings, "mooncake_config_path", None), env)
+    if mc is None:
         return
     report.ok(f"mooncake.json {mc.path or '(none: environment only)'}: protocol {mc.protocol}, master "
               f"{mc.master_server_address}, segment {human(mc.global_segment_size)}")
@@ -327,10 +337,9 @@ def check_mooncake(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) 
 def check_yuanrong(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) -> None:
     from kvpool.backends.yuanrong import load_yuanrong_config
 
-    try:
-        yr = load_yuanrong_config(getattr(cfg.backend_settings, "yuanrong_config_path", None), args.env)
-    except ConfigError as exc:
-        report.error(f"Yuanrong: {exc.key}={exc.value!r} is invalid", exc.expected)
+    yr = read_store_config(report, "Yuanrong", load_yuanrong_config,
+                           getattr(cfg.backend_settings, "yuanrong_config_path", None), args.env)
+    if yr is None:
         return
     check_answers(report, "datasystem worker", yr.worker_addr, parse_host_port("worker_addr", yr.worker_addr),
                   args.timeout, f"start it: dscli start -w --worker_address {yr.worker_addr} --etcd_address "
@@ -353,10 +362,9 @@ def check_yuanrong(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) 
 def check_memcache(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) -> None:
     from kvpool.backends.memcache import load_memcache_config
 
-    try:
-        mmc = load_memcache_config(getattr(cfg.backend_settings, "mmc_local_config_path", None), args.env)
-    except ConfigError as exc:
-        report.error(f"MemCache: {exc.key}={exc.value!r} is invalid", exc.expected)
+    mmc = read_store_config(report, "MemCache", load_memcache_config,
+                           getattr(cfg.backend_settings, "mmc_local_config_path", None), args.env)
+    if mmc is None:
         return
     check_answers(report, "MemCache MetaService", mmc.meta_service_url,
                   parse_tcp_url("ock.mmc.meta_service_url", mmc.meta_service_url), args.timeout,

@@ -37,7 +37,7 @@ import msgspec
 import numpy as np
 
 from kvpool.config import DEFAULT_SERVER_SOCKET
-from kvpool.errors import INVALID, INVALID_KEY, OK, RPC_FAIL, BackendUnavailable, ErrorCode
+from kvpool.errors import INTERNAL, INVALID, INVALID_KEY, OK, RPC_FAIL, BackendUnavailable, ErrorCode
 from kvpool.server import protocol as P
 from kvpool.server import shm
 from kvpool.store.buffers import as_u8 as _u8
@@ -293,17 +293,27 @@ class PoolClient:
 
     # ---- batch internals ----------------------------------------------------------------------
 
-    def _put_batch(self, batch: list[tuple[int, str, list[np.ndarray], int]], codes: list[int]) -> None:
+    def _first_phase(self, batch: list[tuple[int, str, list[np.ndarray], int]], codes: list[int], request: Any,
+                     expect: type) -> tuple[Any, Any] | None:
+        """Send a batch's first request (Allocate or Acquire): (link, reply), or None when the
+        server is down (codes stay RPC_FAIL) or refused the whole batch (codes say why)."""
         try:
             link = self._current()
-            reply = self._call_on(link, P.Allocate([b[1] for b in batch], [b[3] for b in batch]),
-                                  P.Allocated, len(batch))
+            reply = self._call_on(link, request, expect, len(batch))
         except _Down:
-            return
+            return None
         if isinstance(reply, P.Error):
             for b in batch:
                 codes[b[0]] = reply.code
+            return None
+        return link, reply
+
+    def _put_batch(self, batch: list[tuple[int, str, list[np.ndarray], int]], codes: list[int]) -> None:
+        first = self._first_phase(batch, codes, P.Allocate([b[1] for b in batch], [b[3] for b in batch]),
+                                  P.Allocated)
+        if first is None:
             return
+        link, reply = first
         assert isinstance(reply, P.Allocated)
         arena = link.arena.array
         committing: list[tuple[int, int]] = []
@@ -335,19 +345,21 @@ class PoolClient:
             pass  # uncommitted keys stay RPC_FAIL; the server frees their ranges at disconnect
 
     def _get_batch(self, batch: list[tuple[int, str, list[np.ndarray], int]], codes: list[int]) -> None:
-        try:
-            link = self._current()
-            reply = self._call_on(link, P.Acquire([b[1] for b in batch]), P.Acquired, len(batch))
-        except _Down:
+        first = self._first_phase(batch, codes, P.Acquire([b[1] for b in batch]), P.Acquired)
+        if first is None:
             return
-        if isinstance(reply, P.Error):
-            for b in batch:
-                codes[b[0]] = reply.code
-            return
+        link, reply = first
         assert isinstance(reply, P.Acquired)
         arena = link.arena.array
         releasing: list[int] = []
         checked: list[int] = []  # index per lease in `releasing` whose code the release decides
+
+        def give_up(i: int, code: int, lease_id: int) -> None:
+            # The key's code is final; its lease (if any) is still released, with no say in it.
+            codes[i] = code
+            if lease_id:
+                releasing.append(lease_id)
+                checked.append(-1)
         for (i, _key, outs, want), code, lease_id, offset, size, data in zip(
             batch, reply.codes, reply.lease_ids, reply.offsets, reply.sizes, reply.data
         ):
@@ -355,10 +367,7 @@ class PoolClient:
                 codes[i] = code
                 continue
             if want != size:
-                codes[i] = int(ErrorCode.INVALID_PARAMS)
-                if lease_id:
-                    releasing.append(lease_id)
-                    checked.append(-1)
+                give_up(i, INVALID, lease_id)
                 continue
             if offset == -1:
                 # Served from the server's disk tier: the bytes came inline, no lease to end.
@@ -369,19 +378,13 @@ class PoolClient:
             elif 0 <= offset <= arena.size - size:
                 src = arena[offset : offset + size]
             else:
-                codes[i] = int(ErrorCode.INTERNAL_ERROR)
-                if lease_id:
-                    releasing.append(lease_id)
-                    checked.append(-1)
+                give_up(i, INTERNAL, lease_id)
                 continue
             try:
                 scatter(src, outs)
             except Exception:
                 logger.exception("kvpool get: copying out of the arena failed")
-                codes[i] = int(ErrorCode.INVALID_PARAMS)
-                if lease_id:
-                    releasing.append(lease_id)
-                    checked.append(-1)
+                give_up(i, INVALID, lease_id)
                 continue
             if offset == -1:
                 codes[i] = OK
