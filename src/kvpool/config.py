@@ -524,8 +524,8 @@ def load_config(extra: Mapping[str, Any] | None, kv_role: str | None = "kv_both"
     and then not used.
     """
     extra = dict(extra or {})
-    role = kv_role or "kv_both"
-    if role not in ROLES:
+    role = "kv_both" if kv_role is None or kv_role == "" else kv_role
+    if not isinstance(role, str) or role not in ROLES:
         raise ConfigError("kv_role", role, f"one of {', '.join(ROLES)}")
     for old, new in ALIASES.items():
         if old in extra:
@@ -538,7 +538,7 @@ def load_config(extra: Mapping[str, Any] | None, kv_role: str | None = "kv_both"
         raise unknown_key_error(unknown[0], extra[unknown[0]], known - set(ALIASES), "kv_connector_extra_config")
     schemas = backend_schemas()
     backend = extra.get("backend", "local")
-    if backend not in schemas:
+    if not isinstance(backend, str) or backend not in schemas:
         raise ConfigError("backend", backend, f"one of {', '.join(BACKENDS)}")
     common = convert(ConnectorSettings, extra)
     if common.prefill_pp_layer_partition is not None:

@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvpool.backends.registry import REGISTRY
 from kvpool.config import (
@@ -587,3 +589,27 @@ def test_save_sync_defaults_on_for_producers_only():
     assert load_config({}, "kv_both").save_sync is False
     assert load_config({}, "kv_consumer").save_sync is False
     assert load_config({"save_sync": "false"}, "kv_producer").save_sync is False
+
+
+# ---------------------------------------------------------------------------------------------
+# no value of any type, for any key, escapes as anything but ConfigError
+
+
+_ANY = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12)
+    | st.sampled_from(["1GB", "0", "-1", "10ms", "lru", "/tmp", "redis://h:1/0", "\u0661", "1e9", "inf", "0600"]),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4), children, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(backend=st.sampled_from(BACKENDS) | _ANY, key=st.sampled_from(sorted(known_keys())), value=_ANY,
+       role=st.sampled_from(["kv_both", "kv_producer", "kv_consumer"]) | _ANY)
+def test_any_value_of_any_key_is_accepted_or_a_config_error(backend, key, value, role):
+    try:
+        cfg = load_config({"backend": backend, key: value}, role)
+    except ConfigError as exc:
+        assert exc.key and str(exc).startswith(f"[INVALID_PARAMS -600] {exc.key}=")
+    else:
+        assert cfg.backend == backend and cfg.kv_role in ("kv_both", "kv_producer", "kv_consumer")
