@@ -53,12 +53,13 @@ _UNITS = {
     "m": MiB, "mb": MiB, "mib": MiB,
     "g": GiB, "gb": GiB, "gib": GiB,
     "t": TiB, "tb": TiB, "tib": TiB,
+    "p": PiB, "pb": PiB, "pib": PiB,
 }
 # ASCII digits only: `\d` and float() also accept other scripts' digits.
 _NUMBER_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$", re.ASCII)
 _DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
-SIZE_EXPECTED = 'a non-negative byte count: an integer or a number with a unit B/KB/MB/GB/TB, e.g. "4GB"'
+SIZE_EXPECTED = 'a non-negative byte count: an integer or a number with a unit B/KB/MB/GB/TB/PB, e.g. "4GB"'
 
 
 def human_size(n: int) -> str:
@@ -147,7 +148,7 @@ def parse_socket_path(key: str, value: Any) -> str:
 
 def _parse_file(key: str, value: Any) -> str:
     if not isinstance(value, str) or not os.path.isabs(value):
-        raise ConfigError(key, value, "an absolute path of an existing file, e.g. /etc/kvpool/mooncake.json")
+        raise ConfigError(key, value, "an absolute path of an existing file, e.g. /etc/kvpool/<file>")
     if not os.path.isfile(value):
         raise ConfigError(key, value, "an existing file (it does not exist or is not a regular file)")
     return value
@@ -200,12 +201,16 @@ _STR_KINDS = {"file": _parse_file, "dir": _parse_dir, "socket": parse_socket_pat
 # ---- the schema machinery --------------------------------------------------------------------
 
 
-def _bounds_text(t: Any, fmt: Any) -> str:
+def _number_text(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else f"{v:g}"
+
+
+def _bounds_text(t: Any, fmt: Any = _number_text) -> str:
     lo = (">=", t.ge) if t.ge is not None else (">", t.gt) if t.gt is not None else None
     hi = ("<=", t.le) if t.le is not None else ("<", t.lt) if t.lt is not None else None
     if lo and hi and lo[0] == ">=" and hi[0] == "<=":
         return f" from {fmt(lo[1])} to {fmt(hi[1])}"
-    return "".join(f" {op} {fmt(v)}" for op, v in (lo, hi) if op)
+    return " and".join(f" {op} {fmt(v)}" for op, v in (lo, hi) if op)
 
 
 def _in_bounds(t: Any, v: float) -> bool:
@@ -252,18 +257,18 @@ def parse_value(key: str, value: Any, ftype: Any) -> Any:
     if isinstance(t, (mi.IntType, mi.FloatType)):
         if kind in ("seconds", "ms"):
             unit, noun = (1.0, "seconds") if kind == "seconds" else (1e-3, "milliseconds")
-            expected = f"a number of {noun}{_bounds_text(t, lambda v: f'{v:g}')}{why}"
+            expected = f"a number of {noun}{_bounds_text(t)}{why}"
             f = parse_duration(key, value, unit, expected)
             if isinstance(t, mi.IntType):
                 if f != int(f):
                     raise ConfigError(key, value, expected)
                 f = int(f)
         elif isinstance(t, mi.IntType):
-            expected = f"an integer{_bounds_text(t, str)}{why}"
+            expected = f"an integer{_bounds_text(t)}{why}"
             f = parse_int(key, value, expected)
         else:
             interval = t.gt is not None and t.le is not None
-            expected = f"a number in ({t.gt:g}, {t.le:g}]" if interval else f"a number{_bounds_text(t, str)}"
+            expected = f"a number in ({t.gt:g}, {t.le:g}]" if interval else f"a number{_bounds_text(t)}"
             f = _number(key, value, expected + why)
         if not _in_bounds(t, f):
             raise ConfigError(key, value, expected)
@@ -661,4 +666,4 @@ def add_flags(parser: argparse.ArgumentParser, schema: type[msgspec.Struct] = Se
 def from_flags(args: argparse.Namespace, schema: type[msgspec.Struct] = ServerSettings) -> Any:
     """Parse the flags `add_flags` registered; errors name the flag as `--name`."""
     raw = {enc: getattr(args, enc) for enc in fields(schema) if getattr(args, enc, None) is not None}
-    return convert(schema, raw, names={enc: enc for enc in raw})
+    return convert(schema, raw, names={enc: f"--{enc}" for enc in raw})

@@ -16,6 +16,7 @@ Protocol: one JSON object per line.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 import traceback
@@ -42,8 +43,26 @@ def _drain(llm) -> None:
         time.sleep(0.002)
 
 
+def _log_kvpool_to_stdout() -> None:
+    """kvpool's records (its counters among them) on stdout, where the test reads them.
+
+    kvpool.vllm hands its records to vLLM's handlers when it is imported after vLLM configured
+    its logger; with the engine core in this process it is imported before, and INFO records
+    would be lost.
+    """
+    ours = logging.getLogger("kvpool")
+    if ours.handlers:
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
+    _log_kvpool_to_stdout()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -50,7 +50,8 @@ def lookup_port() -> str:
 def kvpool_config(role: str = "kv_both", policy: str = "recompute", **extra) -> dict:
     """A kv-transfer-config using kvpool with a lookup channel of its own."""
     extra.setdefault("lookup_rpc_port", lookup_port())
-    extra.setdefault("local_cpu_size", "256MB")
+    if extra.get("backend", "local") == "local":
+        extra.setdefault("local_cpu_size", "256MB")
     extra.setdefault("stats_log_interval_s", 0)  # log kvpool's counters at every step with activity
     return {
         "kv_connector": "KVPoolConnector",

@@ -1,22 +1,30 @@
-"""A bf16 model: pool hits are as exact as with fp32 (bytes are copied, never converted)."""
+"""A bf16 model: pool hits are as exact as with fp32 (bytes are copied, never converted).
+
+One engine is both the pooled instance and its reference: it runs kvpool with vLLM's own
+prefix cache on. A repeated prompt is a prefix-cache hit (the connector has nothing to add);
+after vLLM's prefix cache is emptied, the same prompt can only hit through the pool, and must
+give the same tokens and logprobs, bit for bit.
+"""
 
 from __future__ import annotations
 
 import pytest
 
-from harness import Engine, kvpool_config, tokens
+from harness import Engine, kvpool_config, tokens, whole
 
 pytestmark = pytest.mark.vllm
 
 PROMPT = tokens(900, seed=41)
 
 
-def test_bf16_pool_hit_equals_prefix_cache_hit(bf16_model_dir, engine_factory):
-    ref = engine_factory(bf16_model_dir, prefix_caching=True, dtype="bfloat16")
-    ref_cold, ref_hit = ref.generate([PROMPT, PROMPT])
-    ref.close()
-    pooled = engine_factory(bf16_model_dir, kv_transfer_config=kvpool_config(), dtype="bfloat16")
-    cold, hit = pooled.generate([PROMPT, PROMPT])
-    assert cold["logprobs"] == ref_cold["logprobs"]
-    assert hit["num_cached_tokens"] == ref_hit["num_cached_tokens"] == 896
-    assert hit["token_ids"] == ref_hit["token_ids"] and hit["logprobs"] == ref_hit["logprobs"]
+def test_bf16_pool_hit_equals_prefix_cache_hit(bf16_model_dir):
+    with Engine(bf16_model_dir, prefix_caching=True, dtype="bfloat16", kv_transfer_config=kvpool_config()) as e:
+        cold, prefix_hit = e.generate([PROMPT, PROMPT])
+        e.reset_prefix_cache()
+        since = e.mark()
+        pool_hit = e.generate([PROMPT])[0]
+        loaded = e.counters(since)["load_blocks"]
+    assert cold["num_cached_tokens"] == 0
+    assert prefix_hit["num_cached_tokens"] == pool_hit["num_cached_tokens"] == whole(PROMPT)
+    assert loaded == whole(PROMPT) // 128  # the hit came from the pool
+    assert pool_hit["token_ids"] == prefix_hit["token_ids"] and pool_hit["logprobs"] == prefix_hit["logprobs"]

@@ -1,16 +1,27 @@
-"""PD disaggregation through the pool, with the example scripts as they are.
+"""The spec's deployment, with the example scripts as they are: one `kvpool server` per host,
+and vLLM's OpenAI server instances sharing it.
 
-A prefill node (`kv_producer`) and a decode node (`kv_consumer` + `consumer_is_to_load`) share
-one `kvpool server`; `kvpool proxy` sends each request through both. The spec's short and long
-questions through the proxy must give exactly what one PD-mixed instance (`pd_mix.sh`) gives,
-and the decode node must find the prefill's blocks on the first try: the proxy sends the
-decode request the moment the prefill answers.
+- PD disaggregation: a prefill node (`multi_producer.sh`, `kv_producer`) and a decode node
+  (`multi_consumer.sh`, `kv_consumer` + `consumer_is_to_load`); `kvpool proxy` sends each request
+  through both. The decode node must find the prefill's blocks on the first try (the proxy sends
+  the decode request the moment the prefill answers), and the answers must be exactly what one
+  instance computing everything gives.
+- A PD-mixed instance (`pd_mix.sh`: the spec's kv-transfer-config as written, the connector
+  named `AscendStoreConnector` through the plugin entry point, the spec's serving flags) on the
+  same pool: it hits what another instance computed.
+- The pool server shared across processes: killed under running instances it costs misses,
+  never errors or hangs; a new one on the same socket is found again; blocks outlive the
+  instance that wrote them.
+
+Answers are compared as text (greedy token ids), never as logprobs: the instances cache and
+compute different parts of the prompts. Every instance here is started once for the module.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,7 +36,10 @@ from kvpool.testing.launch import free_port
 pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parents[2]
+BLOCK = 128
 DOC = "\n\n".join([LONG_QUESTION] * 3)  # ~1300 tokens: 10 whole blocks
+QUESTIONS = (SHORT_QUESTION, LONG_QUESTION, DOC)
+LATE_DOC = "\n\n".join([SHORT_QUESTION, LONG_QUESTION, SHORT_QUESTION, LONG_QUESTION])  # asked around the pool's restart
 
 
 class Script:
@@ -33,15 +47,18 @@ class Script:
 
     def __init__(self, name: str, env: dict[str, str], log_dir: Path, port: int | None = None) -> None:
         self.name, self.port = name, port
-        self.log = log_dir / f"{name}.log"
+        self.log = log_dir / f"{name}-{time.monotonic_ns()}.log"
         self.proc = subprocess.Popen(["bash", str(ROOT / "examples" / f"{name}.sh")], env=env,
                                      stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    def _check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-3000:]}")
 
     def wait_http(self, path: str = "/health", timeout: float = 300) -> "Script":
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-3000:]}")
+            self._check_alive()
             try:
                 if httpx.get(f"http://127.0.0.1:{self.port}{path}", timeout=2).status_code == 200:
                     return self
@@ -50,13 +67,25 @@ class Script:
             time.sleep(0.5)
         raise RuntimeError(f"{self.name} did not come up: {self.log.read_text()[-3000:]}")
 
-    def wait_socket(self, path: str, timeout: float = 30) -> "Script":
+    def wait_socket(self, path: str, timeout: float = 60) -> "Script":
+        """Until the Unix socket accepts (a socket file left by a killed server does not)."""
         deadline = time.monotonic() + timeout
-        while not os.path.exists(path):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} did not come up: {self.log.read_text()[-3000:]}")
-            time.sleep(0.05)
-        return self
+        while True:
+            self._check_alive()
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(path)
+                return self
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.name} did not come up: {self.log.read_text()[-3000:]}") from None
+                time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL to the whole group, as a crash would."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -64,8 +93,7 @@ class Script:
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+                self.kill()
 
 
 def ask(port: int, prompt: str) -> dict:
@@ -76,42 +104,107 @@ def ask(port: int, prompt: str) -> dict:
     return r.json()
 
 
-def test_pd_through_pool_equals_pd_mixed(model_dir, tmp_path):
-    base = {**os.environ, "MODEL": model_dir, "PYTHON": sys.executable, "VLLM_RPC_BASE_PATH": str(tmp_path),
-            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    running: list[Script] = []
+def text(answer: dict) -> str:
+    return answer["choices"][0]["text"]
 
-    def start(name: str, **env: str) -> Script:
+
+def cached(answer: dict, key: str = "cached_tokens") -> int:
+    return (answer["usage"].get("prompt_tokens_details") or {}).get(key) or 0
+
+
+def hit_tokens(answer: dict) -> int:
+    """What a full pool hit of this prompt gives: its whole blocks, less the one token vLLM
+    must compute when the prompt is all whole blocks."""
+    n = answer["usage"]["prompt_tokens"]
+    return min(n // BLOCK * BLOCK, n - 1)
+
+
+class Deployment:
+    def __init__(self, tmp_path: Path, model_dir: str) -> None:
+        self.tmp = tmp_path
+        self.sock = str(tmp_path / "pool.sock")
+        self.base = {**os.environ, "MODEL": model_dir, "PYTHON": sys.executable, "VLLM_RPC_BASE_PATH": str(tmp_path),
+                     "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "KVPOOL_SOCKET": self.sock}
+        self.running: list[Script] = []
+        self.prefill_port, self.decode_port, self.mix_port, self.proxy_port = (free_port() for _ in range(4))
+
+    def start(self, name: str, **env: str) -> Script:
         port = int(env["PORT"]) if "PORT" in env else None
-        s = Script(name, {**base, **env}, tmp_path, port)
-        running.append(s)
+        s = Script(name, {**self.base, **env}, self.tmp, port)
+        self.running.append(s)
         return s
 
-    try:
-        # Reference: one PD-mixed instance with its own pool.
-        mixed_sock = str(tmp_path / "mixed.sock")
-        start("pool_server", KVPOOL_SOCKET=mixed_sock).wait_socket(mixed_sock)
-        mix_port = free_port()
-        mix = start("pd_mix", PORT=str(mix_port), KVPOOL_SOCKET=mixed_sock, LOOKUP_RPC_PORT="2").wait_http()
-        expected = {q: ask(mix_port, q)["choices"][0]["text"] for q in (SHORT_QUESTION, LONG_QUESTION, DOC)}
-        mix.stop()
+    def start_pool(self) -> Script:
+        self.pool = self.start("pool_server").wait_socket(self.sock)
+        return self.pool
 
-        sock = str(tmp_path / "pd.sock")
-        start("pool_server", KVPOOL_SOCKET=sock).wait_socket(sock)
-        p_port, d_port, x_port = free_port(), free_port(), free_port()
-        prefill = start("multi_producer", PORT=str(p_port), KVPOOL_SOCKET=sock, LOOKUP_RPC_PORT="0")
-        decode = start("multi_consumer", PORT=str(d_port), KVPOOL_SOCKET=sock, LOOKUP_RPC_PORT="1")
-        prefill.wait_http()
-        decode.wait_http()
-        start("proxy", PORT=str(x_port), PREFILLER_PORTS=str(p_port), DECODER_PORTS=str(d_port)).wait_http("/healthcheck")
+    def up(self) -> "Deployment":
+        self.start_pool()
+        nodes = [
+            self.start("multi_producer", PORT=str(self.prefill_port), LOOKUP_RPC_PORT="0"),
+            self.start("multi_consumer", PORT=str(self.decode_port), LOOKUP_RPC_PORT="1"),
+            self.start("pd_mix", PORT=str(self.mix_port), LOOKUP_RPC_PORT="2"),
+        ]
+        self.mix = nodes[2]
+        for n in nodes:
+            n.wait_http()
+        self.start("proxy", PORT=str(self.proxy_port), PREFILLER_PORTS=str(self.prefill_port),
+                   DECODER_PORTS=str(self.decode_port)).wait_http("/healthcheck")
+        return self
 
-        for q in (SHORT_QUESTION, LONG_QUESTION, DOC):
-            answer = ask(x_port, q)
-            assert answer["choices"][0]["text"] == expected[q]
-            usage = answer["usage"]
-            # Found at once, on the first request: every whole block the prefill computed.
-            whole = usage["prompt_tokens"] // 128 * 128
-            assert usage["prompt_tokens_details"].get("decode_cached_tokens", 0) == whole, usage
-    finally:
-        for s in reversed(running):
+    def down(self) -> None:
+        for s in reversed(self.running):
             s.stop()
+
+
+@pytest.fixture(scope="module")
+def deployment(model_dir, tmp_path_factory):
+    d = Deployment(tmp_path_factory.mktemp("pd"), model_dir)
+    try:
+        yield d.up()
+    finally:
+        d.down()
+
+
+def test_pd_through_the_pool_equals_one_instance(deployment):
+    d = deployment
+    through_pd = {}
+    for q in QUESTIONS:
+        answer = ask(d.proxy_port, q)
+        # Found at once, on the first request: every whole block the prefill computed.
+        assert cached(answer, "decode_cached_tokens") == hit_tokens(answer), answer["usage"]
+        through_pd[q] = text(answer)
+    for q in QUESTIONS:
+        # The prefill node alone computes all of it (a producer never loads): one instance.
+        alone = ask(d.prefill_port, q)
+        assert cached(alone) == 0 and text(alone) == through_pd[q]
+        # The PD-mixed instance loads the blocks the prefill node saved.
+        mixed = ask(d.mix_port, q)
+        assert cached(mixed) == hit_tokens(mixed) and text(mixed) == through_pd[q], mixed["usage"]
+
+
+def test_pool_server_restart_and_blocks_outliving_their_writer(deployment):
+    d = deployment
+    d.pool.kill()  # the pool server dies under three running instances: misses, not errors
+    miss = ask(d.mix_port, LATE_DOC)
+    assert cached(miss) == 0
+    expected = text(ask(d.prefill_port, LATE_DOC))  # one instance computing all of it
+    assert text(miss) == expected
+
+    d.start_pool()  # a new server on the same socket: the instances find it again
+    deadline = time.monotonic() + 30
+    while True:
+        again = ask(d.mix_port, LATE_DOC)  # saves once reconnected, then hits
+        if cached(again) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert cached(again) == hit_tokens(again) and text(again) == expected
+
+    d.mix.stop()  # the writer is gone; its blocks are not
+    deadline = time.monotonic() + 30
+    while True:
+        decoded = ask(d.decode_port, LATE_DOC)  # the decode node loads, never saves
+        if cached(decoded) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert cached(decoded) == hit_tokens(decoded) and text(decoded) == expected

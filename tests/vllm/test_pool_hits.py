@@ -23,24 +23,24 @@ PROMPTS = [LONG, ALIGNED, VERY_LONG]
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir):
+def ref_rounds(reference):
     """vLLM alone with its prefix cache: round 1 is cold, round 2 a prefix-cache hit."""
-    e = Engine(model_dir, prefix_caching=True)
-    try:
-        yield [e.generate(PROMPTS), e.generate(PROMPTS)]
-    finally:
-        e.close()
+    return [reference.generate(PROMPTS), reference.generate(PROMPTS)]
 
 
 @pytest.fixture(scope="module", params=["sync", "async"])
 def pooled(request, model_dir):
-    """vLLM with kvpool and no prefix cache: round 2 can only hit through the pool."""
-    cfg = kvpool_config(load_async=request.param == "async")
-    e = Engine(model_dir, kv_transfer_config=cfg)
-    try:
-        yield request.param, [e.generate(PROMPTS), e.generate(PROMPTS)], e.log_text()
-    finally:
-        e.close()
+    """vLLM with kvpool and no prefix cache: round 2 can only hit through the pool.
+
+    Yields the mode, both rounds' results and kvpool's counters of each round.
+    """
+    with Engine(model_dir, kv_transfer_config=kvpool_config(load_async=request.param == "async")) as e:
+        rounds, counters = [], []
+        for _ in range(2):
+            since = e.mark()
+            rounds.append(e.generate(PROMPTS))
+            counters.append(e.counters(since))
+        yield request.param, rounds, counters
 
 
 def _same(a: dict, b: dict) -> None:
@@ -49,9 +49,9 @@ def _same(a: dict, b: dict) -> None:
     assert a["logprobs"] == b["logprobs"]  # exact floats: the same KV gives the same numbers
 
 
-def test_cold_request_equals_vllm_alone(reference, pooled):
+def test_cold_request_equals_vllm_alone(ref_rounds, pooled):
     _, rounds, _ = pooled
-    for ref, got in zip(reference[0], rounds[0]):
+    for ref, got in zip(ref_rounds[0], rounds[0]):
         _same(ref, got)
         assert got["num_cached_tokens"] == 0
 
@@ -66,23 +66,26 @@ def test_second_round_hits_all_whole_blocks(pooled):
     ]
 
 
-def test_pool_hit_equals_prefix_cache_hit(reference, pooled):
+def test_pool_hit_equals_prefix_cache_hit(ref_rounds, pooled):
     _, rounds, _ = pooled
     for i in (0, 2):  # the unaligned prompts: vLLM's prefix cache hits the same 896/2048 tokens
-        assert reference[1][i]["num_cached_tokens"] == rounds[1][i]["num_cached_tokens"]
-        _same(reference[1][i], rounds[1][i])
+        assert ref_rounds[1][i]["num_cached_tokens"] == rounds[1][i]["num_cached_tokens"]
+        _same(ref_rounds[1][i], rounds[1][i])
 
 
-def test_full_hit_output_equals_cold(reference, pooled):
+def test_full_hit_output_equals_cold(ref_rounds, pooled):
     _, rounds, _ = pooled
-    # All 6 blocks come from the pool and only the last token is recomputed.
-    assert rounds[1][1]["token_ids"] == reference[0][1]["token_ids"]
+    # All 6 blocks come from the pool and only the last token is recomputed. vLLM's prefix
+    # cache never hits all 6 (it keeps whole blocks under the last token: 5), so there is no
+    # run with the same split to compare logprobs with: token ids only.
+    assert rounds[1][1]["token_ids"] == ref_rounds[0][1]["token_ids"]
 
 
-def test_stats_are_logged(pooled):
-    _, _, log = pooled
-    assert "kvpool worker ready" in log
-    # Round 2 loaded every whole block of the three prompts: 7 + 6 + 16.
-    loaded = [int(part.split("=")[1]) for line in log.splitlines() if "kvpool (tp0 pp0)" in line
-              for part in line.split(", ") if part.startswith("load_blocks=")]
-    assert sum(loaded) == 7 + 6 + 16
+def test_counters(pooled):
+    _, _, (first, second) = pooled
+    blocks = sum(len(p) // BLOCK for p in PROMPTS)  # 7 + 6 + 16
+    # Round 1 saves every whole prompt block (chunked prefill: over several steps), loads nothing.
+    assert (first["save_blocks"], first["lookup_hit_blocks"], first["load_blocks"]) == (blocks, 0, 0)
+    # Round 2 loads all of them, none fails, and saves nothing again (loaded blocks are pooled).
+    assert (second["load_blocks"], second["load_failed_blocks"]) == (blocks, 0)
+    assert second["save_blocks"] == second["save_skipped_blocks"] == 0

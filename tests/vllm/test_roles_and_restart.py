@@ -1,7 +1,12 @@
 """Roles decide who saves and who loads; the SSD tier outlives the instance.
 
-Instances run one after another on the same `ssd_offload_path`, so what one saved is what the
-next finds: a restarted instance hits, and file counts show who wrote.
+Two instances run one after the other on the same `ssd_offload_path`: a `kv_producer`, then a
+`kv_consumer` with `consumer_is_to_load` and `consumer_is_to_put`. The consumer is a restarted
+instance: what it loads of the producer's work can only come from the SSD tier. File counts on
+the SSD show who wrote. Every role/flag combination's load and save decisions are unit tests
+(tests/unit/vllm/test_scheduler.py::test_roles_and_their_flags); `kv_consumer` with only
+`consumer_is_to_load` and `kv_producer` also run as the decode and prefill nodes of
+test_pd_examples.py.
 """
 
 from __future__ import annotations
@@ -10,34 +15,16 @@ import os
 
 import pytest
 
-from harness import BLOCK, Engine, kvpool_config, tokens
+from harness import BLOCK, Engine, kvpool_config, tokens, whole
 
 pytestmark = pytest.mark.vllm
 
 P = tokens(700, seed=21)  # 5 whole blocks
 R = tokens(400, seed=22)  # 3 whole blocks
-WHOLE_P, WHOLE_R = (len(P) // BLOCK) * BLOCK, (len(R) // BLOCK) * BLOCK
 
 
 def _files(root: str) -> int:
     return sum(len([f for f in fs if not f.startswith(".")]) for _, _, fs in os.walk(root))
-
-
-def _run(model_dir: str, ssd: str, role: str, prompts: list[list[int]], **flags) -> list[dict]:
-    e = Engine(model_dir, kv_transfer_config=kvpool_config(role=role, ssd_offload_path=ssd, **flags))
-    try:
-        return e.generate(prompts)
-    finally:
-        e.close()
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    e = Engine(model_dir, prefix_caching=True)
-    try:
-        yield {"P": e.generate([P, P])[1], "R": e.generate([R, R])[1]}
-    finally:
-        e.close()
 
 
 @pytest.fixture(scope="module")
@@ -45,29 +32,36 @@ def ssd(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("ssd").resolve())
 
 
-def test_producer_saves_but_does_not_load(model_dir, ssd):
-    first, second = _run(model_dir, ssd, "kv_producer", [P, P])
+@pytest.fixture(scope="module")
+def ref(reference) -> dict:
+    """vLLM alone: cold, then a prefix-cache hit of each prompt."""
+    p_cold, p_hit, r_cold, r_hit = reference.generate([P, P, R, R])
+    return {"P": (p_cold, p_hit), "R": (r_cold, r_hit)}
+
+
+def test_producer_saves_but_does_not_load(model_dir, ssd, ref):
+    with Engine(model_dir, kv_transfer_config=kvpool_config(role="kv_producer", ssd_offload_path=ssd)) as e:
+        first, second = e.generate([P, P])
+        counters = e.counters()
     assert first["num_cached_tokens"] == second["num_cached_tokens"] == 0
+    assert counters.get("load_blocks", 0) == counters.get("lookups", 0) == 0
+    assert second["token_ids"] == ref["P"][0]["token_ids"] and second["logprobs"] == ref["P"][0]["logprobs"]
     assert _files(ssd) == len(P) // BLOCK
 
 
-def test_consumer_neither_loads_nor_saves(model_dir, ssd):
+def test_restarted_consumer_loads_from_ssd_and_puts(model_dir, ssd, ref):
     before = _files(ssd)
-    p, r = _run(model_dir, ssd, "kv_consumer", [P, R])
-    assert p["num_cached_tokens"] == 0 and r["num_cached_tokens"] == 0
-    assert _files(ssd) == before
-
-
-def test_consumer_flags_load_and_put(model_dir, ssd, reference):
-    before = _files(ssd)
-    p, r = _run(model_dir, ssd, "kv_consumer", [P, R], consumer_is_to_load=True, consumer_is_to_put=True)
-    assert p["num_cached_tokens"] == WHOLE_P  # the producer's blocks, from the SSD tier
-    assert p["token_ids"] == reference["P"]["token_ids"] and p["logprobs"] == reference["P"]["logprobs"]
+    assert before == len(P) // BLOCK, "test_producer_saves_but_does_not_load runs first and fills the SSD"
+    cfg = kvpool_config(role="kv_consumer", ssd_offload_path=ssd, consumer_is_to_load=True, consumer_is_to_put=True)
+    with Engine(model_dir, kv_transfer_config=cfg) as e:
+        p, r = e.generate([P, R])
+        # The producer's blocks, from the SSD tier of a process that is gone: a prefix-cache hit.
+        assert p["num_cached_tokens"] == whole(P)
+        assert p["token_ids"] == ref["P"][1]["token_ids"] and p["logprobs"] == ref["P"][1]["logprobs"]
+        # R was new: computed (as vLLM alone) and put.
+        assert r["num_cached_tokens"] == 0
+        assert r["token_ids"] == ref["R"][0]["token_ids"] and r["logprobs"] == ref["R"][0]["logprobs"]
+        r_again = e.generate([R])[0]
+    assert r_again["num_cached_tokens"] == whole(R)
+    assert r_again["token_ids"] == ref["R"][1]["token_ids"] and r_again["logprobs"] == ref["R"][1]["logprobs"]
     assert _files(ssd) == before + len(R) // BLOCK
-
-
-def test_restart_on_same_ssd_path_hits(model_dir, ssd, reference):
-    p, r = _run(model_dir, ssd, "kv_both", [P, R])
-    assert (p["num_cached_tokens"], r["num_cached_tokens"]) == (WHOLE_P, WHOLE_R)
-    assert p["logprobs"] == reference["P"]["logprobs"]
-    assert r["logprobs"] == reference["R"]["logprobs"]

@@ -5,8 +5,8 @@ Layout of one pooled object under its key `K`:
 - values up to `redis_chunk_size` (64MB by default): one string `K` = 16-byte header + bytes;
 - larger values: chunk strings `K#chunk:{nonce}:{i}` written first, then `K` = header naming the
   chunk count, chunk size and nonce. The header is written last with `SET NX`, so a reader never
-  sees a partly written object, the first writer of a key wins (an existing key is an OK no-op)
-  and two writers of one key never share chunk keys (each has its own nonce); the loser deletes
+  sees a partly written object, the first writer of a key wins (a put of an existing key
+  answers OBJECT_ALREADY_EXISTS) and two writers of one key never share chunk keys (each has its own nonce); the loser deletes
   its chunks. A chunk evicted or expired on its own makes the object a miss, and its header is
   then removed.
 

@@ -539,11 +539,12 @@ def config_from_args(args: argparse.Namespace) -> ServerSettings:
         args.socket = os.path.abspath(args.socket)
     settings: ServerSettings = from_flags(args, ServerSettings)
     if not os.path.isdir(os.path.dirname(settings.socket_path)):
-        raise ConfigError("socket", args.socket, "a path in an existing directory")
+        raise ConfigError("--socket", args.socket, "a path in an existing directory")
     if settings.enable_offload and not settings.offload_path:
-        raise ConfigError("enable_offload", True, "to be used with --offload_path DIR")
-    if settings.offload_path and not settings.enable_offload:
-        raise ConfigError("offload_path", settings.offload_path, "to be used with --enable_offload")
+        raise ConfigError("--enable_offload", True, "to be used with --offload_path DIR")
+    for flag in ("offload_path", "offload_quota", "offload_eviction_policy"):
+        if getattr(args, flag, None) is not None and not settings.enable_offload:
+            raise ConfigError(f"--{flag}", getattr(args, flag), "to be used with --enable_offload")
     return settings
 
 

@@ -77,7 +77,10 @@ class PoolWorker:
             pp_rank=self.pp_rank, pp_size=self.pp_size,
         )
         self._put_targets = [(self.scheme, range(len(self.layout.layers)))]
-        if self.config.consumer_is_to_put and self.config.prefill_pp_size and self.pp_size == 1:
+        # Only a decode node (kv_consumer) puts for the prefill nodes' PP stages; the flag means
+        # nothing on other roles (docs/configuration.md, roles).
+        if (self.config.kv_role == "kv_consumer" and self.config.consumer_is_to_put
+                and self.config.prefill_pp_size and self.pp_size == 1):
             from vllm.distributed.utils import get_pp_indices
 
             n, size = len(self.layout.layers), self.config.prefill_pp_size
