@@ -1,6 +1,7 @@
 """Fixtures for end-to-end tests on real vLLM: a small random model and engine processes.
 
-Engines are what costs time here (10-25 s each to start on 2 cores), so they are shared:
+Engines are what costs time here, so they are few and shared (harness.py forks each engine
+from a process that imported vLLM once: ~2 s to start instead of ~12 s on 2 cores):
 - `reference`: one vLLM engine with its own prefix cache and no connector, for the whole
   session. Every module asks it about its own prompts (random tokens from a seed of its own),
   so no module ever hits another's blocks: a module's first request for a prompt is cold, a
@@ -17,9 +18,22 @@ differently on another CPU.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from harness import Engine
+
+HERE = Path(__file__).parent
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    # Every test here starts vLLM: marked `vllm` even if a module forgets its pytestmark, so
+    # `-m "not vllm"` (make test-fast) never starts an engine.
+    for item in items:
+        if HERE in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.vllm)
 
 
 @pytest.fixture(scope="session")

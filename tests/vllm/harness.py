@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
 import re
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -17,8 +23,8 @@ VOCAB_LOW, VOCAB_HIGH = 3, 2000  # skip the special tokens of the generated toke
 
 # Every engine of this suite runs with these, so engines compute alike and may be compared:
 # the same two cores, no core reserved for the connector, a small KV cache. The engine core
-# runs inside the engine's process (no second process to start and import vLLM into: ~10 s
-# less per engine on 2 cores); tensor-parallel workers are still processes of their own.
+# runs inside the engine's process (no second process to start and import vLLM into);
+# tensor-parallel workers are still processes of their own.
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "0-1",
@@ -61,6 +67,110 @@ def kvpool_config(role: str = "kv_both", policy: str = "recompute", **extra) -> 
     }
 
 
+class _ForkServer:
+    """engine_server.py --fork-server: vLLM imported once, an engine process forked per Engine."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="kvpool-e2e-")
+        self.path = os.path.join(self.dir, "fork.sock")
+        self.log_path = os.path.join(self.dir, "fork-server.log")
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, str(HERE / "engine_server.py"), "--fork-server", self.path],
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **ENGINE_ENV})
+        deadline = time.monotonic() + 300
+        while "READY" not in Path(self.log_path).read_text(errors="replace"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"engine fork server did not start:\n{Path(self.log_path).read_text()[-5000:]}")
+            time.sleep(0.05)
+
+    def spawn(self, spec: dict, env: dict[str, str]) -> "_Forked":
+        child_in, stdin = os.pipe()
+        stdout, child_out = os.pipe()
+        try:
+            with socket.socket(socket.AF_UNIX) as conn:
+                conn.connect(self.path)
+                socket.send_fds(conn, [b"f"], [child_in, child_out])
+                conn.sendall(json.dumps({"spec": spec, "env": env}).encode())
+                conn.shutdown(socket.SHUT_WR)
+                answer = b""
+                while chunk := conn.recv(4096):
+                    answer += chunk
+        except BaseException:
+            for fd in (stdin, stdout):
+                os.close(fd)
+            raise
+        finally:
+            os.close(child_in)
+            os.close(child_out)
+        if not answer:
+            raise RuntimeError(f"engine fork server failed:\n{Path(self.log_path).read_text()[-5000:]}")
+        return _Forked(json.loads(answer)["pid"], os.fdopen(stdin, "w"), os.fdopen(stdout, "r"))
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class _Forked:
+    """The part of subprocess.Popen that Engine uses, for a process of the fork server."""
+
+    def __init__(self, pid: int, stdin, stdout) -> None:
+        self.pid, self.stdin, self.stdout = pid, stdin, stdout
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                self.returncode = 0  # gone (reaped by the fork server; its code is not ours to read)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"engine pid {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)  # the engine leads its own process group
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+_fork_server: _ForkServer | None = None
+_fork_lock = threading.Lock()
+
+
+def _spawn(spec: dict, env: dict[str, str]):
+    """Start an engine process: forked from the fork server (unless KVPOOL_E2E_FORK_SERVER=0)."""
+    global _fork_server
+    if os.environ.get("KVPOOL_E2E_FORK_SERVER", "1") == "0":
+        return subprocess.Popen([sys.executable, str(HERE / "engine_server.py"), json.dumps(spec)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env)
+    with _fork_lock:
+        if _fork_server is None or not _fork_server.alive():
+            _fork_server = _ForkServer()
+            atexit.register(_fork_server.close)
+        server = _fork_server
+    return server.spawn(spec, env)
+
+
 # "kvpool (tp0 pp0): lookups=1, lookup_hit_blocks=7, load_blocks=7, ..." (PoolWorker.get_stats)
 _STATS_LINE = re.compile(r"kvpool \((tp\d+ pp\d+)\): (.*)$")
 
@@ -74,7 +184,7 @@ class Engine:
 
     def __init__(self, model: str, kv_transfer_config: dict | None = None, prefix_caching: bool = False,
                  dtype: str = "float32", max_num_batched_tokens: int = 512, env: dict | None = None,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, wait: bool = True) -> None:
         spec = {
             "model": model, "dtype": dtype, "enforce_eager": True, "max_model_len": 4096,
             "block_size": BLOCK, "enable_prefix_caching": prefix_caching,
@@ -83,20 +193,24 @@ class Engine:
         }
         if kv_transfer_config is not None:
             spec["kv_transfer_config"] = kv_transfer_config
-        full_env = {**os.environ, **ENGINE_ENV, **(env or {})}
         self.log: list[str] = []
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "engine_server.py"), json.dumps(spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
-        )
         self._lines: list[str] = []
+        self._eof = False
         self._cond = threading.Condition()
+        self.proc = _spawn(spec, {**os.environ, **ENGINE_ENV, **(env or {})})
         threading.Thread(target=self._pump, daemon=True).start()
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout: float = 300) -> "Engine":
+        """Until the engine serves (`wait=False` starts it without waiting: start several
+        engines, then wait for each, and their start-ups overlap)."""
         try:
-            self._wait_line(lambda l: l.startswith("READY"), timeout=300)
+            self._wait_line(lambda l: l.startswith("READY"), timeout=timeout)
         except BaseException:
             self.close()
             raise
+        return self
 
     def _pump(self) -> None:
         for line in self.proc.stdout:
@@ -106,12 +220,12 @@ class Engine:
                     self._lines.append(line)
                 self._cond.notify_all()
         with self._cond:
+            self._eof = True
             self._cond.notify_all()
 
     def _wait_line(self, pred, timeout: float) -> str:
         with self._cond:
-            ok = self._cond.wait_for(lambda: any(pred(l) for l in self._lines) or self.proc.poll() is not None,
-                                     timeout=timeout)
+            ok = self._cond.wait_for(lambda: any(pred(l) for l in self._lines) or self._eof, timeout=timeout)
             for i, l in enumerate(self._lines):
                 if pred(l):
                     return self._lines.pop(i)
@@ -161,17 +275,31 @@ class Engine:
         with self._cond:
             return "".join(self.log)
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
+    def begin_close(self) -> None:
+        """Ask the engine to shut down (it finishes its IO first), without waiting."""
+        if self.proc.poll() is None and not self.proc.stdin.closed:
             self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+
+    def close(self, timeout: float = 60) -> None:
+        """Shut down and wait for the exit (SIGKILL after `timeout`)."""
+        self.begin_close()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, where how the engine would shut down is not the test's business (a client
+        of a dead store may wait out its timeouts first)."""
+        self.begin_close()
+        self.proc.kill()
+        self.proc.wait()
 
     def __enter__(self) -> "Engine":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+

@@ -3,10 +3,10 @@
 Hits through the store equal vLLM's own prefix-cache hits, bit for bit; when the store goes
 away mid-run, requests still succeed (misses and recompute), never error or hang.
 
-Mooncake keeps objects in the segments its clients mount, so two instances run: the second
-reads what the first computed out of the first one's segment, over the transfer engine. A
-Yuanrong worker holds the objects itself, so one instance shows the whole path; several clients
-of one worker are the conformance suite's `test_concurrent_processes`.
+Mooncake keeps objects in the segments its clients mount (each vLLM instance mounts one), so
+two instances run side by side and the second loads what the first computed, wherever the
+master placed it. A Yuanrong worker holds the objects itself, so one instance shows the whole
+path; several clients of one worker are the conformance suite's `test_concurrent_processes`.
 """
 
 from __future__ import annotations
@@ -34,10 +34,12 @@ def test_mooncake_two_instances_share_the_store(model_dir, reference, tmp_path):
     try:
         path = master.write_config(tmp_path / "mooncake.json", global_segment_size="256MB", local_buffer_size="64MB")
         env = {"MOONCAKE_CONFIG_PATH": path}
-        with Engine(model_dir, kv_transfer_config=kvpool_config(backend="mooncake"), env=env) as a, \
-                Engine(model_dir, kv_transfer_config=kvpool_config(backend="mooncake"), env=env) as b:
+        engines = [Engine(model_dir, kv_transfer_config=kvpool_config(backend="mooncake"), env=env, wait=False)
+                   for _ in range(2)]
+        try:
+            a, b = (e.wait_ready() for e in engines)
             _same(a.generate([DOC["mooncake"]])[0], ref_cold)
-            second = b.generate([DOC["mooncake"]])[0]  # B never saw DOC: A's blocks, from A's segment
+            second = b.generate([DOC["mooncake"]])[0]  # B never saw DOC: A's blocks, through the store
             assert second["num_cached_tokens"] == whole(DOC["mooncake"])
             _same(second, ref_hit)
 
@@ -45,6 +47,9 @@ def test_mooncake_two_instances_share_the_store(model_dir, reference, tmp_path):
             _same(b.generate([LATE["mooncake"]])[0], ref_late)
             again = a.generate([DOC["mooncake"]])[0]  # the store is gone: recomputed
             assert again["error"] is None and again["token_ids"] == ref_cold["token_ids"]
+        finally:
+            for e in engines:  # their store is dead: how they shut down is not tested here
+                e.kill()
     finally:
         master.stop()
 
@@ -54,7 +59,8 @@ def test_yuanrong_hits_and_survives_the_worker(model_dir, reference, tmp_path):
     worker = YuanrongWorker(tmp_path, shared_memory_mb=512)
     try:
         env = {"DS_WORKER_ADDR": worker.address, "DATASYSTEM_CLIENT_LOG_DIR": str(tmp_path / "client-logs")}
-        with Engine(model_dir, kv_transfer_config=kvpool_config(backend="yuanrong"), env=env) as e:
+        e = Engine(model_dir, kv_transfer_config=kvpool_config(backend="yuanrong"), env=env)
+        try:
             cold, hit = e.generate([DOC["yuanrong"], DOC["yuanrong"]])
             _same(cold, ref_cold)
             assert hit["num_cached_tokens"] == whole(DOC["yuanrong"])
@@ -64,5 +70,7 @@ def test_yuanrong_hits_and_survives_the_worker(model_dir, reference, tmp_path):
             _same(e.generate([LATE["yuanrong"]])[0], ref_late)
             again = e.generate([DOC["yuanrong"]])[0]  # the store is gone: recomputed
             assert again["error"] is None and again["token_ids"] == ref_cold["token_ids"]
+        finally:
+            e.kill()  # its store is dead: how it shuts down is not tested here
     finally:
         worker.stop()
