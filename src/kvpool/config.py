@@ -44,6 +44,12 @@ KiB, MiB, GiB, TiB, PiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40, 1 << 50
 DEFAULT_SERVER_SOCKET = f"/tmp/kvpool-{os.getuid()}.sock"
 _MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes including the terminating NUL
 DAY_S = 86_400.0
+# Pinned host memory per worker for the staging path (half for loads, half for saves): a
+# 4K-token hit of a 7B model (~2 GiB of KV) moves in a few rounds.
+DEFAULT_STAGING_BYTES = 512 * MiB
+# Threads that share one batch's direct copies: a copy is bound by one core's memory bandwidth,
+# and the engine's other threads sleep while a synchronous load runs.
+DEFAULT_COPY_THREADS = 4
 
 # ---- one parser per kind ------------------------------------------------------------------------
 
@@ -463,6 +469,18 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
         "PP size of the prefill nodes a decode node puts for"))] | None = None
     prefill_pp_layer_partition: tuple[Annotated[int, Meta(gt=0)], ...] | None = None
     discard_partial_chunks: Annotated[bool, Meta(description="only full blocks are saved (must be true)")] = True
+    transfer_path: Annotated[Literal["auto", "direct", "staged"], Meta(description=(
+        "how blocks move between the KV cache and the pool: `auto` copies host-memory caches "
+        "directly and stages accelerator caches through pinned host buffers; `staged` forces "
+        "staging (also on CPU, to test it)"))] = "auto"
+    staging_buffer_size: Annotated[int, Meta(ge=MiB, le=64 * GiB, extra={"kind": "size"}, description=(
+        "host memory for staging, split between loads and saves; a larger batch moves in "
+        "several rounds"))] = DEFAULT_STAGING_BYTES
+    use_layerwise: Annotated[bool, Meta(description=(
+        "one pool value per block and layer: loads stream layer by layer into the forward pass "
+        "(wait_for_layer_load) and saves leave as each layer is written (save_kv_layer)"))] = False
+    copy_threads: Annotated[int, Meta(ge=1, le=64, description=(
+        "threads that copy one batch's blocks in parallel (direct path)"))] = DEFAULT_COPY_THREADS
     inject_load_failure_every: Annotated[int, Meta(ge=0, le=2**31 - 1, description=(
         "test aid: fail every Nth block read (0: never)"))] = 0
     stats_log_interval_s: Annotated[float, Meta(ge=0, le=DAY_S, extra={"kind": "seconds"}, description=(
@@ -490,6 +508,10 @@ class KVPoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefill_pp_size: int | None = None
     prefill_pp_layer_partition: tuple[int, ...] | None = None
     discard_partial_chunks: bool = True
+    transfer_path: str = "auto"
+    staging_buffer_size: int = DEFAULT_STAGING_BYTES
+    use_layerwise: bool = False
+    copy_threads: int = DEFAULT_COPY_THREADS
     inject_load_failure_every: int = 0
     stats_log_interval_s: float = 10.0
     # The chosen backend's own keys (its `BackendSettings` subclass).
@@ -582,6 +604,10 @@ def load_config(extra: Mapping[str, Any] | None, kv_role: str | None = "kv_both"
         prefill_pp_size=common.prefill_pp_size,
         prefill_pp_layer_partition=common.prefill_pp_layer_partition,
         discard_partial_chunks=common.discard_partial_chunks,
+        transfer_path=common.transfer_path,
+        staging_buffer_size=common.staging_buffer_size,
+        use_layerwise=common.use_layerwise,
+        copy_threads=common.copy_threads,
         inject_load_failure_every=common.inject_load_failure_every,
         stats_log_interval_s=common.stats_log_interval_s,
         backend_settings=chosen,

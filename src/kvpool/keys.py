@@ -5,6 +5,10 @@ TP shard and PP stage:
 
     {model}@{layout}@tp{shard}/{shards}@pp{pp_rank}/{pp_size}@g{group}@{block_hash_hex}
 
+In layerwise mode (`use_layerwise`) a block is stored as one value per layer, under the block's
+key with `@l{layer}` appended, so a load can move layer i while layer i-1 computes. The two
+modes never read each other's values.
+
 The block hash is vLLM's chained prefix hash, so it already covers LoRA, multimodal inputs and
 `cache_salt`. The layout fingerprint makes an instance with another dtype, block size, head
 split or layer count miss instead of loading bytes it would misread.
@@ -66,6 +70,7 @@ class KeyScheme:
     pp_rank: int = 0
     pp_size: int = 1
     group: int = 0
+    layers: int = 0  # layerwise: values per block (one per layer); 0: one value per block
 
     def __post_init__(self) -> None:
         if self.tp_size % self.kv_shards:
@@ -80,21 +85,27 @@ class KeyScheme:
         """Whether this rank writes its shard's keys (the first TP rank of each shard does)."""
         return self.tp_rank % (self.tp_size // self.kv_shards) == 0
 
-    def key(self, block_hash: bytes, shard: int | None = None, pp_rank: int | None = None) -> str:
+    def key(self, block_hash: bytes, shard: int | None = None, pp_rank: int | None = None,
+            layer: int | None = None) -> str:
         s = self.shard if shard is None else shard
         p = self.pp_rank if pp_rank is None else pp_rank
-        return (
+        key = (
             f"{self.model}@{self.layout}@tp{s}/{self.kv_shards}@pp{p}/{self.pp_size}"
             f"@g{self.group}@{block_hash.hex()}"
         )
+        return key if layer is None else f"{key}@l{layer}"
 
-    def keys(self, block_hashes: Sequence[bytes]) -> list[str]:
-        """This rank's keys for the given blocks."""
-        return [self.key(h) for h in block_hashes]
+    def keys(self, block_hashes: Sequence[bytes], layer: int | None = None) -> list[str]:
+        """This rank's keys for the given blocks (in layerwise mode, for one layer)."""
+        if (layer is None) != (self.layers == 0):
+            raise ValueError(f"layer={layer} for a key scheme with layers={self.layers}")
+        return [self.key(h, layer=layer) for h in block_hashes]
 
     def all_rank_keys(self, block_hash: bytes) -> list[str]:
-        """The keys of every shard and PP stage for one block: a block is a hit only if all exist."""
-        return [self.key(block_hash, s, p) for p in range(self.pp_size) for s in range(self.kv_shards)]
+        """The keys of every shard, PP stage (and layer) for one block: a block is a hit only if all exist."""
+        layers = range(self.layers) if self.layers else [None]
+        return [self.key(block_hash, s, p, layer) for p in range(self.pp_size)
+                for s in range(self.kv_shards) for layer in layers]
 
 
 def prefill_stage_schemes(scheme: KeyScheme, num_layers: int, prefill_pp_size: int,

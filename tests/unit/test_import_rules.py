@@ -5,7 +5,8 @@
     config                   the schemas and their parser
     server                   `kvpool server`: daemon, wire format, shared memory, client, metrics
     backends                 registry, base class, one adapter per store
-    vllm                     the connector (the only layer that imports vLLM or torch)
+    device                   KV cache tensors <-> pool values: layout, direct and staged copies (torch, no vLLM)
+    vllm                     the connector (the only layer that imports vLLM)
     proxy, cli, testing, demo   on top: commands, the PD proxy, launchers
 
 Imports inside functions count too: a lazy import up the layers is still a cycle in the design.
@@ -27,6 +28,7 @@ LAYERS = [
     {"config"},
     {"server"},
     {"backends"},
+    {"device"},
     {"vllm"},
     {"proxy", "cli", "testing", "demo"},
 ]
@@ -75,6 +77,16 @@ def test_imports_go_down_the_layers_only():
             if up or sideways_top or sideways:
                 violations.append(f"{rel}:{line} ({here}) imports {module} ({there})")
     assert not violations, "imports against the layering:\n" + "\n".join(violations)
+
+
+def test_device_layer_imports_torch_but_not_vllm():
+    code = (
+        "import sys\n"
+        "import kvpool.device.layout, kvpool.device.copy\n"
+        "print('vllm' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_layers_below_vllm_import_neither_vllm_nor_torch():

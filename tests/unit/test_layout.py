@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvpool.vllm.layout import KVLayout
+from kvpool.device.layout import KVLayout
 
 NUM_BLOCKS = 10
 BLOCK_SIZE = 16
@@ -183,7 +183,7 @@ def test_block_dim_is_found_when_another_dim_has_the_same_size():
 def test_mismatched_layer_shapes_raise():
     caches, _ = cpu_layout(torch.float32)
     caches["model.layers.9.self_attn.attn"] = random_tensor((NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, HEAD), torch.float32, 9)
-    with pytest.raises(ValueError, match="model.layers.9.self_attn.attn has another KV shape or dtype"):
+    with pytest.raises(ValueError, match="model.layers.9.self_attn.attn has another KV shape, dtype or device"):
         KVLayout(caches, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, num_layers_total=LAYERS + 1, cache_layout="cpu")
 
 
@@ -191,7 +191,7 @@ def test_mismatched_layer_dtypes_raise():
     caches, _ = cpu_layout(torch.float32)
     caches["model.layers.9.self_attn.attn"] = random_tensor((NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, 2 * HEAD),
                                                             torch.bfloat16, 9)
-    with pytest.raises(ValueError, match="another KV shape or dtype"):
+    with pytest.raises(ValueError, match="another KV shape, dtype or device"):
         KVLayout(caches, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, num_layers_total=LAYERS + 1, cache_layout="cpu")
 
 
@@ -214,7 +214,12 @@ def test_no_layers_raise():
         KVLayout({}, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, num_layers_total=LAYERS, cache_layout="cpu")
 
 
-def test_non_host_memory_is_refused():
+def test_accelerator_cache_has_no_host_views():
+    """A cache off the host (here torch's `meta` device) is accepted for the staging path, and
+    the direct path's numpy views are refused with a message naming the device."""
     caches = {"l0": torch.empty((NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, 2 * HEAD), device="meta")}
-    with pytest.raises(NotImplementedError, match="host memory only"):
-        KVLayout(caches, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, num_layers_total=1, cache_layout="meta")
+    layout = KVLayout(caches, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, num_layers_total=1, cache_layout="meta")
+    assert not layout.in_host_memory
+    assert layout.block_bytes == KV_HEADS * BLOCK_SIZE * 2 * HEAD * 4
+    with pytest.raises(ValueError, match="on meta.*staging path"):
+        layout.block_buffers(0)

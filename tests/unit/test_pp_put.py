@@ -14,7 +14,7 @@ from kvpool.backends.local import LocalBackend
 from kvpool.config import LocalSettings
 from kvpool.errors import ConfigError, ErrorCode
 from kvpool.keys import KeyScheme, prefill_stage_schemes
-from kvpool.vllm.layout import KVLayout
+from kvpool.device.layout import KVLayout
 
 NUM_BLOCKS, BLOCK, HEADS, HEAD = 8, 16, 2, 32
 

@@ -28,13 +28,24 @@ def ref_rounds(reference):
     return [reference.generate(PROMPTS), reference.generate(PROMPTS)]
 
 
-@pytest.fixture(scope="module", params=["sync", "async"])
+# The data paths: direct copies (sync and load_async); the accelerator staging path forced on
+# CPU; and layerwise transfer (loads waited for per layer inside the forward pass, saves sent
+# per layer), also staged.
+MODES = {
+    "sync": {},
+    "async": {"load_async": True},
+    "staged": {"transfer_path": "staged"},
+    "staged-layerwise": {"transfer_path": "staged", "use_layerwise": True},
+}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
 def pooled(request, model_dir):
     """vLLM with kvpool and no prefix cache: round 2 can only hit through the pool.
 
     Yields the mode, both rounds' results and kvpool's counters of each round.
     """
-    with Engine(model_dir, kv_transfer_config=kvpool_config(load_async=request.param == "async")) as e:
+    with Engine(model_dir, kv_transfer_config=kvpool_config(**MODES[request.param])) as e:
         rounds, counters = [], []
         for _ in range(2):
             since = e.mark()
@@ -89,3 +100,14 @@ def test_counters(pooled):
     # Round 2 loads all of them, none fails, and saves nothing again (loaded blocks are pooled).
     assert (second["load_blocks"], second["load_failed_blocks"]) == (blocks, 0)
     assert second["save_blocks"] == second["save_skipped_blocks"] == 0
+
+
+def test_layerwise_hooks_run_on_real_vllm(pooled):
+    """vLLM's CPU attention calls the connector's per-layer hooks: every layer of a loading
+    step was waited for inside the forward pass, and saves left from save_kv_layer."""
+    mode, _, (first, second) = pooled
+    if mode != "staged-layerwise":
+        assert first.get("layer_saves_sent", 0) == second.get("layer_loads_waited", 0) == 0
+        return
+    assert first["layer_saves_sent"] > 0
+    assert second["layer_loads_waited"] > 0

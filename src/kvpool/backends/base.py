@@ -32,6 +32,7 @@ import numpy as np
 from kvpool.errors import ErrorCode, KVPoolError
 from kvpool.errors import EXISTS, INTERNAL, INVALID, INVALID_KEY, NOT_FOUND, OK, RPC_FAIL  # the codes as ints
 from kvpool.store.buffers import as_u8, gather, scatter, spans, total_size
+from kvpool.store.memcopy import CopyEngine
 
 if TYPE_CHECKING:
     from kvpool.backends.registry import Capabilities
@@ -145,6 +146,7 @@ class _State:
         self.lock = threading.Lock()
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.link = Reconnect(backend._connect, backend.retry_first_s, backend.retry_cap_s)
+        self.copies = CopyEngine(1)
 
 
 def _valid_key(key: object) -> bool:
@@ -271,10 +273,17 @@ class Backend(abc.ABC):
             out[f"store_{k}"] = v
         return out
 
+    def use_copy_threads(self, threads: int) -> None:
+        """Copy a batch's values on this many threads where the adapter copies them itself
+        (`copy_threads`; `local` and `server`, whose bytes kvpool's own code moves)."""
+        old, self._state.copies = self._state.copies, CopyEngine(threads)
+        old.close()
+
     def close(self) -> None:
         """Release the backend's resources; flushes what its tiers promise to keep."""
         self._state.link.close()
         self._close()
+        self._state.copies.close()
 
     # ---- hooks ------------------------------------------------------------------------------
 
@@ -313,6 +322,10 @@ class Backend(abc.ABC):
     @property
     def _link(self) -> Reconnect:
         return self._state.link
+
+    @property
+    def _copies(self) -> CopyEngine:
+        return self._state.copies
 
     @property
     def _state(self) -> _State:

@@ -40,7 +40,7 @@ class LocalBackend(Backend):
         return int(self.engine.commit(result.handle))
 
     def _get_into(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
-        return [int(c) for c in self.engine.batch_get_into(self._client, keys, values)]
+        return [int(c) for c in self.engine.batch_get_into(self._client, keys, values, self._copies)]
 
     def _store_stats(self) -> dict[str, float]:
         return self.engine.stats()

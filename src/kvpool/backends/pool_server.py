@@ -41,7 +41,7 @@ class ServerBackend(Backend):
         return self.client.put(keys, values)
 
     def _get_into(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
-        return self.client.get_into(keys, values)
+        return self.client.get_into(keys, values, self._copies)
 
     def _store_stats(self) -> dict[str, float]:
         """The server's numeric counters (none while it is unreachable)."""

@@ -113,6 +113,7 @@ def create_backend(config: KVPoolConfig, client_name: str) -> Backend:
     """Build the backend `config.backend` names, from its own settings."""
     spec = REGISTRY[config.backend]
     backend: Backend = _resolve(spec.factory)(config.backend_settings, client_name)
+    backend.use_copy_threads(config.copy_threads)
     return backend
 
 

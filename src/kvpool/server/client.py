@@ -41,7 +41,8 @@ from kvpool.errors import INTERNAL, INVALID, INVALID_KEY, OK, RPC_FAIL, BackendU
 from kvpool.server import protocol as P
 from kvpool.server import shm
 from kvpool.store.buffers import as_u8 as _u8
-from kvpool.store.buffers import gather, scatter
+from kvpool.store.buffers import gather
+from kvpool.store.memcopy import CopyEngine
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,9 @@ def _chunks(items: list[Any], size_of: Any = None) -> Iterator[list[Any]]:
         total += size
     if batch:
         yield batch
+
+
+_SERIAL = CopyEngine(1)  # copies on the calling thread
 
 
 class PoolClient:
@@ -228,8 +232,10 @@ class PoolClient:
             self._put_batch(batch, codes)
         return codes
 
-    def get_into(self, keys: Sequence[str], values: Sequence[Sequence[Any]]) -> list[int]:
-        """Copy each key's bytes into its buffers (sizes must add up to the object's).
+    def get_into(self, keys: Sequence[str], values: Sequence[Sequence[Any]],
+                 copies: CopyEngine | None = None) -> list[int]:
+        """Copy each key's bytes into its buffers (sizes must add up to the object's), on
+        ``copies``' threads when given.
 
         A key counts as read (OK) only if the server confirms at release that its lease held
         for the whole copy; otherwise the buffers may hold garbage and the code says why
@@ -237,7 +243,7 @@ class PoolClient:
         """
         codes, todo = _prepare(keys, values, writable=True)
         for batch in _chunks(todo, size_of=lambda item: item[3]):
-            self._get_batch(batch, codes)
+            self._get_batch(batch, codes, copies or _SERIAL)
         return codes
 
     def remove(self, keys: Sequence[str]) -> list[int]:
@@ -344,7 +350,8 @@ class PoolClient:
         except _Down:
             pass  # uncommitted keys stay RPC_FAIL; the server frees their ranges at disconnect
 
-    def _get_batch(self, batch: list[tuple[int, str, list[np.ndarray], int]], codes: list[int]) -> None:
+    def _get_batch(self, batch: list[tuple[int, str, list[np.ndarray], int]], codes: list[int],
+                   copies: CopyEngine) -> None:
         first = self._first_phase(batch, codes, P.Acquire([b[1] for b in batch]), P.Acquired)
         if first is None:
             return
@@ -360,6 +367,8 @@ class PoolClient:
             if lease_id:
                 releasing.append(lease_id)
                 checked.append(-1)
+        jobs: list[tuple[np.ndarray, list[np.ndarray]]] = []
+        copying: list[tuple[int, int]] = []  # (key index, lease id; 0 for bytes sent inline)
         for (i, _key, outs, want), code, lease_id, offset, size, data in zip(
             batch, reply.codes, reply.lease_ids, reply.offsets, reply.sizes, reply.data
         ):
@@ -374,19 +383,18 @@ class PoolClient:
                 if data is None or len(data) != size:
                     codes[i] = int(ErrorCode.INTERNAL_ERROR)
                     continue
-                src = np.frombuffer(data, dtype=np.uint8)
+                jobs.append((np.frombuffer(data, dtype=np.uint8), outs))
+                copying.append((i, 0))
             elif 0 <= offset <= arena.size - size:
-                src = arena[offset : offset + size]
+                jobs.append((arena[offset : offset + size], outs))
+                copying.append((i, lease_id))
             else:
                 give_up(i, INTERNAL, lease_id)
-                continue
-            try:
-                scatter(src, outs)
-            except Exception:
-                logger.exception("kvpool get: copying out of the arena failed")
+        for (i, lease_id), err in zip(copying, copies.scatter_all(jobs)):
+            if err is not None:
+                logger.error("kvpool get: copying out of the arena failed: %r", err)
                 give_up(i, INVALID, lease_id)
-                continue
-            if offset == -1:
+            elif lease_id == 0:
                 codes[i] = OK
             else:
                 releasing.append(lease_id)

@@ -46,6 +46,7 @@ from kvpool.errors import ConfigError, ErrorCode, StoreError
 from kvpool.store.allocator import OffsetAllocator
 from kvpool.store.buffers import as_u8 as _as_u8
 from kvpool.store.disk import DiskTier
+from kvpool.store.memcopy import CopyEngine
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +194,9 @@ class _Pending:
     generation: int
 
 
+
+
+_SERIAL = CopyEngine(1)  # copies on the calling thread
 
 
 class PoolEngine:
@@ -369,9 +373,7 @@ class PoolEngine:
         if not lease.lease_id:
             return
         with self._lock:
-            obj = self._objects.get(lease.key)
-            if obj is not None and obj.generation == lease.generation:
-                obj.leases.pop(lease.lease_id, None)
+            self._release_locked(lease)
 
     def validate(self, lease: Lease) -> ErrorCode:
         """After copying out, tell whether the copied bytes were stable (OK) or not (LEASE_EXPIRED).
@@ -380,20 +382,11 @@ class PoolEngine:
         or replaced by a newer generation, or when ``reap`` dropped the lease.
         """
         now = self._clock()
-        expired = now > lease.expires_at
-        if not expired and lease.data is None:
-            with self._lock:
-                obj = self._objects.get(lease.key)
-                expired = (
-                    obj is None
-                    or obj.generation != lease.generation
-                    or (lease.lease_id != 0 and lease.lease_id not in obj.leases)
-                )
-        if expired:
-            with self._lock:
+        with self._lock:
+            rc = self._validate_locked(lease, now)
+            if rc is not ErrorCode.OK:
                 self._stats["lease_expired"] += 1
-            return ErrorCode.LEASE_EXPIRED
-        return ErrorCode.OK
+        return rc
 
     def exists(self, keys: Sequence[str], client_id: str | None = None, lease: bool = False) -> list[bool]:
         """Per key: is it in memory, the spill buffer or on disk.
@@ -453,38 +446,7 @@ class PoolEngine:
         INVALID_PARAMS when the sizes do not add up; LEASE_EXPIRED when the copy
         may be torn (the buffers then hold garbage and must be treated as a miss).
         """
-        try:
-            outs = [_as_u8(b, writable=True) for b in buffers]
-        except (TypeError, ValueError) as exc:
-            logger.warning("get_into(key=%r): bad buffer (%s); pass writable contiguous uint8 arrays", key, exc)
-            return ErrorCode.INVALID_PARAMS
-        lease = self.acquire(client_id, key)
-        if isinstance(lease, ErrorCode):
-            return lease
-        try:
-            total = sum(o.size for o in outs)
-            if total != lease.size:
-                logger.warning(
-                    "get_into(key=%r): buffers hold %d bytes but the object has %d; "
-                    "pass buffers whose sizes add up to the stored size",
-                    key, total, lease.size,
-                )
-                return ErrorCode.INVALID_PARAMS
-            if lease.data is not None:
-                src = np.frombuffer(lease.data, dtype=np.uint8)
-            else:
-                src = self._arena[lease.offset : lease.offset + lease.size]
-            pos = 0
-            for out in outs:
-                out[:] = src[pos : pos + out.size]
-                pos += out.size
-            rc = self.validate(lease)
-            if rc is ErrorCode.OK:
-                with self._lock:
-                    self._stats["gets"] += 1
-            return rc
-        finally:
-            self.release(lease)
+        return self.batch_get_into(client_id, [key], [buffers])[0]
 
     def batch_put(
         self, client_id: str, keys: Sequence[str], values: Sequence[Sequence[Buffer]]
@@ -495,12 +457,78 @@ class PoolEngine:
         return [self.put(client_id, k, v) for k, v in zip(keys, values)]
 
     def batch_get_into(
-        self, client_id: str, keys: Sequence[str], buffers: Sequence[Sequence[Buffer]]
+        self, client_id: str, keys: Sequence[str], buffers: Sequence[Sequence[Buffer]],
+        copies: CopyEngine | None = None,
     ) -> list[ErrorCode]:
-        """``get_into`` per key."""
-        if len(keys) != len(buffers):
-            return [ErrorCode.INVALID_PARAMS] * len(keys)
-        return [self.get_into(client_id, k, b) for k, b in zip(keys, buffers)]
+        """``get_into`` per key, as one batch: the in-memory hits are leased under one lock
+        acquisition, copied (on ``copies``' threads when given), then validated and released
+        under one acquisition each. One failing key does not stop the others."""
+        n = len(keys)
+        if n != len(buffers):
+            return [ErrorCode.INVALID_PARAMS] * n
+        codes: list[ErrorCode] = [ErrorCode.OK] * n
+        outs: list[list[np.ndarray]] = [[] for _ in range(n)]
+        wanted: list[int] = []
+        for i, (key, bufs) in enumerate(zip(keys, buffers)):
+            try:
+                outs[i] = [_as_u8(b, writable=True) for b in bufs]
+            except (TypeError, ValueError) as exc:
+                logger.warning("get_into(key=%r): bad buffer (%s); pass writable contiguous uint8 arrays", key, exc)
+                codes[i] = ErrorCode.INVALID_PARAMS
+                continue
+            if not isinstance(key, str) or not key:
+                codes[i] = ErrorCode.INVALID_KEY
+                continue
+            wanted.append(i)
+        leases: dict[int, Lease] = {}
+        now = self._clock()
+        with self._lock:
+            self._touch_client(client_id, now)
+            for i in wanted:
+                lease = self._lease_locked(client_id, keys[i], now)
+                if lease is not None:
+                    self._stats["hits"] += 1
+                    leases[i] = lease
+        for i in wanted:  # not in memory: the spill buffer or the disk tier, one key at a time
+            if i not in leases:
+                got = self.acquire(client_id, keys[i])
+                if isinstance(got, ErrorCode):
+                    codes[i] = got
+                else:
+                    leases[i] = got
+        jobs: list[tuple[np.ndarray, list[np.ndarray]]] = []
+        copied: list[int] = []
+        for i, lease in leases.items():
+            total = sum(o.size for o in outs[i])
+            if total != lease.size:
+                logger.warning(
+                    "get_into(key=%r): buffers hold %d bytes but the object has %d; "
+                    "pass buffers whose sizes add up to the stored size",
+                    keys[i], total, lease.size,
+                )
+                codes[i] = ErrorCode.INVALID_PARAMS
+                continue
+            src = (np.frombuffer(lease.data, dtype=np.uint8) if lease.data is not None
+                   else self._arena[lease.offset : lease.offset + lease.size])
+            jobs.append((src, outs[i]))
+            copied.append(i)
+        try:
+            errors = (copies or _SERIAL).scatter_all(jobs)
+            for i, err in zip(copied, errors):
+                if err is not None:
+                    logger.warning("get_into(key=%r): copy failed (%s)", keys[i], err)
+                    codes[i] = ErrorCode.INVALID_PARAMS
+            now = self._clock()
+            with self._lock:
+                for i in copied:
+                    if codes[i] is ErrorCode.OK:
+                        codes[i] = self._validate_locked(leases[i], now)
+                        self._stats["gets" if codes[i] is ErrorCode.OK else "lease_expired"] += 1
+        finally:
+            with self._lock:
+                for lease in leases.values():
+                    self._release_locked(lease)
+        return codes
 
     def batch_exists(
         self, keys: Sequence[str], client_id: str | None = None, lease: bool = False
@@ -696,6 +724,24 @@ class PoolEngine:
         if len(obj.lookup_leases) >= 16:  # forget entries whose lease expired or was reaped
             obj.lookup_leases = {c: lid for c, lid in obj.lookup_leases.items() if lid in obj.leases}
         obj.lookup_leases[client_id], _ = self._add_lease_locked(obj, client_id, now)
+
+    def _validate_locked(self, lease: Lease, now: float) -> ErrorCode:
+        if now > lease.expires_at:
+            return ErrorCode.LEASE_EXPIRED
+        if lease.data is not None:  # bytes from disk or the spill buffer: a private copy
+            return ErrorCode.OK
+        obj = self._objects.get(lease.key)
+        if (obj is None or obj.generation != lease.generation
+                or (lease.lease_id != 0 and lease.lease_id not in obj.leases)):
+            return ErrorCode.LEASE_EXPIRED
+        return ErrorCode.OK
+
+    def _release_locked(self, lease: Lease) -> None:
+        if not lease.lease_id:
+            return
+        obj = self._objects.get(lease.key)
+        if obj is not None and obj.generation == lease.generation:
+            obj.leases.pop(lease.lease_id, None)
 
     def _lease_locked(self, client_id: str, key: str, now: float) -> Lease | None:
         obj = self._objects.get(key)

@@ -54,12 +54,14 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Loads finish in start_load_kv (sync) or before the request is scheduled (async).
-        return
+        # Only layerwise loads arrive during the forward pass; the others finish in
+        # start_load_kv (sync) or before the request is scheduled (async).
+        self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        # Whole blocks of all layers are saved after the forward pass, in wait_for_save.
-        return
+        # Layerwise: the layer leaves now; otherwise whole blocks leave in wait_for_save.
+        if (meta := self._meta()) is not None:
+            self._worker.save_kv_layer(layer_name, meta)
 
     def wait_for_save(self) -> None:
         if (meta := self._meta()) is not None:

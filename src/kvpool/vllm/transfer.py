@@ -22,12 +22,12 @@ LOAD, SAVE = 0, 1  # queue priorities: lower runs first
 class TransferThread:
     """Runs submitted jobs in priority order and tracks which requests still have jobs pending."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "kvpool-transfer") -> None:
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
         self._pending: Counter[str] = Counter()
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="kvpool-transfer", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, priority: int, req_id: str, job: Callable[[], None]) -> None:

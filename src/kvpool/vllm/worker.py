@@ -13,9 +13,10 @@ from kvpool.backends import Backend, create_backend
 from kvpool.backends.faults import FaultInjectingBackend
 from kvpool.backends.registry import REGISTRY
 from kvpool.config import KVPoolConfig
+from kvpool.device.copy import Copier, make_copier
+from kvpool.device.layout import KVLayout
 from kvpool.errors import ConfigError, ErrorCode, is_stored
 from kvpool.keys import KeyScheme, model_key_name, prefill_stage_schemes
-from kvpool.vllm.layout import KVLayout
 from kvpool.vllm.lookup import LookupServer
 from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
 from kvpool.vllm.stats import KVPoolStats
@@ -25,6 +26,24 @@ logger = logging.getLogger(__name__)
 
 # How long shutdown and preemption wait for saves in flight before giving up on them.
 DRAIN_TIMEOUT_S = 60.0
+# Where a layer's load has not arrived after this long, the forward pass goes on without it and
+# the step's loaded blocks are reported as load errors (vLLM recomputes them).
+LAYER_WAIT_TIMEOUT_S = 60.0
+
+
+class _LayerLoads:
+    """One step's synchronous loads in layerwise mode.
+
+    Invariant: once `arrived[i]` is set, layer i of every block in `tasks` either holds its
+    pooled bytes or is in `failed`; the loader sets the layers in order, so the forward pass
+    waiting on layer i never waits for a later layer.
+    """
+
+    def __init__(self, tasks: list[BlockTask], num_layers: int) -> None:
+        self.tasks = tasks
+        self.arrived = [threading.Event() for _ in range(num_layers)]
+        self.failed: set[int] = set()
+        self.waited = 0  # layers the forward pass waited for (vLLM's per-layer hook ran)
 
 
 class PoolWorker:
@@ -45,7 +64,13 @@ class PoolWorker:
         # per prefill PP stage when a decode node puts for PP prefill nodes.
         self._put_targets: list[tuple[KeyScheme, range]] = []
         self._lookup: LookupServer | None = None
+        self._copier: Copier | None = None
         self._transfer = TransferThread()
+        # Layerwise loads run beside the transfer thread, so a save in progress never delays the
+        # layer the forward pass is waiting for.
+        self._layer_loader: TransferThread | None = None
+        self._layer_loads: _LayerLoads | None = None
+        self._layers_saved: set[int] = set()  # layers of this step already queued by save_kv_layer
         self._lock = threading.Lock()  # guards the sets below, shared with the transfer thread
         self._load_errors: set[int] = set()
         self._async_done: dict[str, set[int]] = {}  # req_id -> failed block ids
@@ -75,8 +100,14 @@ class PoolWorker:
             layout=self.layout.info.fingerprint(),
             tp_rank=self.tp_rank, tp_size=self.tp_size, kv_shards=kv_shards,
             pp_rank=self.pp_rank, pp_size=self.pp_size,
+            layers=len(self.layout.layers) if self.config.use_layerwise else 0,
         )
         self._put_targets = [(self.scheme, range(len(self.layout.layers)))]
+        if self.config.use_layerwise and (self.pp_size > 1 or self.config.prefill_pp_size):
+            raise ConfigError(
+                "use_layerwise", True,
+                f"false with pipeline parallelism (pp_size={self.pp_size}, prefill_pp_size="
+                f"{self.config.prefill_pp_size}): a layerwise key names a layer of one stage")
         # Only a decode node (kv_consumer) puts for the prefill nodes' PP stages; the flag means
         # nothing on other roles (docs/configuration.md, roles).
         if (self.config.kv_role == "kv_consumer" and self.config.consumer_is_to_put
@@ -98,12 +129,16 @@ class PoolWorker:
         if self.config.inject_load_failure_every:
             backend = FaultInjectingBackend(backend, self.config.inject_load_failure_every)
         self.backend = backend
+        self._copier = make_copier(self.layout, self.config.transfer_path, self.config.staging_buffer_size)
+        if self.scheme.layers:
+            self._layer_loader = TransferThread(name="kvpool-layer-load")
         if self.tp_rank == 0 and self.pp_rank == 0 and self.config.loads:
             self._lookup = LookupServer(self.config.lookup_rpc_port, self.dp_rank, self._count_hits)
         logger.info(
-            "kvpool worker ready: backend=%s role=%s key=%s block=%d bytes in %d layers",
+            "kvpool worker ready: backend=%s role=%s key=%s block=%d bytes in %d layers; %s%s",
             backend.name, self.config.kv_role, self.scheme.key(b"\0" * 4), self.layout.block_bytes,
-            len(self.layout.layers),
+            len(self.layout.layers), self._copier.describe(),
+            "; layerwise: one value per block and layer" if self.scheme.layers else "",
         )
 
     # ---- lookup (rank 0) ------------------------------------------------------------------
@@ -126,26 +161,84 @@ class PoolWorker:
     # ---- loads ------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVPoolMetadata) -> None:
+        sync = []
         for task in meta.loads:
             if task.is_async:
                 self._transfer.submit(LOAD, task.req_id, lambda t=task: self._finish_async_load(t))
             else:
-                failed = self._load(task)
-                with self._lock:
-                    self._load_errors |= failed
+                sync.append(task)
+        if sync and self._layer_loader is not None:
+            # Layer by layer on the loader thread; the forward pass waits per layer.
+            loads = self._layer_loads = _LayerLoads(sync, len(self.layout.layers))
+            self._layer_loader.submit(LOAD, "layerwise", lambda: self._run_layer_loads(loads))
+            return
+        for task in sync:
+            failed = self._load(task)
+            with self._lock:
+                self._load_errors |= failed
+
+    def _run_layer_loads(self, loads: _LayerLoads) -> None:
+        try:
+            for layer, arrived in enumerate(loads.arrived):
+                for task in loads.tasks:
+                    loads.failed |= self._load(task, range(layer, layer + 1), count_blocks=layer == 0)
+                arrived.set()
+        finally:  # an unexpected error: the forward pass must not wait for layers that never come
+            if not loads.arrived[-1].is_set():
+                loads.failed |= {b for t in loads.tasks for b in t.block_ids}
+                for arrived in loads.arrived:
+                    arrived.set()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        loads = self._layer_loads
+        if loads is None or self.layout is None:
+            return
+        layer = self.layout.index_of(layer_name)
+        if layer is None:
+            return
+        if not loads.arrived[layer].wait(LAYER_WAIT_TIMEOUT_S):
+            logger.error("kvpool: layer %s did not arrive in %.0f s; its blocks will be recomputed",
+                         layer_name, LAYER_WAIT_TIMEOUT_S)
+            loads.failed |= {b for t in loads.tasks for b in t.block_ids}
+        loads.waited += 1
+        self._count(layer_loads_waited=1)
+
+    def _finish_layer_loads(self) -> None:
+        """End of the step: every layer has arrived (or failed) and its errors are known."""
+        loads, self._layer_loads = self._layer_loads, None
+        if loads is None:
+            return
+        if not loads.arrived[-1].wait(LAYER_WAIT_TIMEOUT_S):
+            loads.failed |= {b for t in loads.tasks for b in t.block_ids}
+        if loads.waited < len(loads.arrived):
+            # The forward pass ran without waiting for some layers (the platform skipped vLLM's
+            # per-layer hooks): those layers may have been computed from partly loaded KV.
+            logger.error("kvpool: the forward pass waited for %d of %d loaded layers; these blocks "
+                         "are reported as load errors and recomputed", loads.waited, len(loads.arrived))
+            loads.failed |= {b for t in loads.tasks for b in t.block_ids}
+        with self._lock:
+            self._load_errors |= loads.failed
 
     def _finish_async_load(self, task: BlockTask) -> None:
         failed = self._load(task)
         with self._lock:
             self._async_done[task.req_id] = failed
 
-    def _load(self, task: BlockTask) -> set[int]:
-        """Copy a request's pooled blocks into its vLLM blocks; returns the block ids that failed."""
+    def _load(self, task: BlockTask, layers: range | None = None, count_blocks: bool = True) -> set[int]:
+        """Copy a request's pooled blocks (all layers, or the given ones in layerwise mode) into
+        its vLLM blocks; returns the block ids that failed."""
         assert self.scheme is not None and self.backend is not None and self.layout is not None
+        assert self._copier is not None
+        if layers is None and self.scheme.layers:  # a layerwise async load: every layer in turn
+            failed: set[int] = set()
+            for layer in range(self.scheme.layers):
+                failed |= self._load(task, range(layer, layer + 1), count_blocks=layer == 0)
+            return failed
         t0 = time.perf_counter()
-        keys = self.scheme.keys(task.block_hashes)
+        layers = range(len(self.layout.layers)) if layers is None else layers
+        keys = self.scheme.keys(task.block_hashes, layers.start if self.scheme.layers else None)
         try:
-            codes = self.backend.batch_get_into(keys, [self.layout.block_buffers(b) for b in task.block_ids])
+            codes = self._copier.load(keys, task.block_ids, layers, self.backend.batch_get_into)
         except Exception as e:  # the store went away: every block of this load failed
             logger.warning("kvpool load of %d blocks for %s failed: %s", len(keys), task.req_id, e)
             codes = [int(ErrorCode.RPC_FAIL)] * len(keys)
@@ -157,11 +250,12 @@ class PoolWorker:
                 "kvpool: %d of %d blocks of request %s failed to load (%s); vLLM will handle them "
                 "per kv_load_failure_policy", len(failed), len(keys), task.req_id, ErrorCode(first_bad).name,
             )
-        self._count(load_blocks=ok, load_bytes=ok * self.layout.block_bytes,
-                    load_time_s=time.perf_counter() - t0, load_failed_blocks=len(failed))
+        self._count(load_blocks=ok if count_blocks else 0, load_bytes=ok * self.layout.layer_block_bytes * len(layers),
+                    load_time_s=time.perf_counter() - t0, load_failed_blocks=len(failed) if count_blocks else 0)
         return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_layer_loads()
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
@@ -172,32 +266,59 @@ class PoolWorker:
         # On the CPU backend the forward pass has finished writing the KV cache when this runs,
         # so the copy can happen later on the transfer thread; the blocks stay allocated until
         # the request's save is reported done (delayed free) or, if preempted, drained first.
-        assert self.scheme is not None
+        assert self.scheme is not None and self._copier is not None
+        self._finish_layer_loads()
+        saved_layers, self._layers_saved = self._layers_saved, set()
         if not self.scheme.is_writer:
             return
+        ready = self._copier.written()
         for task in meta.saves:
-            self._transfer.submit(SAVE, task.req_id, lambda t=task: self._save(t))
+            if self.scheme.layers:  # the layers save_kv_layer did not send (a hook that never ran)
+                for layer in sorted(set(range(self.scheme.layers)) - saved_layers):
+                    self._transfer.submit(SAVE, task.req_id, lambda t=task, i=layer: self._save_layer(t, i, ready))
+            else:
+                self._transfer.submit(SAVE, task.req_id, lambda t=task: self._save(t, ready))
         if self.config.save_sync and meta.saves:
             # The step's output (for a prefill node: the answer the proxy is waiting for) is
             # only returned once its blocks are in the pool, so a decode node finds them.
             if not self._transfer.wait({t.req_id for t in meta.saves}, timeout=DRAIN_TIMEOUT_S):
                 logger.error("kvpool: saves of this step did not finish in %.0f s", DRAIN_TIMEOUT_S)
 
-    def _save(self, task: BlockTask) -> None:
-        for scheme, layers in self._put_targets:
-            self._save_values(task, scheme, layers)
+    def save_kv_layer(self, layer_name: str, meta: KVPoolMetadata) -> None:
+        """Layerwise mode: layer `layer_name` of this step's blocks is written; send it now."""
+        if self.scheme is None or not self.scheme.layers or not self.scheme.is_writer or not meta.saves:
+            return
+        assert self._copier is not None and self.layout is not None
+        layer = self.layout.index_of(layer_name)
+        if layer is None:
+            return
+        ready = self._copier.written()
+        self._layers_saved.add(layer)
+        self._count(layer_saves_sent=1)
+        for task in meta.saves:
+            self._transfer.submit(SAVE, task.req_id, lambda t=task: self._save_layer(t, layer, ready))
 
-    def _save_values(self, task: BlockTask, scheme: KeyScheme, layers: range) -> None:
-        assert self.backend is not None and self.layout is not None
+    def _save(self, task: BlockTask, ready=None) -> None:
+        for scheme, layers in self._put_targets:
+            self._save_values(task, scheme, layers, ready)
+
+    def _save_layer(self, task: BlockTask, layer: int, ready=None) -> None:
+        assert self.scheme is not None
+        self._save_values(task, self.scheme, range(layer, layer + 1), ready,
+                          count_blocks=layer == self.scheme.layers - 1)
+
+    def _save_values(self, task: BlockTask, scheme: KeyScheme, layers: range, ready=None,
+                     count_blocks: bool = True) -> None:
+        assert self.backend is not None and self.layout is not None and self._copier is not None
         t0 = time.perf_counter()
-        keys = scheme.keys(task.block_hashes)
+        keys = scheme.keys(task.block_hashes, layers.start if scheme.layers else None)
         try:
             # One call, no existence check first: the backend's put is put-if-absent and says
             # OBJECT_ALREADY_EXISTS for a block the pool has (some stores say OK for both).
-            codes = self.backend.batch_put(keys, [self.layout.stage_buffers(b, layers) for b in task.block_ids])
+            codes = self._copier.save(keys, task.block_ids, layers, self.backend.batch_put, ready)
         except Exception as e:
             logger.warning("kvpool save of %d blocks for %s failed: %s", len(keys), task.req_id, e)
-            self._count(save_failed_blocks=len(keys))
+            self._count(save_failed_blocks=len(keys) if count_blocks else 0)
             return
         skipped = sum(1 for c in codes if c == ErrorCode.OBJECT_ALREADY_EXISTS)
         failed = sum(1 for c in codes if not is_stored(c))
@@ -206,10 +327,14 @@ class PoolWorker:
             logger.warning("kvpool: %d of %d blocks of %s were not saved (%s)",
                            failed, len(keys), task.req_id, ErrorCode(first_bad).name)
         saved = len(keys) - skipped - failed
-        value_bytes = sum(s.shape[1] for layer in self.layout.layers[layers.start:layers.stop] for s in layer.segments)
-        self._count(save_blocks=saved, save_bytes=saved * value_bytes,
-                    save_time_s=time.perf_counter() - t0, save_skipped_blocks=skipped,
-                    save_failed_blocks=failed)
+        value_bytes = self.layout.layer_block_bytes * len(layers)
+        if not count_blocks:  # layerwise: a block counts once, with its last layer
+            saved_blocks = skipped_blocks = failed_blocks = 0
+        else:
+            saved_blocks, skipped_blocks, failed_blocks = saved, skipped, failed
+        self._count(save_blocks=saved_blocks, save_bytes=saved * value_bytes,
+                    save_time_s=time.perf_counter() - t0, save_skipped_blocks=skipped_blocks,
+                    save_failed_blocks=failed_blocks)
 
     def handle_preemptions(self, meta: KVPoolMetadata) -> None:
         # A preempted request's blocks are freed and may be rewritten in this very step: its
@@ -253,6 +378,8 @@ class PoolWorker:
         return None if snap.is_empty() else snap
 
     def shutdown(self) -> None:
+        if self._layer_loader is not None:
+            self._layer_loader.close(timeout=DRAIN_TIMEOUT_S)
         self._transfer.close(timeout=DRAIN_TIMEOUT_S)
         if self._lookup is not None:
             self._lookup.close()

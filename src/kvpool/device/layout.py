@@ -1,10 +1,17 @@
-"""vLLM's per-layer KV cache tensors -> per-block byte segments, and the layout fingerprint.
+"""vLLM's per-layer KV cache tensors -> per-block bytes, and the layout fingerprint.
 
 vLLM hands the worker one tensor per attention layer. Whatever the backend's layout
 ([num_blocks, 2, block_size, ...] on CPU, [2, num_blocks, ...] on some GPU backends), a block's
 bytes in one layer are a few contiguous runs. We find the block dimension from the tensor
-(its size is `num_blocks`), never from assumptions, and keep uint8 numpy views of those runs,
-so a block's value is a list of views with no copy made.
+(its size is `num_blocks`), never from assumptions, and keep two views of every layer:
+
+- `blocks`: the layer as uint8 with the block dimension first ([num_blocks, ...], possibly
+  strided), on the cache's own device: what the staging path gathers from and scatters into;
+- for a cache in host memory, uint8 numpy views of the contiguous runs of each block, so a
+  block's value is a list of views with no copy made (the direct path).
+
+Both give a block's bytes in the same order (layer by layer, runs in memory order within a
+layer), so a value written by one path reads back through the other.
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ def _segments(t: torch.Tensor) -> list[torch.Tensor]:
 @dataclasses.dataclass
 class LayerView:
     name: str
-    segments: list[np.ndarray]  # each [num_blocks, segment_bytes], uint8 views into the KV cache
+    blocks: torch.Tensor  # uint8, block dimension first, on the cache's device
+    segments: list[np.ndarray]  # host caches only: each [num_blocks, segment_bytes], uint8 views
 
     def block(self, block_id: int) -> list[np.ndarray]:
         return [s[block_id] for s in self.segments]
@@ -57,26 +65,29 @@ class KVLayout:
         first: torch.Tensor | None = None
         block_shape: tuple[int, ...] = ()
         for name, t in kv_caches.items():
-            if t.device.type != "cpu":
-                raise NotImplementedError(
-                    f"KV cache of layer {name} is on {t.device}; this kvpool release copies from "
-                    "host memory only (vLLM's CPU backend)"
-                )
             d = _block_dim(t, num_blocks)
             moved = t.movedim(d, 0)
             if first is None:
                 first, block_shape = t, tuple(moved.shape[1:])
-            elif t.dtype != first.dtype or tuple(moved.shape[1:]) != block_shape:
-                raise ValueError(f"layer {name} has another KV shape or dtype than the first layer")
+            elif t.dtype != first.dtype or tuple(moved.shape[1:]) != block_shape or t.device != first.device:
+                raise ValueError(f"layer {name} has another KV shape, dtype or device than the first layer")
+            if moved.stride(-1) != 1:
+                raise ValueError(f"KV cache of layer {name} has a strided last dimension {tuple(t.stride())}")
+            as_bytes = moved.view(torch.uint8)  # the last dimension becomes bytes
             segs = []
-            for s in _segments(moved):
-                flat = s.view(s.shape[0], -1)
-                segs.append(flat.view(torch.uint8).numpy())
-            self.layers.append(LayerView(name, segs))
+            if t.device.type == "cpu":
+                for s in _segments(moved):
+                    flat = s.view(s.shape[0], -1)
+                    segs.append(flat.view(torch.uint8).numpy())
+            self.layers.append(LayerView(name, as_bytes, segs))
         if first is None:
             raise ValueError("no KV cache tensors were registered")
         self.dtype = first.dtype
-        self.block_bytes = sum(s.shape[1] for layer in self.layers for s in layer.segments)
+        self.device = first.device
+        # One layer's block in bytes; every layer has the same (checked above).
+        self.layer_block_bytes = self.layers[0].blocks[0].numel()
+        self.block_bytes = self.layer_block_bytes * len(self.layers)
+        self._index = {layer.name: i for i, layer in enumerate(self.layers)}
         self.info = LayoutInfo(
             dtype=str(first.dtype).removeprefix("torch."),
             block_size=block_size,
@@ -85,10 +96,23 @@ class KVLayout:
             cache_layout=cache_layout,
         )
 
+    @property
+    def in_host_memory(self) -> bool:
+        """Whether numpy views of the cache exist (the direct path's precondition)."""
+        return self.device.type == "cpu"
+
+    def index_of(self, layer_name: str) -> int | None:
+        """The position of a layer by vLLM's name for it (layerwise hooks name layers); None for
+        a layer without a KV cache of its own (one that shares another layer's)."""
+        return self._index.get(layer_name)
+
     def block_buffers(self, block_id: int) -> list[np.ndarray]:
         """The byte views that make up block `block_id` across all layers, in layer order."""
-        return [seg for layer in self.layers for seg in layer.block(block_id)]
+        return self.stage_buffers(block_id, range(len(self.layers)))
 
     def stage_buffers(self, block_id: int, layer_range: range) -> list[np.ndarray]:
-        """The byte views of block `block_id` for a slice of the layers (one PP stage's)."""
+        """The byte views of block `block_id` for a slice of the layers (one PP stage's, or one
+        layer's in layerwise mode). Host caches only."""
+        if not self.in_host_memory:
+            raise ValueError(f"the KV cache is on {self.device}: its blocks move through the staging path")
         return [seg for layer in self.layers[layer_range.start:layer_range.stop] for seg in layer.block(block_id)]

@@ -1,0 +1,228 @@
+"""Moving a batch of blocks between the paged KV cache and pool values: directly or staged.
+
+Both copiers take a batch (keys, vLLM block ids, which layers) and a backend call (`batch_put`
+or `batch_get_into`), and return the backend's per-key codes. They differ in where the bytes
+the backend sees live:
+
+- `DirectCopier` (a cache in host memory): the backend copies straight between its store and
+  numpy views of the KV cache itself; no intermediate buffer exists.
+- `StagedCopier` (a cache on any device; forced on CPU by `transfer_path: staged`): blocks pass
+  through bounded host buffers, pinned where the device allows. A save gathers each layer's
+  blocks with `index_select` on a side stream (after the compute stream's writes, via an
+  event) and copies them to the host buffer non-blocking; a load copies the host buffer to the
+  device and scatters it with `index_copy_`. An event marks the end of each round and the host
+  waits for it before the buffer is handed on or reused. A batch bigger than a buffer moves in
+  rounds.
+
+Invariant: for the same block and layers, both paths produce the same value bytes in the same
+order (layer by layer; within a layer, the block's runs in memory order), so a value saved by
+one is read correctly by the other, on any instance with the same layout fingerprint.
+
+Only torch's device-neutral calls are used (`torch.Stream`, `torch.Event`, `copy_(non_blocking)`,
+`index_select`, `index_copy_`), so CUDA, NPU (torch_npu) and XPU take the same code.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from kvpool.device.layout import KVLayout
+from kvpool.errors import OK, ConfigError
+
+# A backend's batch call: keys and, per key, the value's buffers -> one code per key.
+BatchCall = Callable[[list[str], list[list[np.ndarray]]], list[int]]
+
+
+class Copier(Protocol):
+    """What the worker needs from a data path."""
+
+    kind: str
+
+    def written(self) -> torch.Event | None:
+        """A marker of the KV writes enqueued so far (the forward pass, or one layer of it);
+        a save passed it as `ready` reads the cache only after those writes."""
+
+    def save(self, keys: Sequence[str], block_ids: Sequence[int], layers: range, put: BatchCall,
+             ready: torch.Event | None = None) -> list[int]:
+        """Hand the blocks' bytes (these layers) to `put`; its codes."""
+
+    def load(self, keys: Sequence[str], block_ids: Sequence[int], layers: range, get: BatchCall) -> list[int]:
+        """Fill the blocks (these layers) from `get`; its codes. Blocks whose code is not OK
+        may hold any bytes afterwards (the caller reports them as load errors)."""
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+
+
+class DirectCopier:
+    """The backend copies between its store and views of a host-memory KV cache."""
+
+    kind = "direct"
+
+    def __init__(self, layout: KVLayout) -> None:
+        if not layout.in_host_memory:
+            raise ConfigError("transfer_path", "direct",
+                              f"auto or staged: the KV cache is on {layout.device}, not in host memory")
+        self.layout = layout
+
+    def written(self) -> None:
+        return None  # on the host the forward pass has finished writing when a save is queued
+
+    def save(self, keys: Sequence[str], block_ids: Sequence[int], layers: range, put: BatchCall,
+             ready: torch.Event | None = None) -> list[int]:
+        return put(list(keys), [self.layout.stage_buffers(b, layers) for b in block_ids])
+
+    def load(self, keys: Sequence[str], block_ids: Sequence[int], layers: range, get: BatchCall) -> list[int]:
+        return get(list(keys), [self.layout.stage_buffers(b, layers) for b in block_ids])
+
+    def describe(self) -> str:
+        return "direct copies between the pool and the host-memory KV cache"
+
+
+class StagedCopier:
+    """Blocks pass through two bounded host buffers (one for loads, one for saves).
+
+    Each buffer is [layers, capacity, layer_block_bytes] uint8: a round of n blocks uses rows
+    [:n] of every layer, so each layer's part of a round is one contiguous run and moves in one
+    device copy. A buffer is held (its lock) from the first copy of a round until the backend
+    and the device are done with it.
+    """
+
+    kind = "staged"
+
+    def __init__(self, layout: KVLayout, budget_bytes: int) -> None:
+        self.layout = layout
+        self.device = layout.device
+        self.accelerated = self.device.type != "cpu"
+        num_layers, lb = len(layout.layers), layout.layer_block_bytes
+        self.capacity = (budget_bytes // 2) // layout.block_bytes  # blocks per round
+        if self.capacity < 1:
+            raise ConfigError("staging_buffer_size", budget_bytes,
+                              f"at least {2 * layout.block_bytes} bytes: two blocks of "
+                              f"{layout.block_bytes} bytes (one for loads, one for saves)")
+        self.buffer_bytes = 2 * self.capacity * layout.block_bytes
+
+        def buffer() -> tuple[torch.Tensor, np.ndarray, threading.Lock]:
+            t = torch.empty((num_layers, self.capacity, lb), dtype=torch.uint8, pin_memory=self.accelerated)
+            return t, t.numpy(), threading.Lock()
+
+        self._save_buf, self._save_np, self._save_lock = buffer()
+        self._load_buf, self._load_np, self._load_lock = buffer()
+        self._stream = torch.Stream(device=self.device) if self.accelerated else None
+        # The stream vLLM computes on, captured on the thread that registers the caches: a load
+        # or save running on the transfer thread must order itself after that stream's work,
+        # not after its own thread's (default) stream.
+        self._compute = torch.accelerator.current_stream(self.device) if self.accelerated else None
+
+    # ---- device synchronisation (no-ops for a host cache: CPU copies are synchronous) --------
+
+    def written(self) -> torch.Event | None:
+        if not self.accelerated:
+            return None
+        event = torch.Event(device=self.device)
+        event.record(self._compute)
+        return event
+
+    def _round_done(self) -> None:
+        if self._stream is not None:
+            # A blocking event sleeps in the driver instead of spinning a core the engine needs.
+            event = torch.Event(device=self.device, blocking=True)
+            event.record(self._stream)
+            event.synchronize()
+
+    def _on_side_stream(self):
+        return self._stream if self._stream is not None else _NoStream()
+
+    # ---- the two directions --------------------------------------------------------------------
+
+    def save(self, keys: Sequence[str], block_ids: Sequence[int], layers: range, put: BatchCall,
+             ready: torch.Event | None = None) -> list[int]:
+        if ready is None:  # never read blocks the compute stream may still be writing
+            ready = self.written()
+        codes: list[int] = []
+        for start in range(0, len(block_ids), self.capacity):
+            ids = block_ids[start:start + self.capacity]
+            with self._save_lock:
+                self._gather(ids, layers, ready)
+                codes += put(list(keys[start:start + len(ids)]), self._values(self._save_np, len(ids), layers))
+        return codes
+
+    def load(self, keys: Sequence[str], block_ids: Sequence[int], layers: range, get: BatchCall) -> list[int]:
+        codes: list[int] = []
+        for start in range(0, len(block_ids), self.capacity):
+            ids = block_ids[start:start + self.capacity]
+            with self._load_lock:
+                got = get(list(keys[start:start + len(ids)]), self._values(self._load_np, len(ids), layers))
+                self._scatter(ids, [i for i, c in enumerate(got) if c == OK], layers)
+            codes += got
+        return codes
+
+    @staticmethod
+    def _values(host: np.ndarray, n: int, layers: range) -> list[list[np.ndarray]]:
+        """Per block of the round, its value's buffers: one row per layer."""
+        return [[host[layer, j] for layer in layers] for j in range(n)]
+
+    def _gather(self, block_ids: Sequence[int], layers: range, ready: torch.Event | None) -> None:
+        n = len(block_ids)
+        with self._on_side_stream():
+            if ready is not None and self._stream is not None:
+                self._stream.wait_event(ready)
+            index = _on(self.device, block_ids)
+            for layer in layers:
+                rows = self.layout.layers[layer].blocks.index_select(0, index)
+                self._save_buf[layer, :n].copy_(rows.view(n, -1), non_blocking=True)
+            self._round_done()
+
+    def _scatter(self, block_ids: Sequence[int], ok: list[int], layers: range) -> None:
+        if not ok:
+            return
+        n = len(block_ids)
+        # Kernels still queued on the compute stream may read these blocks' previous contents.
+        ready = self.written()
+        with self._on_side_stream():
+            if ready is not None and self._stream is not None:
+                self._stream.wait_event(ready)
+            # The whole round leaves the pinned buffer in one copy per layer; only the rows that
+            # arrived are scattered (selected on the device), the other blocks keep their bytes.
+            index = _on(self.device, [block_ids[i] for i in ok])
+            rows = None if len(ok) == n else _on(self.device, ok)
+            for layer in layers:
+                dst = self.layout.layers[layer].blocks
+                src = self._load_buf[layer, :n].to(self.device, non_blocking=True)
+                if rows is not None:
+                    src = src.index_select(0, rows)
+                dst.index_copy_(0, index, src.view(len(ok), *dst.shape[1:]))
+            self._round_done()
+
+    def describe(self) -> str:
+        pinned = "pinned " if self.accelerated else ""
+        return (f"staged through {self.buffer_bytes / 2**20:.0f} MiB of {pinned}host memory "
+                f"({self.capacity} blocks per round each way) for a KV cache on {self.device}")
+
+
+def _on(device: torch.device, ids: Sequence[int]) -> torch.Tensor:
+    """Block ids as an index tensor on `device`. A blocking copy: the host tensor is temporary,
+    and an asynchronous copy could read it after it was freed."""
+    return torch.tensor(ids, dtype=torch.long).to(device)
+
+
+class _NoStream:
+    """`with` target for a host cache: CPU work has no stream."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def make_copier(layout: KVLayout, transfer_path: str, staging_buffer_size: int) -> Copier:
+    """The data path `transfer_path` asks for: `auto` stages only a cache off the host."""
+    if transfer_path == "staged" or (transfer_path == "auto" and not layout.in_host_memory):
+        return StagedCopier(layout, staging_buffer_size)
+    return DirectCopier(layout)

@@ -1,0 +1,92 @@
+"""Copying one batch of pooled values into their destination buffers on several threads.
+
+A hit's load is bound by memory bandwidth, and one thread copying reaches only part of it:
+on the machines measured here two threads moved a 4K-token hit's 48 MiB 1.4x faster than one.
+During a synchronous load the forward pass is waiting, so the cores vLLM computes on are idle;
+`CopyEngine` spreads a batch's copies over them. The engine (`local`) and the `server` client
+both copy through it, so the two backends share one copy path.
+
+Invariant: a job (one key) is copied by exactly one thread, front to back, and `scatter_all`
+returns only when every job has finished or failed, so the caller may validate leases and
+release them right after it returns.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from kvpool.store.buffers import scatter
+
+# Below this many bytes a batch is copied on the calling thread: handing work to a thread costs
+# tens of microseconds, as much as copying a few hundred KiB.
+MIN_PARALLEL_BYTES = 1 << 20
+
+# One job: a value's bytes and the buffers they are copied into, back to back.
+Job = tuple[np.ndarray, Sequence[np.ndarray]]
+
+
+class CopyEngine:
+    """Runs `scatter` for a batch of jobs on the calling thread plus `threads - 1` helpers."""
+
+    def __init__(self, threads: int = 1) -> None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"copy threads={threads!r}: a positive integer")
+        self.threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def scatter_all(self, jobs: Sequence[Job]) -> list[BaseException | None]:
+        """Copy every job; per job, None or the exception its copy raised (its buffers may then
+        hold part of the value: the caller reports that key as failed)."""
+        results: list[BaseException | None] = [None] * len(jobs)
+        groups = self._split(jobs)
+        if len(groups) <= 1:
+            self._run(jobs, range(len(jobs)), results)
+            return results
+        pool = self._executor()
+        futures = [pool.submit(self._run, jobs, g, results) for g in groups[1:]]
+        self._run(jobs, groups[0], results)
+        for f in futures:
+            f.result()
+        return results
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def _split(self, jobs: Sequence[Job]) -> list[range]:
+        """Consecutive runs of jobs with about the same number of bytes, one per thread."""
+        sizes = [int(src.size) for src, _ in jobs]
+        total = sum(sizes)
+        n = min(self.threads, len(jobs))
+        if n <= 1 or total < MIN_PARALLEL_BYTES:
+            return [range(len(jobs))]
+        cuts: list[int] = []  # a group ends after job i once the groups so far hold their share
+        acc = 0
+        for i, size in enumerate(sizes[:-1]):
+            acc += size
+            if len(cuts) < n - 1 and acc * n >= total * (len(cuts) + 1):
+                cuts.append(i + 1)
+        edges = [0, *cuts, len(jobs)]
+        return [range(a, b) for a, b in zip(edges, edges[1:])]
+
+    @staticmethod
+    def _run(jobs: Sequence[Job], indices: range, results: list[BaseException | None]) -> None:
+        for i in indices:
+            src, outs = jobs[i]
+            try:
+                scatter(src, outs)
+            except Exception as exc:  # noqa: BLE001 - reported per key by the caller
+                results[i] = exc
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvpool-copy")
+            return self._pool

@@ -1,0 +1,112 @@
+"""The batch copy engine and the engine's batch read on it: every byte lands where it belongs on
+any number of threads, work is split by bytes, one bad job fails only its key, and leases are
+released whatever happens."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from kvpool.errors import ErrorCode
+from kvpool.store import EngineConfig, PoolEngine
+from kvpool.store.memcopy import MIN_PARALLEL_BYTES, CopyEngine
+
+SEG = 64 * 1024  # bytes per destination segment
+
+
+def make_jobs(n: int, segs: int, seed: int) -> tuple[list, list[list[np.ndarray]], list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    srcs = [rng.integers(0, 256, segs * SEG, dtype=np.uint8) for _ in range(n)]
+    outs = [[np.zeros(SEG, dtype=np.uint8) for _ in range(segs)] for _ in range(n)]
+    return list(zip(srcs, outs)), outs, srcs
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4, 7])
+@pytest.mark.parametrize("n", [1, 3, 32])
+def test_every_job_is_copied_exactly(threads: int, n: int) -> None:
+    jobs, outs, srcs = make_jobs(n, segs=6, seed=n * 10 + threads)
+    engine = CopyEngine(threads)
+    try:
+        assert engine.scatter_all(jobs) == [None] * n
+    finally:
+        engine.close()
+    for src, bufs in zip(srcs, outs):
+        assert np.concatenate(bufs).tobytes() == src.tobytes()
+
+
+def test_work_is_split_by_bytes_across_threads() -> None:
+    engine = CopyEngine(4)
+    sizes = [8 * MIN_PARALLEL_BYTES, MIN_PARALLEL_BYTES, MIN_PARALLEL_BYTES, MIN_PARALLEL_BYTES,
+             MIN_PARALLEL_BYTES, MIN_PARALLEL_BYTES, MIN_PARALLEL_BYTES, MIN_PARALLEL_BYTES]
+    jobs = [(np.empty(s, dtype=np.uint8), []) for s in sizes]
+    groups = engine._split(jobs)
+    # The big job is a group of its own; the rest share the other threads; all jobs, in order.
+    assert groups[0] == range(0, 1)
+    assert [i for g in groups for i in g] == list(range(len(sizes)))
+    assert 2 <= len(groups) <= 4
+    # A batch too small to be worth a thread stays on the caller.
+    small = [(np.empty(1024, dtype=np.uint8), []) for _ in range(8)]
+    assert engine._split(small) == [range(8)]
+
+
+def test_copies_run_on_several_threads() -> None:
+    seen: set[str] = set()
+
+    jobs, _, _ = make_jobs(8, segs=4, seed=3)
+    engine = CopyEngine(2)
+    original = engine._run
+
+    def run(jobs_, indices, results):
+        seen.add(threading.current_thread().name)
+        original(jobs_, indices, results)
+
+    engine._run = run  # type: ignore[method-assign]
+    try:
+        engine.scatter_all(jobs)
+    finally:
+        engine.close()
+    assert len(seen) == 2 and threading.current_thread().name in seen
+
+
+def test_a_bad_job_fails_alone() -> None:
+    jobs, outs, srcs = make_jobs(4, segs=2, seed=5)
+    jobs[2] = (jobs[2][0], [np.zeros(SEG, dtype=np.uint8)])  # half the bytes' room
+    engine = CopyEngine(3)
+    try:
+        results = engine.scatter_all(jobs)
+    finally:
+        engine.close()
+    assert isinstance(results[2], ValueError)
+    assert [r is None for r in results] == [True, True, False, True]
+    for k in (0, 1, 3):
+        assert np.concatenate(outs[k]).tobytes() == srcs[k].tobytes()
+
+
+@pytest.mark.parametrize("threads", [0, -1, True, 1.5])
+def test_thread_count_is_checked(threads: object) -> None:
+    with pytest.raises(ValueError, match="positive integer"):
+        CopyEngine(threads)  # type: ignore[arg-type]
+
+
+def test_engine_batch_read_on_threads_is_exact_and_releases_leases() -> None:
+    eng = PoolEngine(EngineConfig(memory_size=64 << 20, reap_interval_s=0))
+    copies = CopyEngine(3)
+    try:
+        _, _, srcs = make_jobs(12, segs=3, seed=9)
+        keys = [f"k{i}" for i in range(12)]
+        assert eng.batch_put("w", keys, [[s] for s in srcs]) == [ErrorCode.OK] * 12
+        outs = [[np.zeros(SEG, dtype=np.uint8) for _ in range(3)] for _ in range(12)]
+        bad = [np.zeros(SEG, dtype=np.uint8)]  # a wrong total size
+        codes = eng.batch_get_into("r", [*keys, "missing", "k0"], [*outs, [np.zeros(8, np.uint8)], bad], copies)
+        assert codes[:12] == [ErrorCode.OK] * 12
+        assert codes[12:] == [ErrorCode.OBJECT_NOT_FOUND, ErrorCode.INVALID_PARAMS]
+        for src, bufs in zip(srcs, outs):
+            assert np.concatenate(bufs).tobytes() == src.tobytes()
+        # No read lease outlives the call: every object can be removed at once.
+        assert all(eng.remove(k) is ErrorCode.OK for k in keys)
+        assert eng.stats()["gets"] == 12
+    finally:
+        copies.close()
+        eng.close()
