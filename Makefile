@@ -37,6 +37,7 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/store.py
+	$(BIN)/python benchmarks/hitpath.py
 	$(BIN)/python benchmarks/ttft.py
 
 clean:

@@ -47,9 +47,6 @@ DAY_S = 86_400.0
 # Pinned host memory per worker for the staging path (half for loads, half for saves): a
 # 4K-token hit of a 7B model (~2 GiB of KV) moves in a few rounds.
 DEFAULT_STAGING_BYTES = 512 * MiB
-# Threads that share one batch's direct copies: a copy is bound by one core's memory bandwidth,
-# and the engine's other threads sleep while a synchronous load runs.
-DEFAULT_COPY_THREADS = 4
 
 # ---- one parser per kind ------------------------------------------------------------------------
 
@@ -479,8 +476,9 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     use_layerwise: Annotated[bool, Meta(description=(
         "one pool value per block and layer: loads stream layer by layer into the forward pass "
         "(wait_for_layer_load) and saves leave as each layer is written (save_kv_layer)"))] = False
-    copy_threads: Annotated[int, Meta(ge=1, le=64, description=(
-        "threads that copy one batch's blocks in parallel (direct path)"))] = DEFAULT_COPY_THREADS
+    copy_threads: Annotated[int, Meta(ge=0, le=64, description=(
+        "threads that copy one batch's values in parallel (`local`, `server`); 0: one per CPU the "
+        "worker may run on, at most 4"))] = 0
     inject_load_failure_every: Annotated[int, Meta(ge=0, le=2**31 - 1, description=(
         "test aid: fail every Nth block read (0: never)"))] = 0
     stats_log_interval_s: Annotated[float, Meta(ge=0, le=DAY_S, extra={"kind": "seconds"}, description=(
@@ -511,7 +509,7 @@ class KVPoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     transfer_path: str = "auto"
     staging_buffer_size: int = DEFAULT_STAGING_BYTES
     use_layerwise: bool = False
-    copy_threads: int = DEFAULT_COPY_THREADS
+    copy_threads: int = 0
     inject_load_failure_every: int = 0
     stats_log_interval_s: float = 10.0
     # The chosen backend's own keys (its `BackendSettings` subclass).

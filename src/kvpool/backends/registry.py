@@ -14,6 +14,7 @@ import importlib
 from typing import Any
 
 from kvpool.backends.base import Backend
+from kvpool.store.memcopy import auto_threads
 from kvpool.config import (
     BackendSettings,
     KVPoolConfig,
@@ -113,7 +114,7 @@ def create_backend(config: KVPoolConfig, client_name: str) -> Backend:
     """Build the backend `config.backend` names, from its own settings."""
     spec = REGISTRY[config.backend]
     backend: Backend = _resolve(spec.factory)(config.backend_settings, client_name)
-    backend.use_copy_threads(config.copy_threads)
+    backend.use_copy_threads(config.copy_threads or auto_threads())
     return backend
 
 

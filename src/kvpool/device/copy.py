@@ -174,8 +174,9 @@ class StagedCopier:
                 self._stream.wait_event(ready)
             index = _on(self.device, block_ids)
             for layer in layers:
-                rows = self.layout.layers[layer].blocks.index_select(0, index)
-                self._save_buf[layer, :n].copy_(rows.view(n, -1), non_blocking=True)
+                blocks = self.layout.layers[layer].blocks
+                rows = blocks.index_select(0, index)
+                self._save_buf[layer, :n].view(blocks.dtype).copy_(rows.view(n, -1), non_blocking=True)
             self._round_done()
 
     def _scatter(self, block_ids: Sequence[int], ok: list[int], layers: range) -> None:
@@ -193,7 +194,7 @@ class StagedCopier:
             rows = None if len(ok) == n else _on(self.device, ok)
             for layer in layers:
                 dst = self.layout.layers[layer].blocks
-                src = self._load_buf[layer, :n].to(self.device, non_blocking=True)
+                src = self._load_buf[layer, :n].view(dst.dtype).to(self.device, non_blocking=True)
                 if rows is not None:
                     src = src.index_select(0, rows)
                 dst.index_copy_(0, index, src.view(len(ok), *dst.shape[1:]))

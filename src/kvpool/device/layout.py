@@ -5,8 +5,10 @@ vLLM hands the worker one tensor per attention layer. Whatever the backend's lay
 bytes in one layer are a few contiguous runs. We find the block dimension from the tensor
 (its size is `num_blocks`), never from assumptions, and keep two views of every layer:
 
-- `blocks`: the layer as uint8 with the block dimension first ([num_blocks, ...], possibly
-  strided), on the cache's own device: what the staging path gathers from and scatters into;
+- `blocks`: the layer with the block dimension first ([num_blocks, ...], possibly strided), on
+  the cache's own device, as the widest integer type that tiles its last dimension (int64 for
+  any usual head size): what the staging path gathers from and scatters into. Device gathers
+  and scatters cost per element, and on CPU an 8-byte element moves 5x faster than a byte;
 - for a cache in host memory, uint8 numpy views of the contiguous runs of each block, so a
   block's value is a list of views with no copy made (the direct path).
 
@@ -41,10 +43,21 @@ def _segments(t: torch.Tensor) -> list[torch.Tensor]:
     return [seg for i in range(t.shape[1]) for seg in _segments(t.select(1, i))]
 
 
+def _as_words(t: torch.Tensor) -> torch.Tensor:
+    """`t` (uint8, last dimension contiguous) viewed as the widest integer type whose size
+    divides the last dimension, every other stride and the start offset: the same bytes."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        w = dtype.itemsize
+        if (t.shape[-1] % w == 0 and t.storage_offset() % w == 0
+                and all(st % w == 0 for st in t.stride()[:-1])):
+            return t.view(dtype)
+    return t
+
+
 @dataclasses.dataclass
 class LayerView:
     name: str
-    blocks: torch.Tensor  # uint8, block dimension first, on the cache's device
+    blocks: torch.Tensor  # integer words, block dimension first, on the cache's device
     segments: list[np.ndarray]  # host caches only: each [num_blocks, segment_bytes], uint8 views
 
     def block(self, block_id: int) -> list[np.ndarray]:
@@ -73,19 +86,20 @@ class KVLayout:
                 raise ValueError(f"layer {name} has another KV shape, dtype or device than the first layer")
             if moved.stride(-1) != 1:
                 raise ValueError(f"KV cache of layer {name} has a strided last dimension {tuple(t.stride())}")
-            as_bytes = moved.view(torch.uint8)  # the last dimension becomes bytes
+            as_words = _as_words(moved.view(torch.uint8))  # the last dimension becomes bytes, then words
             segs = []
             if t.device.type == "cpu":
                 for s in _segments(moved):
                     flat = s.view(s.shape[0], -1)
                     segs.append(flat.view(torch.uint8).numpy())
-            self.layers.append(LayerView(name, as_bytes, segs))
+            self.layers.append(LayerView(name, as_words, segs))
         if first is None:
             raise ValueError("no KV cache tensors were registered")
         self.dtype = first.dtype
         self.device = first.device
         # One layer's block in bytes; every layer has the same (checked above).
-        self.layer_block_bytes = self.layers[0].blocks[0].numel()
+        first_blocks = self.layers[0].blocks
+        self.layer_block_bytes = first_blocks[0].numel() * first_blocks.element_size()
         self.block_bytes = self.layer_block_bytes * len(self.layers)
         self._index = {layer.name: i for i, layer in enumerate(self.layers)}
         self.info = LayoutInfo(

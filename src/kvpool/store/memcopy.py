@@ -13,6 +13,7 @@ release them right after it returns.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,8 +26,21 @@ from kvpool.store.buffers import scatter
 # tens of microseconds, as much as copying a few hundred KiB.
 MIN_PARALLEL_BYTES = 1 << 20
 
+# `copy_threads: 0` takes one thread per CPU this process may run on, up to this many: past a few
+# threads a copy is bound by the memory bus, not by the cores.
+MAX_AUTO_THREADS = 4
+
 # One job: a value's bytes and the buffers they are copied into, back to back.
 Job = tuple[np.ndarray, Sequence[np.ndarray]]
+
+
+def auto_threads() -> int:
+    """Copy threads for `copy_threads: 0`: the CPUs this process may run on, at most 4."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(MAX_AUTO_THREADS, cpus))
 
 
 class CopyEngine:
