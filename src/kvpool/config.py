@@ -479,6 +479,17 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     copy_threads: Annotated[int, Meta(ge=0, le=64, description=(
         "threads that copy one batch's values in parallel (`local`, `server`); 0: one per CPU the "
         "worker may run on, at most 4"))] = 0
+    lookup_timeout_s: Annotated[float, Meta(ge=0.001, le=60, extra={"kind": "seconds"}, description=(
+        "the longest a lookup waits for a store outside this process; then it is a miss and the "
+        "circuit breaker opens"))] = 0.3
+    transfer_timeout_s: Annotated[float, Meta(ge=0.001, le=3600, extra={"kind": "seconds"}, description=(
+        "the longest a batch load or save waits for such a store before the store starts moving "
+        "bytes; then its blocks fail (loads are recomputed) and the breaker opens"))] = 5.0
+    breaker_failures: Annotated[int, Meta(ge=1, le=10_000, description=(
+        "failed store calls in a row that open the circuit breaker (one timeout opens it at once)"))] = 3
+    breaker_cooldown_s: Annotated[float, Meta(ge=0.01, le=3600, extra={"kind": "seconds"}, description=(
+        "how long an open breaker answers without the store (lookups miss, loads recompute, saves "
+        "are dropped) before a probe; doubles while probes fail, up to 30 s or this value"))] = 1.0
     inject_load_failure_every: Annotated[int, Meta(ge=0, le=2**31 - 1, description=(
         "test aid: fail every Nth block read (0: never)"))] = 0
     stats_log_interval_s: Annotated[float, Meta(ge=0, le=DAY_S, extra={"kind": "seconds"}, description=(
@@ -510,6 +521,10 @@ class KVPoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     staging_buffer_size: int = DEFAULT_STAGING_BYTES
     use_layerwise: bool = False
     copy_threads: int = 0
+    lookup_timeout_s: float = 0.3
+    transfer_timeout_s: float = 5.0
+    breaker_failures: int = 3
+    breaker_cooldown_s: float = 1.0
     inject_load_failure_every: int = 0
     stats_log_interval_s: float = 10.0
     # The chosen backend's own keys (its `BackendSettings` subclass).
@@ -606,6 +621,10 @@ def load_config(extra: Mapping[str, Any] | None, kv_role: str | None = "kv_both"
         staging_buffer_size=common.staging_buffer_size,
         use_layerwise=common.use_layerwise,
         copy_threads=common.copy_threads,
+        lookup_timeout_s=common.lookup_timeout_s,
+        transfer_timeout_s=common.transfer_timeout_s,
+        breaker_failures=common.breaker_failures,
+        breaker_cooldown_s=common.breaker_cooldown_s,
         inject_load_failure_every=common.inject_load_failure_every,
         stats_log_interval_s=common.stats_log_interval_s,
         backend_settings=chosen,

@@ -39,6 +39,8 @@ NO_HANDLE = int(ErrorCode.NO_AVAILABLE_HANDLE)
 RPC_FAIL = int(ErrorCode.RPC_FAIL)
 RPC_TIMEOUT = int(ErrorCode.RPC_TIMEOUT)
 INTERNAL = int(ErrorCode.INTERNAL_ERROR)
+LEASE_EXPIRED = int(ErrorCode.LEASE_EXPIRED)
+CHECKSUM_MISMATCH = int(ErrorCode.CHECKSUM_MISMATCH)
 
 
 # What a put may answer for a key the pool now holds: written by this put (OK), or stored

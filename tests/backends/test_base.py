@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpool.backends.base import COUNTERS, Backend, Reconnect, gather, scatter, spans, total_size
+from kvpool.backends.base import STATS, Backend, Reconnect, gather, scatter, spans, total_size
 from kvpool.errors import STORED, BackendUnavailable, ErrorCode, is_stored
 
 OK, EXISTS = ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS
@@ -152,7 +152,7 @@ def test_calls_fail_fast_while_the_store_is_down():
 
 def test_stats_shape():
     b = Memory()
-    assert list(b.stats()) == list(COUNTERS)
+    assert list(b.stats()) == list(STATS)
 
 
 def test_stored_codes():

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conformance_helpers import empty_like_segments, joined, payload, split, workload
-from kvpool.backends.base import COUNTERS
+from kvpool.backends.base import STATS
 from kvpool.errors import ErrorCode
 
 OK = ErrorCode.OK
@@ -203,8 +203,8 @@ def test_stats_have_one_shape(backend_factory):
     stats = b.stats()
     # The client-side counters are the same for every backend; the store's own numbers (if
     # any) come after them, prefixed.
-    assert list(stats)[: len(COUNTERS)] == list(COUNTERS)
-    assert all(k in COUNTERS or k.startswith("store_") for k in stats), list(stats)
+    assert list(stats)[: len(STATS)] == list(STATS)
+    assert all(k in STATS or k.startswith("store_") for k in stats), list(stats)
     puts = 1 if b.capabilities.put_reports_existing else 2
     assert (stats["puts"], stats["put_bytes"], stats["gets"], stats["get_bytes"]) == (puts, puts * 5000, 1, 5000)
     assert (stats["misses"], stats["failures"]) == (1, 1)

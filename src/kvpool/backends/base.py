@@ -25,12 +25,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvpool.errors import ErrorCode, KVPoolError
-from kvpool.errors import EXISTS, INTERNAL, INVALID, INVALID_KEY, NOT_FOUND, OK, RPC_FAIL  # the codes as ints
+from kvpool.errors import EXISTS, INTERNAL, INVALID, INVALID_KEY, NOT_FOUND, OK, RPC_FAIL, RPC_TIMEOUT  # the codes as ints
+from kvpool.backends.guard import GUARD_COUNTERS, Guard, GuardSettings, Timeout
 from kvpool.store.buffers import as_u8, gather, scatter, spans, total_size
 from kvpool.store.memcopy import CopyEngine
 
@@ -44,8 +46,13 @@ logger = logging.getLogger(__name__)
 Buffers = Sequence[np.ndarray]
 
 
-# The client-side counters every backend reports, in this order (`Backend.stats`).
+# A key no store holds: the breaker's probe asks for it (`Backend._probe`).
+PROBE_KEY = "kvpool-probe"
+
+# The client-side counters every backend keeps, and what `Backend.stats` reports, in this order
+# (the guard's counters are 0 for a backend without one).
 COUNTERS = ("puts", "put_bytes", "put_existing", "gets", "get_bytes", "misses", "failures", "connect_failures")
+STATS = COUNTERS + GUARD_COUNTERS
 
 
 class Reconnect:
@@ -147,6 +154,7 @@ class _State:
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.link = Reconnect(backend._connect, backend.retry_first_s, backend.retry_cap_s)
         self.copies = CopyEngine(1)
+        self.guard: Guard | None = None  # set by `use_guard` for stores outside this process
 
 
 def _valid_key(key: object) -> bool:
@@ -263,15 +271,21 @@ class Backend(abc.ABC):
         return codes
 
     def stats(self) -> dict[str, float]:
-        """The client-side counters (`COUNTERS`, the same for every backend), then the store's
+        """The client-side counters (`STATS`, the same for every backend), then the store's
         own numbers, if it has any, prefixed with `store_`."""
         st = self._state
         with st.lock:
             out: dict[str, float] = dict(st.counters)
         out["connect_failures"] = st.link.failures
+        out.update(self.guard_stats())
         for k, v in self._store_stats().items():
             out[f"store_{k}"] = v
         return out
+
+    def guard_stats(self) -> dict[str, int]:
+        """The guard's counters (`GUARD_COUNTERS`; zeros without a guard): cheap, no store call."""
+        guard = self._state.guard
+        return dict(guard.counters) if guard is not None else dict.fromkeys(GUARD_COUNTERS, 0)
 
     def use_copy_threads(self, threads: int) -> None:
         """Copy a batch's values on this many threads where the adapter copies them itself
@@ -279,8 +293,17 @@ class Backend(abc.ABC):
         old, self._state.copies = self._state.copies, CopyEngine(threads)
         old.close()
 
+    def use_guard(self, settings: GuardSettings) -> None:
+        """Bound every call into the store by a deadline, behind a circuit breaker (`guard`):
+        for stores outside this process, whose calls can hang."""
+        old, self._state.guard = self._state.guard, Guard(self.name, settings, self._probe)
+        if old is not None:
+            old.close()
+
     def close(self) -> None:
         """Release the backend's resources; flushes what its tiers promise to keep."""
+        if self._state.guard is not None:
+            self._state.guard.close()
         self._state.link.close()
         self._close()
         self._state.copies.close()
@@ -310,6 +333,10 @@ class Backend(abc.ABC):
         (Mooncake) add it; the default is the reconnect state."""
         return self._state.link.ready()
 
+    def _probe(self) -> object:
+        """One cheap call that only a store that answers can complete: the breaker's probe."""
+        return self._exists([PROBE_KEY], False)
+
     def _close(self) -> None:
         """Close the store's client."""
 
@@ -327,6 +354,12 @@ class Backend(abc.ABC):
     def _copies(self) -> CopyEngine:
         return self._state.copies
 
+    def _buffers(self) -> AbstractContextManager[bool]:
+        """Enter before an adapter reads or writes the caller's buffers; False means the
+        caller gave up waiting and the buffers must be left alone (`guard` explains why)."""
+        guard = self._state.guard
+        return guard.buffers() if guard is not None else nullcontext(True)
+
     @property
     def _state(self) -> _State:
         # Created on first use, not in __init__, so adapters need not call super().__init__()
@@ -337,10 +370,20 @@ class Backend(abc.ABC):
         return st
 
     def _call(self, what: str, hook: Callable[..., list], keys: list[str], *args: object) -> list | None:
-        """Run a hook; None (and a log line, and a failure counted) if it raised or answered
-        with the wrong number of results."""
+        """Run a hook; None (and a log line, and a failure counted) if it raised, missed its
+        deadline or answered with the wrong number of results."""
+        guard = self._state.guard
         try:
-            out = list(hook(keys, *args))
+            if guard is None:
+                out = list(hook(keys, *args))
+            else:
+                if not guard.allows():
+                    return None
+                out = list(guard.call(lambda: hook(keys, *args), guard.settings.lookup_timeout_s))
+                guard.succeeded()
+        except Timeout:
+            self._bump("failures", len(keys))
+            return None
         except Exception as exc:  # noqa: BLE001 - a store's error must never take vLLM down
             self._hook_failed(what, exc, len(keys))
             return None
@@ -357,8 +400,20 @@ class Backend(abc.ABC):
         hook failed."""
         if not self._available():
             return [RPC_FAIL] * len(todo)
+        guard = self._state.guard
         try:
-            out = [int(c) for c in hook(keys, values)]
+            if guard is None:
+                out = [int(c) for c in hook(keys, values)]
+            else:
+                if not guard.allows():
+                    return [RPC_FAIL] * len(todo)
+                out = [int(c) for c in guard.call(lambda: hook(keys, values), guard.settings.transfer_timeout_s)]
+                if out and all(c in (RPC_FAIL, RPC_TIMEOUT) for c in out):
+                    guard.failed(f"every key of a {what} answered {out[0]}")
+                else:
+                    guard.succeeded()
+        except Timeout:
+            return [RPC_TIMEOUT] * len(todo)
         except Exception as exc:  # noqa: BLE001 - a store's error must never take vLLM down
             return [self._hook_failed(what, exc, 0)] * len(todo)
         if len(out) != len(todo):
@@ -372,6 +427,8 @@ class Backend(abc.ABC):
         # (and the store client in them) alive. An unexpected exception is an adapter bug: its
         # traceback is logged.
         code = int(exc.code) if isinstance(exc, KVPoolError) else RPC_FAIL
+        if self._state.guard is not None:
+            self._state.guard.failed(type(exc).__name__)
         if isinstance(exc, KVPoolError):
             logger.warning("kvpool %s: %s failed: %s", self.name, what, str(exc))
         else:

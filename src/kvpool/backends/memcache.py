@@ -25,7 +25,7 @@ from kvpool.backends.base import Backend, spans
 from kvpool.backends.net import parse_tcp_url, probe
 from kvpool.config import MemcacheSettings, parse_size
 from kvpool.errors import BackendUnavailable, ConfigError, ErrorCode
-from kvpool.errors import EXISTS, INTERNAL, INVALID, NOT_FOUND, OK, RPC_FAIL  # the codes as ints
+from kvpool.errors import EXISTS, INTERNAL, INVALID, NOT_FOUND, OK, RPC_FAIL, RPC_TIMEOUT  # the codes as ints
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +195,11 @@ class MemcacheBackend(Backend):
     def _put(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
         # No existence check: MemCache's put is put-if-absent (MMC_DUPLICATED_OBJECT, skipped).
         want = [spans(v) for v in values]
-        res = self.store.batch_put_from_layers(keys, [w[0] for w in want], [w[1] for w in want], H2G)
+        # The native call reads our buffers and talks to the store in one: admitted as a whole.
+        with self._buffers() as admitted:
+            if not admitted:
+                return [RPC_TIMEOUT] * len(keys)
+            res = self.store.batch_put_from_layers(keys, [w[0] for w in want], [w[1] for w in want], H2G)
         codes = []
         for key, rc in zip(keys, res):
             if rc == 0:
@@ -220,8 +224,11 @@ class MemcacheBackend(Backend):
                 else:
                     fetch.append(i)
         if fetch:
-            res = self.store.batch_get_into_layers([keys[i] for i in fetch], [want[i][0] for i in fetch],
-                                                   [want[i][1] for i in fetch], G2H)
+            with self._buffers() as admitted:
+                if not admitted:
+                    return [RPC_TIMEOUT if i in fetch else c for i, c in enumerate(codes)]
+                res = self.store.batch_get_into_layers([keys[i] for i in fetch], [want[i][0] for i in fetch],
+                                                       [want[i][1] for i in fetch], G2H)
             for i, rc in zip(fetch, res):
                 codes[i] = OK if rc == 0 else INTERNAL
                 if rc != 0:

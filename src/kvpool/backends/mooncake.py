@@ -47,7 +47,7 @@ from kvpool.backends.base import Backend, spans
 from kvpool.backends.net import default_local_hostname, parse_host_port, probe
 from kvpool.config import MooncakeSettings, parse_size, read_json_object
 from kvpool.errors import ConfigError, ErrorCode
-from kvpool.errors import EXISTS, INTERNAL, INVALID, NOT_FOUND, NO_HANDLE, OK, RPC_FAIL  # the codes as ints
+from kvpool.errors import EXISTS, INTERNAL, INVALID, LEASE_EXPIRED, NOT_FOUND, NO_HANDLE, OK, RPC_FAIL, RPC_TIMEOUT  # the codes as ints
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,9 @@ MiB = 1 << 20
 DEFAULT_GLOBAL_SEGMENT_SIZE = 3355443200
 # Only Mooncake's copying calls use the local buffer; kvpool's zero-copy calls do not.
 DEFAULT_LOCAL_BUFFER_SIZE = 16 * MiB
+# mooncake_master's default_kv_lease_ttl (5000 ms): how long a replica handed out for a read
+# stays put. A get that takes longer is not trusted (`_get_into`).
+MASTER_LEASE_TTL_S = 5.0
 # Measured: setup() fails ("Total size must be at least 16777216") below this.
 MIN_SEGMENT_SIZE = 16 * MiB
 # MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES when unset (per the spec).
@@ -352,7 +355,14 @@ class MooncakeBackend(Backend):
             sizes = [want[i][1] for i in pending]
             for p, s in zip(ptrs, sizes):
                 self._register(p, s)
-            res = self.store.batch_put_from_multi_buffers([keys[i] for i in pending], ptrs, sizes, self._replicate)
+            # One native call reads our buffers and talks to the master: admitted as a whole.
+            with self._buffers() as admitted:
+                if not admitted:  # the caller stopped waiting: its buffers may hold other KV now
+                    for i in pending:
+                        codes[i] = RPC_TIMEOUT
+                    break
+                res = self.store.batch_put_from_multi_buffers([keys[i] for i in pending], ptrs, sizes,
+                                                              self._replicate)
             retry = []
             for i, rc in zip(pending, res):
                 code = map_code(rc)
@@ -371,7 +381,8 @@ class MooncakeBackend(Backend):
         codes = [NOT_FOUND] * len(keys)
         want = [spans(v) for v in values]
         # Sizes (and leases) of the keys in one RPC, so a wrong-size destination is refused
-        # before a byte is written.
+        # before a byte is written. The lease starts no earlier than this clock reading.
+        leased_at = time.monotonic()
         desc = self.store.batch_get_replica_desc(keys)
         fetch: list[int] = []
         for i, key in enumerate(keys):
@@ -386,8 +397,19 @@ class MooncakeBackend(Backend):
             sizes = [want[i][1] for i in fetch]
             for p, s in zip(ptrs, sizes):
                 self._register(p, s)
-            res = self.store.batch_get_into_multi_buffers([keys[i] for i in fetch], ptrs, sizes)
+            with self._buffers() as admitted:
+                if not admitted:  # the caller stopped waiting: its buffers may hold other KV now
+                    for i in fetch:
+                        codes[i] = RPC_TIMEOUT
+                    return codes
+                res = self.store.batch_get_into_multi_buffers([keys[i] for i in fetch], ptrs, sizes)
+            # A copy that outlasted the lease may have read a replica the master evicted and
+            # reused meanwhile: never call it a hit.
+            expired = time.monotonic() - leased_at > MASTER_LEASE_TTL_S
             for i, rc in zip(fetch, res):
+                if expired and rc >= 0:
+                    codes[i] = LEASE_EXPIRED
+                    continue
                 if rc >= 0 and rc != want[i][2]:
                     codes[i] = INVALID  # cannot happen after the size check; never call it OK
                     logger.error("kvpool mooncake: get %r returned %d bytes, expected %d", keys[i], rc, want[i][2])

@@ -38,10 +38,10 @@ class ServerBackend(Backend):
 
     def _put(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
         # Two round trips: Allocate (whose per-key answer includes "already exists") and Commit.
-        return self.client.put(keys, values)
+        return self.client.put(keys, values, self._buffers)
 
     def _get_into(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
-        return self.client.get_into(keys, values, self._copies)
+        return self.client.get_into(keys, values, self._copies, self._buffers)
 
     def _store_stats(self) -> dict[str, float]:
         """The server's numeric counters (none while it is unreachable)."""

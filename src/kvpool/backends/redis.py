@@ -185,6 +185,12 @@ class RedisBackend(Backend):
         return codes
 
     def _put_round(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
+        with self._buffers() as admitted:
+            if not admitted:  # the caller stopped waiting: its buffers may hold other KV now
+                return [RPC_TIMEOUT] * len(keys)
+            return self._put_admitted(keys, values)
+
+    def _put_admitted(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
         codes = [OK] * len(keys)
         chunk = self.config.redis_chunk_size
         px = self._ttl_ms
@@ -286,7 +292,7 @@ class RedisBackend(Backend):
                 if len(blob) != HEADER_SIZE + size:
                     codes[i] = INTERNAL
                     continue
-                scatter(memoryview(blob)[HEADER_SIZE:], dests)
+                codes[i] = self._deliver(memoryview(blob)[HEADER_SIZE:], dests)
             else:
                 nchunks, _, nonce = _CHUNKS.unpack_from(blob, HEADER_SIZE)
                 chunked.append((i, size, [chunk_key(key, nonce, c) for c in range(nchunks)], bytes(blob)))
@@ -321,7 +327,15 @@ class RedisBackend(Backend):
                 codes[i] = NOT_FOUND
                 self._drop_header(keys[i], head)
                 continue
-            scatter(gather(mine), values[i])
+            codes[i] = self._deliver(gather(mine), values[i])
+
+    def _deliver(self, payload: memoryview | np.ndarray, dests: list[np.ndarray]) -> int:
+        """Copy one object's payload into its destination, if the caller still waits for it."""
+        with self._buffers() as admitted:
+            if not admitted:
+                return RPC_TIMEOUT
+            scatter(payload, dests)
+            return OK
 
     _DROP = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 

@@ -14,6 +14,7 @@ import importlib
 from typing import Any
 
 from kvpool.backends.base import Backend
+from kvpool.backends.guard import GuardSettings
 from kvpool.store.memcopy import auto_threads
 from kvpool.config import (
     BackendSettings,
@@ -39,6 +40,8 @@ class Capabilities:
     - `put_reports_existing`: a put of a stored key answers OBJECT_ALREADY_EXISTS. Stores whose
       client answers 0 for a key it skipped (Mooncake 0.3.13 measured, Memcache 1.3 in its
       source; both put-if-absent) say OK for both; either way nothing is overwritten.
+    - `remote`: calls leave this process and can hang, so they run under deadlines behind a
+      circuit breaker (`backends.guard`); `local` answers from this process's memory.
     """
 
     leases: bool
@@ -46,6 +49,7 @@ class Capabilities:
     evicts_on_refused_put: bool
     shared_across_processes: bool
     put_reports_existing: bool = True
+    remote: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +78,8 @@ def _resolve(target: str) -> Any:
 REGISTRY: dict[str, BackendSpec] = {spec.name: spec for spec in (
     BackendSpec(
         LocalSettings, "kvpool.backends.local:LocalBackend", "kvpool.cli.doctor:check_local",
-        Capabilities(leases=True, exact_lru=True, evicts_on_refused_put=False, shared_across_processes=False),
+        Capabilities(leases=True, exact_lru=True, evicts_on_refused_put=False, shared_across_processes=False,
+                     remote=False),
         "the pool engine inside the vLLM worker: memory tier + optional SSD tier",
     ),
     BackendSpec(
@@ -115,6 +120,11 @@ def create_backend(config: KVPoolConfig, client_name: str) -> Backend:
     spec = REGISTRY[config.backend]
     backend: Backend = _resolve(spec.factory)(config.backend_settings, client_name)
     backend.use_copy_threads(config.copy_threads or auto_threads())
+    if spec.capabilities.remote:
+        backend.use_guard(GuardSettings(
+            lookup_timeout_s=config.lookup_timeout_s, transfer_timeout_s=config.transfer_timeout_s,
+            failures=config.breaker_failures, cooldown_s=config.breaker_cooldown_s,
+            cooldown_max_s=max(30.0, config.breaker_cooldown_s)))
     return backend
 
 
@@ -134,6 +144,7 @@ def capability_table() -> str:
         ("`shared_across_processes`: every worker process sees one pool (TP/PP > 1)", "shared_across_processes"),
         ("`put_reports_existing`: a put of a stored key answers OBJECT_ALREADY_EXISTS (else OK)",
          "put_reports_existing"),
+        ("`remote`: calls leave the process: deadlines and a circuit breaker bound them", "remote"),
     ]
     lines = ["| capability | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
     for text, attr in rows:

@@ -49,7 +49,7 @@ from kvpool.backends.base import Backend, gather, scatter, total_size
 from kvpool.backends.keynorm import normalize_yuanrong_key
 from kvpool.backends.net import parse_host_port, probe
 from kvpool.config import YuanrongSettings, read_json_object
-from kvpool.errors import BackendUnavailable, ConfigError, ErrorCode
+from kvpool.errors import BackendUnavailable, ConfigError, ErrorCode, KVPoolError
 from kvpool.errors import EXISTS, INTERNAL, INVALID, INVALID_KEY  # the codes as ints
 from kvpool.errors import NOT_FOUND, NO_HANDLE, OK, RPC_FAIL, RPC_TIMEOUT
 
@@ -335,8 +335,11 @@ class YuanrongBackend(Backend):
         """Create the objects in the worker's shared memory, fill them, publish them."""
         sizes = [total_size(v) for v in values]
         objs = client.mcreate(names, sizes, write_mode=self._evict, ttl_second=self.config.ttl_second)
-        for obj, bufs in zip(objs, values):
-            gather(bufs, np.frombuffer(obj.MutableData(), dtype=np.uint8))
+        with self._buffers() as admitted:
+            if not admitted:  # the caller stopped waiting: its buffers may hold other KV now
+                raise KVPoolError("the put's deadline passed before its copy", ErrorCode.RPC_TIMEOUT)
+            for obj, bufs in zip(objs, values):
+                gather(bufs, np.frombuffer(obj.MutableData(), dtype=np.uint8))
         client.mset_buffer(objs)
 
     def _get_into(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
@@ -361,8 +364,10 @@ class YuanrongBackend(Backend):
                 if src.size != want[i]:
                     codes[i] = INVALID  # checked before a byte is written
                     continue
-                scatter(src, values[i])
-                codes[i] = OK
+                with self._buffers() as admitted:
+                    if admitted:
+                        scatter(src, values[i])
+                    codes[i] = OK if admitted else RPC_TIMEOUT
             del bufs
         return codes
 

@@ -29,7 +29,8 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,7 @@ import msgspec
 import numpy as np
 
 from kvpool.config import DEFAULT_SERVER_SOCKET
-from kvpool.errors import INTERNAL, INVALID, INVALID_KEY, OK, RPC_FAIL, BackendUnavailable, ErrorCode
+from kvpool.errors import INTERNAL, INVALID, INVALID_KEY, OK, RPC_FAIL, RPC_TIMEOUT, BackendUnavailable, ErrorCode
 from kvpool.server import protocol as P
 from kvpool.server import shm
 from kvpool.store.buffers import as_u8 as _u8
@@ -107,6 +108,18 @@ def _chunks(items: list[Any], size_of: Any = None) -> Iterator[list[Any]]:
 
 
 _SERIAL = CopyEngine(1)  # copies on the calling thread
+
+# Admits a call's copies to and from the caller's buffers: a context manager that yields False
+# when the caller has stopped waiting (the backend's deadline passed), so the buffers must be
+# left alone (`kvpool.backends.guard`).
+BufferGate = Callable[[], AbstractContextManager[bool]]
+
+
+def _always() -> AbstractContextManager[bool]:
+    return nullcontext(True)
+
+
+_ALWAYS: BufferGate = _always
 
 
 class PoolClient:
@@ -221,21 +234,23 @@ class PoolClient:
                     found[i] = bool(hit)
         return found
 
-    def put(self, keys: Sequence[str], values: Sequence[Sequence[Any]]) -> list[int]:
+    def put(self, keys: Sequence[str], values: Sequence[Sequence[Any]],
+            buffers: BufferGate | None = None) -> list[int]:
         """Store each key as the concatenation of its buffers, if it is not stored yet.
 
         Per key: OK (written now), OBJECT_ALREADY_EXISTS (stored, or being written by another
-        client: nothing written, objects are immutable) or a failure code.
+        client: nothing written, objects are immutable) or a failure code. ``buffers`` admits the
+        copy out of the caller's buffers (`BufferGate`).
         """
         codes, todo = _prepare(keys, values, writable=False)
         for batch in _chunks(todo):
-            self._put_batch(batch, codes)
+            self._put_batch(batch, codes, buffers or _ALWAYS)
         return codes
 
     def get_into(self, keys: Sequence[str], values: Sequence[Sequence[Any]],
-                 copies: CopyEngine | None = None) -> list[int]:
+                 copies: CopyEngine | None = None, buffers: BufferGate | None = None) -> list[int]:
         """Copy each key's bytes into its buffers (sizes must add up to the object's), on
-        ``copies``' threads when given.
+        ``copies``' threads when given, once ``buffers`` admits it (`BufferGate`).
 
         A key counts as read (OK) only if the server confirms at release that its lease held
         for the whole copy; otherwise the buffers may hold garbage and the code says why
@@ -243,7 +258,7 @@ class PoolClient:
         """
         codes, todo = _prepare(keys, values, writable=True)
         for batch in _chunks(todo, size_of=lambda item: item[3]):
-            self._get_batch(batch, codes, copies or _SERIAL)
+            self._get_batch(batch, codes, copies or _SERIAL, buffers or _ALWAYS)
         return codes
 
     def remove(self, keys: Sequence[str]) -> list[int]:
@@ -314,7 +329,8 @@ class PoolClient:
             return None
         return link, reply
 
-    def _put_batch(self, batch: list[tuple[int, str, list[np.ndarray], int]], codes: list[int]) -> None:
+    def _put_batch(self, batch: list[tuple[int, str, list[np.ndarray], int]], codes: list[int],
+                   buffers: BufferGate) -> None:
         first = self._first_phase(batch, codes, P.Allocate([b[1] for b in batch], [b[3] for b in batch]),
                                   P.Allocated)
         if first is None:
@@ -324,22 +340,26 @@ class PoolClient:
         arena = link.arena.array
         committing: list[tuple[int, int]] = []
         aborting: list[int] = []
-        for (i, _key, segs, size), code, handle, offset in zip(batch, reply.codes, reply.handles, reply.offsets):
-            if code != OK:
-                codes[i] = code  # OBJECT_ALREADY_EXISTS included: the server's put-if-absent
-                continue
-            if not 0 <= offset <= arena.size - size:
-                codes[i] = int(ErrorCode.INTERNAL_ERROR)
-                aborting.append(handle)
-                continue
-            try:
-                gather(segs, arena[offset : offset + size])
-            except Exception:  # e.g. a buffer freed under us: never publish a partial copy
-                logger.exception("kvpool put: copying into the arena failed; aborting that key")
-                codes[i] = int(ErrorCode.INVALID_PARAMS)
-                aborting.append(handle)
-                continue
-            committing.append((i, handle))
+        with buffers() as admitted:
+            for (i, _key, segs, size), code, handle, offset in zip(batch, reply.codes, reply.handles, reply.offsets):
+                if code != OK:
+                    codes[i] = code  # OBJECT_ALREADY_EXISTS included: the server's put-if-absent
+                    continue
+                if not admitted:  # the caller stopped waiting: its buffers may hold other KV now
+                    aborting.append(handle)
+                    continue
+                if not 0 <= offset <= arena.size - size:
+                    codes[i] = int(ErrorCode.INTERNAL_ERROR)
+                    aborting.append(handle)
+                    continue
+                try:
+                    gather(segs, arena[offset : offset + size])
+                except Exception:  # e.g. a buffer freed under us: never publish a partial copy
+                    logger.exception("kvpool put: copying into the arena failed; aborting that key")
+                    codes[i] = int(ErrorCode.INVALID_PARAMS)
+                    aborting.append(handle)
+                    continue
+                committing.append((i, handle))
         try:
             if aborting:
                 self._call_on(link, P.Abort(aborting), P.Codes, len(aborting))
@@ -351,7 +371,7 @@ class PoolClient:
             pass  # uncommitted keys stay RPC_FAIL; the server frees their ranges at disconnect
 
     def _get_batch(self, batch: list[tuple[int, str, list[np.ndarray], int]], codes: list[int],
-                   copies: CopyEngine) -> None:
+                   copies: CopyEngine, buffers: BufferGate) -> None:
         first = self._first_phase(batch, codes, P.Acquire([b[1] for b in batch]), P.Acquired)
         if first is None:
             return
@@ -390,7 +410,13 @@ class PoolClient:
                 copying.append((i, lease_id))
             else:
                 give_up(i, INTERNAL, lease_id)
-        for (i, lease_id), err in zip(copying, copies.scatter_all(jobs)):
+        with buffers() as admitted:
+            errors = copies.scatter_all(jobs) if admitted else None
+        if errors is None:  # the caller stopped waiting: its buffers may hold other KV now
+            for i, lease_id in copying:
+                give_up(i, RPC_TIMEOUT, lease_id)
+            errors = []
+        for (i, lease_id), err in zip(copying, errors):
             if err is not None:
                 logger.error("kvpool get: copying out of the arena failed: %r", err)
                 give_up(i, INVALID, lease_id)

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvpool.testing.proc import HOST, free_port, free_ports, port_open, tail  # noqa: F401  (re-exported for tests)
+from kvpool.testing.proc import HOST, free_port, free_ports, port_open, sigstop, tail  # noqa: F401  (re-exported for tests)
 _LIVE: list["Service"] = []
 
 
@@ -87,6 +87,16 @@ class Service:
             self.proc.kill()
             self.proc.wait()
         self.stop()
+
+    def pause(self) -> None:
+        """SIGSTOP, as a hung store: alive, holding its sockets, answering nothing."""
+        if self.proc is not None and self.proc.poll() is None:
+            sigstop(self.proc.pid)
+
+    def resume(self) -> None:
+        """SIGCONT after `pause()`."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
 
     def __enter__(self):
         return self

@@ -13,6 +13,9 @@ COUNTERS = (
     "save_blocks", "save_bytes", "save_time_s", "save_skipped_blocks", "save_failed_blocks",
     "layer_loads_waited",  # layerwise: layers the forward pass waited for (vLLM's per-layer hook ran)
     "layer_saves_sent",  # layerwise: layers sent from save_kv_layer as they were written
+    # The backend's guard (stores outside the worker): calls that missed their deadline, calls
+    # answered without the store while its circuit breaker was open.
+    "store_timeouts", "store_calls_skipped",
 )
 
 

@@ -78,6 +78,7 @@ class PoolWorker:
         self._stats = KVPoolStats()
         self._log_stats = KVPoolStats()
         self._last_log = time.monotonic()
+        self._guard_seen: dict[str, int] = {}  # the backend's guard counters at the last get_stats
 
     # ---- set-up -------------------------------------------------------------------------
 
@@ -365,6 +366,11 @@ class PoolWorker:
                 self._stats.add(k, v)
 
     def get_stats(self) -> KVPoolStats | None:
+        if self.backend is not None:
+            guard = self.backend.guard_stats()
+            seen, self._guard_seen = self._guard_seen, guard
+            self._count(store_timeouts=guard["timeouts"] - seen.get("timeouts", 0),
+                        store_calls_skipped=guard["breaker_rejected"] - seen.get("breaker_rejected", 0))
         with self._lock:
             snap = self._stats.take()
         self._log_stats.aggregate(snap)

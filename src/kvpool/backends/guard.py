@@ -1,0 +1,263 @@
+"""Deadlines and a circuit breaker for every call into a store that lives outside this process.
+
+A store that is slow or frozen (a SIGSTOPped master, a black-holed port) must cost vLLM at
+most one deadline, once, and never a wrong byte. `Guard` runs each call on a small pool of
+threads and waits at most the call's deadline for it; a call that misses it is abandoned (its
+keys answer RPC_TIMEOUT, a lookup answers "miss") and opens the breaker. While the breaker is
+open nothing is sent to the store: lookups miss, loads fail fast (vLLM recomputes), saves are
+dropped. A probe on the guard's own thread, never a user's request, checks the store after a
+cooldown that doubles while probes keep failing; the first probe that answers closes the
+breaker. Repeated fast failures (`failures` in a row) open it too.
+
+Invariant that makes abandoning safe: a call may touch the caller's buffers (vLLM's KV cache:
+reading it for a put, writing it for a get) only inside `Guard.buffers()`, which admits it only
+if its caller still waits, and the caller, at the deadline, waits for a call already inside to
+leave. So once a caller has its answer, no abandoned call reads or writes its buffers again:
+vLLM may reuse those blocks at once. The part of a call inside `buffers()` is a copy (local
+memory or the store's data plane) and is bounded by the copy, not by the deadline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# What a guard counts (a backend's `stats` reports them): calls that missed their deadline,
+# times the breaker opened, calls answered at once because it was open, probes sent.
+GUARD_COUNTERS = ("timeouts", "breaker_opened", "breaker_rejected", "probes")
+
+# The breaker's states.
+CLOSED, OPEN = "closed", "open"
+
+# A call's states, as its caller and the thread running it agree on them (`_Call`).
+_WAITING, _INSIDE, _ABANDONED = range(3)
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardSettings:
+    """How long a call may take and how the breaker reacts (the connector's config keys)."""
+
+    lookup_timeout_s: float = 0.3
+    transfer_timeout_s: float = 5.0
+    failures: int = 3  # consecutive failed calls that open the breaker (a timeout opens it at once)
+    cooldown_s: float = 1.0  # first wait before a probe; doubles while probes fail
+    cooldown_max_s: float = 30.0
+    threads: int = 8  # calls in flight at once, abandoned ones included
+
+
+class Timeout(Exception):
+    """The call missed its deadline, or the breaker is open (`reason` says which)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _Call:
+    """One call's handshake between its caller and the thread running it."""
+
+    __slots__ = ("cond", "state", "result", "error", "finished")
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition(threading.Lock())
+        self.state = _WAITING
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.finished = False
+
+
+class Guard:
+    """Runs a backend's store calls under deadlines, behind a circuit breaker."""
+
+    def __init__(self, name: str, settings: GuardSettings, probe: Callable[[], object],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = name
+        self.settings = settings
+        self._probe = probe
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._queue: list[tuple[_Call, Callable[[], Any]]] = []
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._busy = 0  # calls running now, abandoned ones included
+        self._closed = False
+        self._state = CLOSED
+        self._in_a_row = 0
+        self._cooldown = settings.cooldown_s
+        self._reopen_at = 0.0
+        self._probing = False
+        self._local = threading.local()
+        self.counters = dict.fromkeys(GUARD_COUNTERS, 0)
+
+    # ---- the caller's side -------------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def allows(self) -> bool:
+        """Whether a call may go to the store now (the breaker is closed). Starts a probe when
+        an open breaker's cooldown is over; the caller is answered at once either way."""
+        if self._state == CLOSED:
+            return True
+        with self._lock:
+            self.counters["breaker_rejected"] += 1
+            if not self._probing and not self._closed and self._clock() >= self._reopen_at:
+                self._probing = True
+                threading.Thread(target=self._run_probe, name=f"kvpool-{self.name}-probe", daemon=True).start()
+        return False
+
+    def call(self, fn: Callable[[], T], timeout_s: float) -> T:
+        """`fn()` on a guard thread; its result, its exception, or `Timeout` after `timeout_s`.
+
+        A call that raises a store error counts towards opening the breaker; use `succeeded`
+        and `failed` for answers that are failures without an exception.
+        """
+        c = _Call()
+        with self._lock:
+            if self._closed:
+                raise Timeout("backend closed")
+            if self._busy >= self.settings.threads:
+                # Every thread is held by calls the store has not answered: it is not answering.
+                self._open_locked("every call thread is waiting on the store")
+                raise Timeout("no free call thread")
+            self._queue.append((c, fn))
+            self._busy += 1
+            if self._idle:
+                self._work.notify()
+            else:
+                t = threading.Thread(target=self._worker, name=f"kvpool-{self.name}-call", daemon=True)
+                self._threads.append(t)
+                t.start()
+        deadline = self._clock() + timeout_s
+        with c.cond:
+            while not c.finished:
+                left = deadline - self._clock()
+                if left <= 0:
+                    if c.state == _INSIDE:
+                        c.cond.wait()  # it is moving bytes of ours: let it leave them first
+                        continue
+                    c.state = _ABANDONED
+                    break
+                c.cond.wait(left)
+            finished, error, result = c.finished, c.error, c.result
+        if not finished:
+            self._timed_out(timeout_s)
+            raise Timeout(f"no answer within {timeout_s:g} s")
+        if error is not None:
+            raise error
+        return result  # type: ignore[return-value]
+
+    def succeeded(self) -> None:
+        """The store answered a call: the run of failures ends."""
+        if self._in_a_row:
+            with self._lock:
+                self._in_a_row = 0
+
+    def failed(self, why: str) -> None:
+        """A call failed (an exception, or every key answered RPC_FAIL)."""
+        with self._lock:
+            self._in_a_row += 1
+            if self._in_a_row >= self.settings.failures:
+                self._open_locked(f"{self._in_a_row} calls in a row failed ({why})")
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._work.notify_all()
+
+    # ---- the running call's side ------------------------------------------------------------
+
+    @contextmanager
+    def buffers(self) -> Iterator[bool]:
+        """Enter before touching the caller's buffers; yields False if the caller stopped
+        waiting (then the buffers must not be touched). May be entered again (e.g. once per
+        key); outside a guarded call: always True."""
+        c: _Call | None = getattr(self._local, "call", None)
+        if c is None:
+            yield True
+            return
+        with c.cond:
+            admitted = c.state == _WAITING
+            if admitted:
+                c.state = _INSIDE
+        try:
+            yield admitted
+        finally:
+            if admitted:
+                with c.cond:
+                    c.state = _WAITING
+                    c.cond.notify_all()
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _worker(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._idle += 1
+                    self._work.wait()
+                    self._idle -= 1
+                if not self._queue:
+                    return
+                c, fn = self._queue.pop(0)
+            if c.state == _ABANDONED:  # its caller gave up before it started
+                result, error = None, None
+            else:
+                self._local.call = c
+                result, error = None, None
+                try:
+                    result = fn()
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    error = exc
+                finally:
+                    self._local.call = None
+            with c.cond:
+                if c.state != _ABANDONED:
+                    c.result, c.error, c.finished = result, error, True
+                    c.cond.notify_all()
+            with self._lock:
+                self._busy -= 1
+
+    def _timed_out(self, timeout_s: float) -> None:
+        with self._lock:
+            self.counters["timeouts"] += 1
+            self._open_locked(f"a call got no answer within {timeout_s:g} s")
+
+    def _open_locked(self, why: str) -> None:
+        now = self._clock()
+        if self._state == OPEN:
+            return
+        self._state = OPEN
+        self._reopen_at = now + self._cooldown
+        self.counters["breaker_opened"] += 1
+        logger.warning("kvpool %s: %s; not asking the store for %.1f s (lookups miss, loads recompute, "
+                       "saves are dropped), then probing it", self.name, why, self._cooldown)
+
+    def _run_probe(self) -> None:
+        self.counters["probes"] += 1
+        ok = False
+        try:
+            self.call(self._probe, self.settings.lookup_timeout_s)
+            ok = True
+        except Exception as exc:  # noqa: BLE001 - a probe's failure only keeps the breaker open
+            logger.debug("kvpool %s: probe failed: %s", self.name, exc)
+        with self._lock:
+            self._probing = False
+            if ok:
+                self._state, self._in_a_row = CLOSED, 0
+                self._cooldown = self.settings.cooldown_s
+                logger.warning("kvpool %s: the store answers again; using it", self.name)
+            else:
+                self._cooldown = min(self._cooldown * 2, self.settings.cooldown_max_s)
+                self._reopen_at = self._clock() + self._cooldown

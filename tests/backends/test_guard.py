@@ -1,0 +1,207 @@
+"""`backends.guard`: deadlines and the circuit breaker, on an adapter whose store can be frozen
+at any point of a call (before it answers, or while it copies); tests/server/test_frozen_server.py
+freezes a real `kvpool server`. Outcomes are asserted (codes, the buffers' bytes, counters, whether the
+store was asked), never durations."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvpool.backends.base import Backend
+from kvpool.backends.guard import CLOSED, OPEN, Guard, GuardSettings
+from kvpool.errors import NOT_FOUND, OK, RPC_FAIL, RPC_TIMEOUT
+
+# Short deadlines: every test that waits for one waits a fraction of a second.
+FAST = GuardSettings(lookup_timeout_s=0.05, transfer_timeout_s=0.1, failures=3, cooldown_s=0.05,
+                     cooldown_max_s=0.2)
+
+
+def wait_until(cond, timeout_s: float = 10.0) -> bool:
+    """Poll `cond` (a generous bound: only a broken guard ever reaches it)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return cond()
+
+
+class Freezable(Backend):
+    """A dict store whose calls can be held at two points: `answer` (before the store replies:
+    a frozen master) and `copying` (while bytes move into or out of the caller's buffers)."""
+
+    name = "freezable"
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {"k": bytes(range(256)) * 4}
+        self.answer = threading.Event()
+        self.answer.set()
+        self.copying = threading.Event()
+        self.copying.set()
+        self.asked = 0
+        self.fail = False
+        self.copied_after_abandon = 0
+        self.finished = threading.Event()
+
+    def _store(self) -> None:
+        self.asked += 1
+        self.answer.wait()
+        if self.fail:
+            raise ConnectionError("store said no")
+
+    def _exists(self, keys: list[str], lease: bool) -> list[bool]:
+        self._store()
+        return [k in self.data for k in keys]
+
+    def _put(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
+        self._store()
+        codes = []
+        with self._buffers() as admitted:
+            for k, v in zip(keys, values):
+                if not admitted:
+                    codes.append(RPC_TIMEOUT)
+                    continue
+                self.copying.wait()
+                self.data[k] = b"".join(x.tobytes() for x in v)
+                codes.append(OK)
+        self.finished.set()
+        return codes
+
+    def _get_into(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
+        self._store()
+        codes = []
+        with self._buffers() as admitted:
+            for k, v in zip(keys, values):
+                if k not in self.data:
+                    codes.append(NOT_FOUND)
+                    continue
+                if not admitted:
+                    codes.append(RPC_TIMEOUT)
+                    continue
+                src = np.frombuffer(self.data[k], dtype=np.uint8)
+                half = src.size // 2
+                v[0][:half] = src[:half]
+                self.copying.wait()  # frozen halfway through the copy
+                v[0][half:] = src[half:]
+                codes.append(OK)
+        self.finished.set()
+        return codes
+
+
+@pytest.fixture
+def store():
+    b = Freezable()
+    b.use_guard(FAST)
+    yield b
+    b.answer.set()
+    b.copying.set()
+    b.close()
+
+
+def test_frozen_lookup_is_a_miss_and_opens_the_breaker(store):
+    store.answer.clear()  # the store stops answering
+    assert store.batch_exists(["k"]) == [False]
+    assert not store.answer.is_set()  # answered while the store was still frozen: the deadline did it
+    s = store.stats()
+    assert s["timeouts"] == 1 and s["breaker_opened"] == 1
+    asked = store.asked
+    # Open: nothing more is sent; lookups miss, loads fail fast, saves are dropped.
+    assert store.batch_exists(["k"]) == [False]
+    assert store.batch_get_into(["k"], [[np.zeros(1024, np.uint8)]]) == [RPC_FAIL]
+    assert store.batch_put(["n"], [[np.ones(8, np.uint8)]]) == [RPC_FAIL]
+    assert store.asked == asked
+    assert store.stats()["breaker_rejected"] >= 3
+
+
+def test_breaker_closes_by_itself_once_the_store_answers(store):
+    store.answer.clear()
+    assert store.batch_exists(["k"]) == [False]
+    guard = store._state.guard
+    assert guard.state == OPEN
+    store.answer.set()  # the store thaws
+    # Callers are answered at once while open; a probe on the guard's own thread closes it.
+    assert wait_until(lambda: store.batch_exists(["k"]) == [True])
+    assert guard.state == CLOSED and store.stats()["probes"] >= 1
+
+
+def test_probes_back_off_while_the_store_stays_frozen():
+    clock = [0.0]
+    calls = []
+
+    def probe():
+        calls.append(clock[0])
+        raise ConnectionError("still down")
+
+    g = Guard("t", FAST, probe, clock=lambda: clock[0])
+    g.failed("x"), g.failed("x"), g.failed("x")
+    assert g.state == OPEN
+    for _ in range(40):
+        clock[0] += 0.01
+        g.allows()
+        wait_until(lambda: not g._probing)
+    # cooldowns 0.05, 0.1, 0.2, 0.2 ...: far fewer probes than calls
+    assert 2 <= len(calls) <= 4
+    g.close()
+
+
+def test_a_timed_out_get_never_writes_the_callers_buffer_later(store):
+    store.answer.clear()
+    dest = np.zeros(1024, np.uint8)
+    assert store.batch_get_into(["k"], [[dest]]) == [RPC_TIMEOUT]
+    store.finished.clear()
+    store.answer.set()  # the store answers after the caller gave up
+    assert store.finished.wait(10)
+    assert not dest.any()  # vLLM may have reused this block: not one byte landed in it
+
+
+def test_a_timed_out_put_never_reads_the_callers_buffer_later(store):
+    store.answer.clear()
+    src = np.full(64, 7, np.uint8)
+    assert store.batch_put(["new"], [[src]]) == [RPC_TIMEOUT]
+    store.finished.clear()
+    store.answer.set()
+    assert store.finished.wait(10)
+    assert "new" not in store.data  # nothing was read from a block vLLM may have refilled
+
+
+def test_a_copy_under_way_is_let_finish_past_the_deadline(store):
+    store.copying.clear()  # the store freezes halfway through copying into our buffer
+    dest = np.zeros(1024, np.uint8)
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(store.batch_get_into(["k"], [[dest]])))
+    t.start()
+    time.sleep(0.3)  # well past the 0.1 s deadline
+    assert not out  # the caller still waits: its buffer is being written
+    store.copying.set()
+    t.join(10)
+    assert out == [[OK]] and dest.tobytes() == store.data["k"]
+
+
+def test_failures_in_a_row_open_the_breaker(store):
+    store.fail = True
+    for _ in range(3):
+        assert store.batch_exists(["k"]) == [False]
+    assert store._state.guard.state == OPEN
+    asked = store.asked
+    assert store.batch_exists(["k"]) == [False] and store.asked == asked
+
+
+def test_success_resets_the_run_of_failures(store):
+    for _ in range(5):
+        store.fail = True
+        store.batch_exists(["k"])
+        store.batch_exists(["k"])
+        store.fail = False
+        assert store.batch_exists(["k"]) == [True]
+    assert store._state.guard.state == CLOSED
+
+
+def test_local_has_no_guard():
+    from kvpool.backends.registry import REGISTRY
+
+    assert not REGISTRY["local"].capabilities.remote
+    assert all(spec.capabilities.remote for name, spec in REGISTRY.items() if name != "local")
