@@ -177,3 +177,27 @@ def test_foreign_key_is_an_error_not_data(redis_service):
     assert b.batch_get_into(["foreign"], [dest]) == [ErrorCode.INTERNAL_ERROR]
     assert (dest[0] == 0xA5).all()
     b.close()
+
+
+@pytest.mark.parametrize("size", [4096, 3 * MiB])  # inline, and chunked (1 MiB chunks)
+def test_same_length_overwrite_is_a_counted_miss(redis_service, size):
+    b = backend(redis_service.url, redis_chunk_size="1MB")
+    value = data(size, seed=5)
+    assert b.batch_put(["k"], [[value]]) == [OK]
+    r = raw(redis_service)
+    target = "k" if size <= MiB else next(k for k in r.keys("k#chunk:*"))
+    blob = bytearray(r.get(target))
+    blob[-1] ^= 0xFF  # another client rewrites the stored bytes, same length
+    r.set(target, bytes(blob))
+    dest = [np.zeros(size, np.uint8)]
+    assert b.batch_get_into(["k"], [dest]) == [ErrorCode.CHECKSUM_MISMATCH]
+    assert not dest[0].any()  # nothing delivered
+    assert b.stats()["corrupt_reads"] == 1
+    b.close()
+
+
+def test_objects_of_the_old_layout_are_misses(redis_service):
+    raw(redis_service).set("old", b"kvp1" + bytes(12) + b"payload")
+    b = backend(redis_service.url)
+    assert b.batch_get_into(["old"], [[np.zeros(7, np.uint8)]]) == [NOT_FOUND]
+    b.close()

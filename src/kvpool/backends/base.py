@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvpool.errors import ErrorCode, KVPoolError
-from kvpool.errors import EXISTS, INTERNAL, INVALID, INVALID_KEY, NOT_FOUND, OK, RPC_FAIL, RPC_TIMEOUT  # the codes as ints
+from kvpool.errors import CHECKSUM_MISMATCH, EXISTS, INTERNAL, INVALID, INVALID_KEY, NOT_FOUND, OK, RPC_FAIL, RPC_TIMEOUT  # the codes as ints
 from kvpool.backends.guard import GUARD_COUNTERS, Guard, GuardSettings, Timeout
 from kvpool.store.buffers import as_u8, gather, scatter, spans, total_size
 from kvpool.store.memcopy import CopyEngine
@@ -51,7 +51,9 @@ PROBE_KEY = "kvpool-probe"
 
 # The client-side counters every backend keeps, and what `Backend.stats` reports, in this order
 # (the guard's counters are 0 for a backend without one).
-COUNTERS = ("puts", "put_bytes", "put_existing", "gets", "get_bytes", "misses", "failures", "connect_failures")
+# `corrupt_reads`: reads refused because the bytes did not match the checksum written with them.
+COUNTERS = ("puts", "put_bytes", "put_existing", "gets", "get_bytes", "misses", "failures", "corrupt_reads",
+            "connect_failures")
 STATS = COUNTERS + GUARD_COUNTERS
 
 
@@ -444,8 +446,9 @@ class Backend(abc.ABC):
     def _tally(self, indices: Sequence[int], codes: list[int], views: dict[int, list[np.ndarray]],
                done: tuple[str, str], other_code: int, other: str) -> None:
         """Count a batch's outcome: `done` = (count, bytes) counters for OK keys, `other` for keys
-        answered `other_code` (a miss, an existing key: not failures), `failures` for the rest."""
-        n_done = n_bytes = n_other = n_failed = 0
+        answered `other_code` (a miss, an existing key: not failures), `corrupt_reads` for
+        CHECKSUM_MISMATCH (a miss too, and an event), `failures` for the rest."""
+        n_done = n_bytes = n_other = n_corrupt = n_failed = 0
         for i in indices:
             c = codes[i]
             if c == OK:
@@ -453,6 +456,8 @@ class Backend(abc.ABC):
                 n_bytes += sum(v.size for v in views[i])
             elif c == other_code:
                 n_other += 1
+            elif c == CHECKSUM_MISMATCH:
+                n_corrupt += 1
             else:
                 n_failed += 1
         st = self._state
@@ -461,6 +466,7 @@ class Backend(abc.ABC):
             cnt[done[0]] += n_done
             cnt[done[1]] += n_bytes
             cnt[other] += n_other
+            cnt["corrupt_reads"] += n_corrupt
             cnt["failures"] += n_failed
 
 

@@ -2,13 +2,14 @@
 
 Layout of one pooled object under its key `K`:
 
-- values up to `redis_chunk_size` (64MB by default): one string `K` = 16-byte header + bytes;
+- values up to `redis_chunk_size` (64MB by default): one string `K` = 24-byte header + bytes;
 - larger values: chunk strings `K#chunk:{nonce}:{i}` written first, then `K` = header naming the
   chunk count, chunk size and nonce. The header is written last with `SET NX`, so a reader never
   sees a partly written object, the first writer of a key wins (a put of an existing key
   answers OBJECT_ALREADY_EXISTS) and two writers of one key never share chunk keys (each has its own nonce); the loser deletes
   its chunks. A chunk evicted or expired on its own makes the object a miss, and its header is
-  then removed.
+  then removed. The header carries the value's checksum: a read whose bytes do not match
+  (another client overwrote them, even with the same length) is CHECKSUM_MISMATCH, a miss.
 
 Every call is one pipeline (one round trip) per phase: `EXISTS` (or `TOUCH` for a lease, which
 refreshes the key's LRU clock), `SET NX [EX ttl]`, `GET` (plus one pipeline for chunks). A put
@@ -38,20 +39,23 @@ from typing import Any
 import numpy as np
 
 from kvpool.backends.base import Backend, gather, scatter, total_size
+from kvpool.store.buffers import checksum
 from kvpool.config import RedisSettings
 from kvpool.errors import ConfigError, ErrorCode
-from kvpool.errors import EXISTS, INTERNAL, INVALID, NOT_FOUND, NO_HANDLE, OK, RPC_FAIL, RPC_TIMEOUT  # the codes as ints
+from kvpool.errors import CHECKSUM_MISMATCH, EXISTS, INTERNAL, INVALID, NOT_FOUND, NO_HANDLE, OK, RPC_FAIL, RPC_TIMEOUT  # the codes as ints
 
 logger = logging.getLogger(__name__)
 
 
-MAGIC = b"kvp1"
+MAGIC = b"kvp2"
+OLD_MAGICS = (b"kvp1",)  # objects of an earlier layout (no checksum): misses, never trusted
 INLINE, CHUNKED = 0, 1
-# magic, kind, 3 pad bytes, total size
-_HEAD = struct.Struct("<4sB3xQ")
+# magic, kind, 3 pad bytes, total size, checksum of the value (`buffers.checksum`): Redis
+# accepts any client's SET, so a same-length overwrite must not come back as a hit.
+_HEAD = struct.Struct("<4sB3xQQ")
 # chunk count, chunk size, nonce
 _CHUNKS = struct.Struct("<IQ16s")
-HEADER_SIZE = _HEAD.size  # 16
+HEADER_SIZE = _HEAD.size  # 24
 # Capacity (INFO memory) is re-read this often, so a CONFIG SET maxmemory is noticed.
 _INFO_REFRESH_S = 30.0
 
@@ -207,8 +211,9 @@ class RedisBackend(Backend):
                 continue
             if size <= chunk:
                 blob = bytearray(HEADER_SIZE + size)
-                _HEAD.pack_into(blob, 0, MAGIC, INLINE, size)
-                gather(bufs, np.frombuffer(blob, dtype=np.uint8)[HEADER_SIZE:])
+                payload = np.frombuffer(blob, dtype=np.uint8)[HEADER_SIZE:]
+                gather(bufs, payload)
+                _HEAD.pack_into(blob, 0, MAGIC, INLINE, size, checksum([payload]))
                 pipe.set(key, blob, nx=True, px=px)
                 plan.append((i, ncmd, []))
                 ncmd += 1
@@ -220,7 +225,7 @@ class RedisBackend(Backend):
             for c, ck in enumerate(ckeys):
                 pipe.set(ck, mv[c * chunk : (c + 1) * chunk], px=chunk_px)
             ncmd += nchunks
-            head = _HEAD.pack(MAGIC, CHUNKED, size) + _CHUNKS.pack(nchunks, chunk, nonce)
+            head = _HEAD.pack(MAGIC, CHUNKED, size, checksum([mv])) + _CHUNKS.pack(nchunks, chunk, nonce)
             pipe.set(key, head, nx=True, px=px)
             plan.append((i, ncmd, ckeys))
             ncmd += 1
@@ -276,11 +281,14 @@ class RedisBackend(Backend):
             if blob is None:
                 codes[i] = NOT_FOUND
                 continue
+            if bytes(blob[:4]) in OLD_MAGICS:
+                codes[i] = NOT_FOUND
+                continue
             if len(blob) < HEADER_SIZE:
                 codes[i] = INTERNAL
                 logger.error("kvpool redis: key %r holds %d bytes, not a kvpool object", key, len(blob))
                 continue
-            magic, kind, size = _HEAD.unpack_from(blob, 0)
+            magic, kind, size, want_sum = _HEAD.unpack_from(blob, 0)
             if magic != MAGIC or kind not in (INLINE, CHUNKED):
                 codes[i] = INTERNAL
                 logger.error("kvpool redis: key %r is not a kvpool object (another application's key?)", key)
@@ -292,7 +300,7 @@ class RedisBackend(Backend):
                 if len(blob) != HEADER_SIZE + size:
                     codes[i] = INTERNAL
                     continue
-                codes[i] = self._deliver(memoryview(blob)[HEADER_SIZE:], dests)
+                codes[i] = self._deliver(memoryview(blob)[HEADER_SIZE:], dests, want_sum)
             else:
                 nchunks, _, nonce = _CHUNKS.unpack_from(blob, HEADER_SIZE)
                 chunked.append((i, size, [chunk_key(key, nonce, c) for c in range(nchunks)], bytes(blob)))
@@ -327,10 +335,13 @@ class RedisBackend(Backend):
                 codes[i] = NOT_FOUND
                 self._drop_header(keys[i], head)
                 continue
-            codes[i] = self._deliver(gather(mine), values[i])
+            codes[i] = self._deliver(gather(mine), values[i], _HEAD.unpack_from(head, 0)[3])
 
-    def _deliver(self, payload: memoryview | np.ndarray, dests: list[np.ndarray]) -> int:
-        """Copy one object's payload into its destination, if the caller still waits for it."""
+    def _deliver(self, payload: memoryview | np.ndarray, dests: list[np.ndarray], want_sum: int) -> int:
+        """Copy one object's payload into its destination if it is what its writer stored (our
+        private copy is checked, then copied) and the caller still waits for it."""
+        if checksum([payload]) != want_sum:
+            return CHECKSUM_MISMATCH
         with self._buffers() as admitted:
             if not admitted:
                 return RPC_TIMEOUT

@@ -38,11 +38,12 @@ import msgspec
 import numpy as np
 
 from kvpool.config import DEFAULT_SERVER_SOCKET
-from kvpool.errors import INTERNAL, INVALID, INVALID_KEY, OK, RPC_FAIL, RPC_TIMEOUT, BackendUnavailable, ErrorCode
+from kvpool.errors import CHECKSUM_MISMATCH, INTERNAL, INVALID, INVALID_KEY, OK, RPC_FAIL, RPC_TIMEOUT
+from kvpool.errors import BackendUnavailable, ErrorCode
 from kvpool.server import protocol as P
 from kvpool.server import shm
 from kvpool.store.buffers import as_u8 as _u8
-from kvpool.store.buffers import gather
+from kvpool.store.buffers import checksum, gather
 from kvpool.store.memcopy import CopyEngine
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,9 @@ def _always() -> AbstractContextManager[bool]:
 
 _ALWAYS: BufferGate = _always
 
+# A copy whose bytes do not hash to what their writer committed (another client overwrote them).
+_CORRUPT = ValueError("checksum mismatch")
+
 
 class PoolClient:
     """A connection to `kvpool server` at ``socket_path``; see the module docstring.
@@ -143,6 +147,7 @@ class PoolClient:
         self.socket_path = socket_path
         self.name = name[: P.MAX_NAME]
         self.timeout_s = timeout_s
+        self.checksum_failures = 0  # copies out of the arena refused: not what their writer committed
         self.connect_timeout_s = connect_timeout_s
         self.retry_interval_s = retry_interval_s
         self._link: _Link | None = None
@@ -339,6 +344,7 @@ class PoolClient:
         assert isinstance(reply, P.Allocated)
         arena = link.arena.array
         committing: list[tuple[int, int]] = []
+        sums: list[int | None] = []
         aborting: list[int] = []
         with buffers() as admitted:
             for (i, _key, segs, size), code, handle, offset in zip(batch, reply.codes, reply.handles, reply.offsets):
@@ -354,6 +360,8 @@ class PoolClient:
                     continue
                 try:
                     gather(segs, arena[offset : offset + size])
+                    # Of our own bytes, not of the arena's (which any client may write).
+                    sums.append(checksum(segs))
                 except Exception:  # e.g. a buffer freed under us: never publish a partial copy
                     logger.exception("kvpool put: copying into the arena failed; aborting that key")
                     codes[i] = int(ErrorCode.INVALID_PARAMS)
@@ -364,7 +372,7 @@ class PoolClient:
             if aborting:
                 self._call_on(link, P.Abort(aborting), P.Codes, len(aborting))
             if committing:
-                reply2 = self._call_on(link, P.Commit([h for _, h in committing]), P.Codes, len(committing))
+                reply2 = self._call_on(link, P.Commit([h for _, h in committing], sums), P.Codes, len(committing))
                 for (i, _), c in zip(committing, self._codes_of(reply2, len(committing))):
                     codes[i] = c
         except _Down:
@@ -389,8 +397,10 @@ class PoolClient:
                 checked.append(-1)
         jobs: list[tuple[np.ndarray, list[np.ndarray]]] = []
         copying: list[tuple[int, int]] = []  # (key index, lease id; 0 for bytes sent inline)
-        for (i, _key, outs, want), code, lease_id, offset, size, data in zip(
-            batch, reply.codes, reply.lease_ids, reply.offsets, reply.sizes, reply.data
+        expected: list[int | None] = []  # per job: the checksum its copy must have
+        sums = reply.checksums if len(reply.checksums) == len(batch) else [None] * len(batch)
+        for (i, _key, outs, want), code, lease_id, offset, size, data, want_sum in zip(
+            batch, reply.codes, reply.lease_ids, reply.offsets, reply.sizes, reply.data, sums
         ):
             if code != OK:
                 codes[i] = code
@@ -405,19 +415,30 @@ class PoolClient:
                     continue
                 jobs.append((np.frombuffer(data, dtype=np.uint8), outs))
                 copying.append((i, 0))
+                expected.append(None)
             elif 0 <= offset <= arena.size - size:
                 jobs.append((arena[offset : offset + size], outs))
                 copying.append((i, lease_id))
+                expected.append(want_sum)
             else:
                 give_up(i, INTERNAL, lease_id)
         with buffers() as admitted:
             errors = copies.scatter_all(jobs) if admitted else None
+            if errors is not None:
+                # What we copied is what the writer committed, or a miss: the arena is writable
+                # by every client of this pool, our destination only by us.
+                for j, ((_, outs), want_sum) in enumerate(zip(jobs, expected)):
+                    if errors[j] is None and want_sum is not None and checksum(outs) != want_sum:
+                        errors[j] = _CORRUPT
+                        self.checksum_failures += 1
         if errors is None:  # the caller stopped waiting: its buffers may hold other KV now
             for i, lease_id in copying:
                 give_up(i, RPC_TIMEOUT, lease_id)
             errors = []
         for (i, lease_id), err in zip(copying, errors):
-            if err is not None:
+            if err is _CORRUPT:
+                give_up(i, CHECKSUM_MISMATCH, lease_id)
+            elif err is not None:
                 logger.error("kvpool get: copying out of the arena failed: %r", err)
                 give_up(i, INVALID, lease_id)
             elif lease_id == 0:

@@ -422,15 +422,20 @@ class Server:
                     offsets.append(0)
             return P.Allocated(codes, handles, offsets)
         if isinstance(req, (P.Commit, P.Abort)):
-            finish = engine.commit if isinstance(req, P.Commit) else engine.abort
+            sums = req.checksums if isinstance(req, P.Commit) else []
+            if sums and len(sums) != len(req.handles):
+                return P.Error(int(ErrorCode.INVALID_PARAMS),
+                               f"{len(sums)} checksums for {len(req.handles)} handles: one per handle, or none")
             codes = []
-            for handle in req.handles:
+            for i, handle in enumerate(req.handles):
                 # Only this connection's own allocations: a handle is not a capability to
                 # publish someone else's half-written range.
                 if conn.pending.pop(handle, None) is None:
                     codes.append(int(ErrorCode.OBJECT_NOT_FOUND))
+                elif isinstance(req, P.Commit):
+                    codes.append(int(engine.commit(handle, sums[i] if sums else None)))
                 else:
-                    codes.append(int(finish(handle)))
+                    codes.append(int(engine.abort(handle)))
             return P.Codes(codes)
         if isinstance(req, P.Acquire):
             return self._acquire(conn, req.keys)
@@ -457,44 +462,29 @@ class Server:
     def _acquire(self, conn: _Conn, keys: Sequence[str]) -> P.Acquired:
         engine = self.engine
         assert engine is not None
-        codes, lease_ids, offsets, sizes, data = [], [], [], [], []
+        rows: list[tuple[int, int, int, int, bytes | None, int | None]] = []  # one Acquired row per key
         inline = 0
         for key in keys:
             result = engine.acquire(conn.client_id, key)
             if isinstance(result, ErrorCode):
-                codes.append(int(result))
-                lease_ids.append(0)
-                offsets.append(0)
-                sizes.append(0)
-                data.append(None)
-                continue
-            if result.data is not None:
+                rows.append((int(result), 0, 0, 0, None, None))
+            elif result.data is not None:
                 # Served from disk without room to promote: the bytes go inline, within a budget
-                # so one reply stays bounded (the client sizes its batches to fit it).
+                # so one reply stays bounded (the client sizes its batches to fit it). They never
+                # sat in the shared arena, so they need no checksum.
                 if inline + result.size > P.MAX_INLINE_BYTES:
-                    codes.append(int(ErrorCode.BUFFER_OVERFLOW))
-                    lease_ids.append(0)
-                    offsets.append(0)
-                    sizes.append(result.size)
-                    data.append(None)
-                    continue
-                inline += result.size
-                codes.append(0)
-                lease_ids.append(0)
-                offsets.append(-1)
-                sizes.append(result.size)
-                data.append(result.data)
-                continue
-            if len(conn.leases) >= _MAX_LEASES_PER_CONN:
-                oldest = next(iter(conn.leases))
-                engine.release(conn.leases.pop(oldest))
-            conn.leases[result.lease_id] = result
-            codes.append(0)
-            lease_ids.append(result.lease_id)
-            offsets.append(result.offset)
-            sizes.append(result.size)
-            data.append(None)
-        return P.Acquired(codes, lease_ids, offsets, sizes, data)
+                    rows.append((int(ErrorCode.BUFFER_OVERFLOW), 0, 0, result.size, None, None))
+                else:
+                    inline += result.size
+                    rows.append((0, 0, -1, result.size, result.data, None))
+            else:
+                if len(conn.leases) >= _MAX_LEASES_PER_CONN:
+                    oldest = next(iter(conn.leases))
+                    engine.release(conn.leases.pop(oldest))
+                conn.leases[result.lease_id] = result
+                rows.append((0, result.lease_id, result.offset, result.size, None, result.checksum))
+        codes, lease_ids, offsets, sizes, data, sums = (list(col) for col in zip(*rows)) if rows else ([],) * 6
+        return P.Acquired(codes, lease_ids, offsets, sizes, data, sums)
 
     # ---- introspection --------------------------------------------------------------------------
 

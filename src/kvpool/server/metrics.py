@@ -20,7 +20,7 @@ COUNTERS = frozenset({
     "puts", "gets", "hits", "disk_hits", "misses", "evictions", "promotions",
     "allocation_failures", "lease_expired", "disk_write_errors", "reclaimed_allocations",
     "reaped_clients", "disk_evictions", "checksum_failures", "lookup_keys", "lookup_hits",
-    "connections", "protocol_errors",
+    "connections", "protocol_errors", "corrupt_objects",
 })
 
 HELP = {

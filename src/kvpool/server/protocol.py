@@ -71,10 +71,15 @@ class Allocate(Message):
     sizes: Annotated[list[Size], msgspec.Meta(max_length=MAX_BATCH)]
 
 
+Checksums = Annotated[list[Union[Annotated[int, msgspec.Meta(ge=0)], None]], msgspec.Meta(max_length=MAX_BATCH)]
+
+
 class Commit(Message):
-    """Publish allocations this connection made (step 3, after the copy)."""
+    """Publish allocations this connection made (step 3, after the copy), each with the
+    checksum of the bytes the client copied in (`store.buffers.checksum`; None: unchecked)."""
 
     handles: Ids
+    checksums: Checksums = []
 
 
 class Abort(Message):
@@ -148,6 +153,8 @@ class Acquired(Message):
     offsets: list[int]
     sizes: list[int]
     data: list[Union[bytes, None]]
+    # What each arena-served copy must hash to (None: its writer sent no checksum).
+    checksums: list[Union[int, None]] = []
 
 
 class StatsReply(Message):

@@ -45,6 +45,7 @@ import numpy as np
 from kvpool.errors import ConfigError, ErrorCode, StoreError
 from kvpool.store.allocator import OffsetAllocator
 from kvpool.store.buffers import as_u8 as _as_u8
+from kvpool.store.buffers import checksum
 from kvpool.store.disk import DiskTier
 from kvpool.store.memcopy import CopyEngine
 
@@ -67,6 +68,7 @@ _STAT_NAMES = (
     "disk_write_errors",
     "reclaimed_allocations",
     "reaped_clients",
+    "corrupt_objects",  # arena bytes that no longer matched their writer's checksum: never spilled
 )
 
 
@@ -156,6 +158,9 @@ class Lease:
     expires_at: float
     lease_id: int = 0
     data: bytes | None = None
+    # The value's checksum (`buffers.checksum`) as its writer committed it, or as the engine
+    # computed it when it copied the bytes in itself; None if the writer sent none.
+    checksum: int | None = None
 
 
 @dataclass(frozen=True)
@@ -181,6 +186,7 @@ class _Object:
     # instead of adding one: a hot prefix looked up many times per TTL would otherwise pile up
     # thousands of never-released leases per object, each scanned by later lookups and reaps.
     lookup_leases: dict[str, int] = field(default_factory=dict)
+    checksum: int | None = None  # kept in the server's memory, out of every client's reach
 
 
 @dataclass
@@ -301,8 +307,9 @@ class PoolEngine:
         self._write_spills(spills)
         return result
 
-    def commit(self, handle: int) -> ErrorCode:
-        """Make an allocation visible to readers.
+    def commit(self, handle: int, checksum: int | None = None) -> ErrorCode:
+        """Make an allocation visible to readers, with the checksum of the bytes its writer
+        copied in (readers of the shared arena check their copies against it).
 
         OBJECT_NOT_FOUND when the handle is unknown: never issued, already
         committed/aborted, or reclaimed by ``reap`` (writer silent past
@@ -320,7 +327,7 @@ class PoolEngine:
                 )
                 return ErrorCode.OBJECT_NOT_FOUND
             self._touch_client(pending.client_id, now)
-            self._commit_locked(pending)
+            self._commit_locked(pending).checksum = checksum
             return ErrorCode.OK
 
     def abort(self, handle: int) -> ErrorCode:
@@ -749,7 +756,7 @@ class PoolEngine:
             return None
         lease_id, expires_at = self._add_lease_locked(obj, client_id, now)
         self._lru.move_to_end(key)
-        return Lease(key, obj.offset, obj.size, obj.generation, expires_at, lease_id)
+        return Lease(key, obj.offset, obj.size, obj.generation, expires_at, lease_id, checksum=obj.checksum)
 
     def _allocate_locked(
         self, client_id: str, key: str, size: int, now: float
@@ -808,6 +815,10 @@ class PoolEngine:
         out = None
         if spill and self._disk is not None and not obj.on_disk:
             data = self._arena[obj.offset : obj.offset + obj.size].tobytes()
+            if obj.checksum is not None and checksum([data]) != obj.checksum:
+                self._stats["corrupt_objects"] += 1  # overwritten in the arena: not worth keeping
+                self._alloc.free(obj.offset)
+                return None
             self._spill[obj.key] = data
             out = (obj.key, data)
         self._alloc.free(obj.offset)
@@ -853,7 +864,7 @@ class PoolEngine:
                 # Copied under the lock: the range is not published yet, and a
                 # promotion must not be reclaimed or raced by a second promoter.
                 self._arena[result.offset : result.offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
-                self._commit_locked(self._pending[result.handle])
+                self._commit_locked(self._pending[result.handle]).checksum = checksum([data])
                 self._stats["promotions"] += 1
                 lease = self._lease_locked(client_id, key, now)
             else:
@@ -887,6 +898,15 @@ class PoolEngine:
             view = self._arena[obj.offset : obj.offset + obj.size]
         rc = ErrorCode.INTERNAL_ERROR
         try:
+            if obj.checksum is not None:
+                # A private copy, checked, is what goes to disk: the arena is writable by every
+                # client, and the disk tier's own CRC would bless whatever it was handed.
+                view = view.tobytes()
+                if checksum([view]) != obj.checksum:
+                    with self._lock:
+                        self._stats["corrupt_objects"] += 1
+                    rc = ErrorCode.CHECKSUM_MISMATCH
+                    return
             rc = self._disk.put(key, view)
         finally:
             with self._lock:

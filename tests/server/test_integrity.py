@@ -1,0 +1,66 @@
+"""Integrity at read for the shared arena: every client maps the arena read-write (puts copy
+into it), so a client of the pool can overwrite an object another one committed. The writer's
+checksum, kept in the server's memory, turns such bytes into a miss (CHECKSUM_MISMATCH,
+counted) instead of a hit with code 0."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvpool.backends.pool_server import ServerBackend
+from kvpool.errors import CHECKSUM_MISMATCH, OK
+from kvpool.server import protocol as P
+
+
+def _tamper(client, key: str) -> None:
+    """Overwrite `key`'s bytes in the arena through `client`'s own mapping, as a rogue client could."""
+    reply = client.acquire([key])
+    assert isinstance(reply, P.Acquired) and reply.codes == [OK]
+    off, size = reply.offsets[0], reply.sizes[0]
+    client.arena[off : off + size] ^= 0xFF
+    client.release(reply.lease_ids)
+
+
+def test_overwritten_object_is_a_counted_miss(start_server, sock_path, make_client):
+    start_server()
+    writer = ServerBackend(sock_path, "writer")
+    reader = ServerBackend(sock_path, "reader")
+    rogue = make_client(name="rogue")
+    try:
+        value = np.arange(8192, dtype=np.uint32).view(np.uint8)
+        assert writer.batch_put(["k", "untouched"], [[value[:16384]], [value[16384:]]]) == [OK, OK]
+        assert rogue.wait_connected(10)
+        _tamper(rogue, "k")
+        dest = [np.zeros(16384, np.uint8)]
+        other = [np.zeros(16384, np.uint8)]
+        assert reader.batch_get_into(["k", "untouched"], [dest, other]) == [CHECKSUM_MISMATCH, OK]
+        assert np.array_equal(other[0], value[16384:])
+        st = reader.stats()
+        assert st["corrupt_reads"] == 1 and st["gets"] == 1
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_segments_are_checked_as_one_value(start_server, sock_path):
+    # A KV block arrives as one buffer per layer segment: the checksum covers them back to back.
+    start_server()
+    b = ServerBackend(sock_path, "segments")
+    try:
+        segs = [np.full(4096, i, np.uint8) for i in range(6)]
+        assert b.batch_put(["blk"], [segs]) == [OK]
+        out = [np.zeros(4096, np.uint8) for _ in range(3)] + [np.zeros(3 * 4096, np.uint8)]
+        assert b.batch_get_into(["blk"], [out]) == [OK]
+        assert np.array_equal(np.concatenate(out), np.concatenate(segs))
+    finally:
+        b.close()
+
+
+def test_commit_with_wrong_number_of_checksums_is_refused(start_server, make_client):
+    start_server()
+    c = make_client(name="odd")
+    assert c.wait_connected(10)
+    alloc = c.allocate(["x", "y"], [64, 64])
+    assert isinstance(alloc, P.Allocated) and alloc.codes == [OK, OK]
+    reply = c._call(P.Commit(alloc.handles, [1]), P.Codes, 2)
+    assert isinstance(reply, P.Error)
