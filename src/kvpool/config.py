@@ -30,7 +30,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from kvpool.errors import ConfigError
-from kvpool.paths import validate_offload_path
+from kvpool.paths import default_server_socket, validate_offload_path
 from kvpool.store import DiskTier, EngineConfig
 
 Meta = msgspec.Meta
@@ -38,10 +38,9 @@ Meta = msgspec.Meta
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 SSD_POLICIES = ("none", "fifo", "lru")
 KiB, MiB, GiB, TiB, PiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40, 1 << 50
-# Where `kvpool server` listens and `backend: server` connects unless told otherwise. Per user
-# and independent of the environment, so a server started from a shell and a vLLM started by a
-# service manager agree without configuration.
-DEFAULT_SERVER_SOCKET = f"/tmp/kvpool-{os.getuid()}.sock"
+# Where `kvpool server` listens and `backend: server` connects unless told otherwise: in the
+# per-user runtime directory (kvpool.paths), which no other user can create entries in.
+DEFAULT_SERVER_SOCKET = default_server_socket()
 _MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes including the terminating NUL
 DAY_S = 86_400.0
 # Pinned host memory per worker for the staging path (half for loads, half for saves): a
@@ -392,6 +391,8 @@ class ServerClientSettings(BackendSettings, frozen=True, kw_only=True):
     backend: ClassVar[str] = "server"
     server_socket: Annotated[str, Meta(extra={"kind": "socket"}, description=(
         "the Unix socket of `kvpool server` (same default as its --socket)"))] = DEFAULT_SERVER_SOCKET
+    allowed_gid: Annotated[int, Meta(ge=0, le=2**32 - 2, description=(
+        "group sharing: also trust a server whose user is in this group (default: only our own uid)"))] | None = None
 
 
 
@@ -648,7 +649,10 @@ class ServerSettings(EngineSettings, frozen=True, kw_only=True):
     socket_path: Annotated[str, Meta(extra={"kind": "socket"}, description=(
         "Unix socket to listen on (the backend's default server_socket)"))] = DEFAULT_SERVER_SOCKET
     socket_mode: Annotated[int, Meta(gt=0, le=0o777, extra={"kind": "octal"}, description=(
-        "file mode of the socket and of the /dev/shm arena (0600: this user only)"))] = 0o600
+        "file mode of the socket (0600: this user only; who may use the pool is --allowed_gid's business)"))] = 0o600
+    allowed_gid: Annotated[int, Meta(ge=0, le=2**32 - 2, description=(
+        "group sharing: also serve users in this group; socket and arena get this group, mode 0660 "
+        "(default: only the server's own uid)"))] | None = None
     client_ttl_s: Annotated[float, Meta(gt=0, le=DAY_S, extra={"kind": "seconds"}, description=(
         "drop a client's leases and unfinished puts after this long without a ping"))] = 10.0
     put_timeout_s: Annotated[float, Meta(gt=0, le=DAY_S, extra={"kind": "seconds"}, description=(

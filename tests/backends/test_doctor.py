@@ -150,6 +150,14 @@ def test_server_not_running(tmp_path):
         "kvpool server --socket")
 
 
+def test_server_socket_in_a_directory_anyone_can_write(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    has(run(tmp_path, {"backend": "server", "server_socket": str(shared / "kvpool.sock")}), "error",
+        "would not trust", "docs/security.md")
+
+
 @pytest.mark.services
 def test_redis(tmp_path):
     has(run(tmp_path, {"backend": "redis", "redis_url": f"redis://127.0.0.1:{free_port()}/0"}), "error",

@@ -68,11 +68,25 @@ def test_kvpool_server_subcommand(start_server, make_client):
     assert server.wait() == 0 and "received SIGINT" in server.log()
 
 
-def test_socket_mode_widens_socket_and_arena(start_server, sock_path):
+def test_socket_mode_widens_the_socket_only(start_server, sock_path):
     start_server("--socket-mode", "0660")
     assert stat.S_IMODE(os.stat(sock_path).st_mode) == 0o660
     [name] = arena_files(sock_path)
-    assert stat.S_IMODE(os.stat(os.path.join(shm.SHM_DIR, name)).st_mode) == 0o660
+    assert stat.S_IMODE(os.stat(os.path.join(shm.SHM_DIR, name)).st_mode) == 0o600  # whoever maps: --allowed_gid
+
+
+def test_allowed_gid_shares_socket_and_arena_with_the_group(start_server, make_client, sock_path):
+    gid = os.getgid()
+    start_server("--allowed_gid", str(gid))
+    st = os.stat(sock_path)
+    assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o660, gid)
+    [name] = arena_files(sock_path)
+    st = os.stat(os.path.join(shm.SHM_DIR, name))
+    assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o660, gid)
+    assert make_client(allowed_gid=gid).ping() == OK
+    # A client that did not opt into group sharing never puts its KV where the group can read it.
+    private = make_client(ping=False)
+    assert private.ping() == ErrorCode.RPC_FAIL and private.untrusted == 1 and private.arena is None
 
 
 def test_second_server_on_a_live_socket_exits_with_a_clear_error(start_server, make_client):

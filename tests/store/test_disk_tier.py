@@ -133,6 +133,7 @@ def test_restart_rebuilds_index_and_removes_bad_files(make_disk, ssd_dir) -> Non
     unrelated = os.path.join(ssd_dir, "README")
     open(unrelated, "w").write("keep me")
 
+    disk.close()  # the directory's lock: one tier per directory at a time
     again = DiskTier(ssd_dir, disk.quota_bytes, "fifo")
     assert again.keys() == ["k0", "k1", "k2"]
     assert again.get("k1") == bytes([1]) * 50
@@ -147,6 +148,7 @@ def test_restart_with_smaller_quota_evicts_oldest(make_disk, ssd_dir) -> None:
     for i in range(3):
         disk.put(f"k{i}", bytes(100))
         os.utime(file_of(disk, f"k{i}"), (1000 + i, 1000 + i))
+    disk.close()
     again = DiskTier(ssd_dir, quota_for(2), "fifo")
     assert again.keys() == ["k1", "k2"]
 

@@ -150,6 +150,7 @@ def full_extra(ssd: str) -> dict:
         "ssd_quota": "10GB",
         "ssd_eviction_policy": "fifo",
         "server_socket": "/tmp/kvpool-test.sock",
+        "allowed_gid": "1234",
         "redis_url": "redis://10.0.0.5:6380/2",
         "redis_ttl_s": "3600",
         "redis_chunk_size": "32MB",
@@ -210,7 +211,8 @@ def test_every_key_parses_from_strings(tmp_path):
     assert load_config({**extra, "backend": "redis"}).backend_settings == RedisSettings(
         redis_url="redis://10.0.0.5:6380/2", redis_ttl_s=3600.0, redis_chunk_size=32 << 20, redis_timeout_s=2.5
     )
-    assert load_config({**extra, "backend": "server"}).backend_settings.server_socket == "/tmp/kvpool-test.sock"
+    server = load_config({**extra, "backend": "server"}).backend_settings
+    assert (server.server_socket, server.allowed_gid) == ("/tmp/kvpool-test.sock", 1234)
     for key in ("mooncake_config_path", "yuanrong_config_path", "mmc_local_config_path"):
         backend = {"mooncake_config_path": "mooncake", "yuanrong_config_path": "yuanrong"}.get(key, "memcache")
         assert getattr(load_config({**extra, "backend": backend}).backend_settings, key) == os.path.join(ssd, key + ".conf")
@@ -226,7 +228,7 @@ def test_native_json_types_parse_the_same(tmp_path):
         "lookup_timeout_s": 0.5, "transfer_timeout_s": 2, "breaker_failures": 4, "breaker_cooldown_s": 0.25,
         "local_cpu_size": 4 * GiB, "eviction_high_watermark_ratio": 0.8, "eviction_ratio": 0.25,
         "default_kv_lease_ttl_ms": 5000, "ssd_offload_path": ssd, "ssd_quota": 10 * GiB,
-        "ssd_eviction_policy": "fifo", "server_socket": "/tmp/kvpool-test.sock",
+        "ssd_eviction_policy": "fifo", "server_socket": "/tmp/kvpool-test.sock", "allowed_gid": 1234,
         "redis_url": "redis://10.0.0.5:6380/2", "redis_ttl_s": 3600, "redis_chunk_size": 32 << 20,
         "redis_timeout_s": 2.5, **backend_files(ssd),
     }

@@ -28,7 +28,7 @@ class ServerBackend(Backend):
 
     @classmethod
     def from_settings(cls, settings: ServerClientSettings, client_name: str) -> "ServerBackend":
-        return cls(settings.server_socket, client_name)
+        return cls(settings.server_socket, client_name, allowed_gid=settings.allowed_gid)
 
     # The client reconnects by itself (its pinger, and calls at most every retry_interval_s),
     # so the base class's reconnect state stays up and the client answers misses meanwhile.

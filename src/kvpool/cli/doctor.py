@@ -24,6 +24,8 @@ from kvpool.backends.net import parse_host_port, parse_tcp_url, probe
 from kvpool.backends.registry import doctor_check
 from kvpool.config import KVPoolConfig, LocalSettings, RedisSettings, ServerClientSettings, load_config
 from kvpool.errors import ConfigError
+from kvpool.paths import check_socket_dir
+from kvpool.server import peers
 
 KVPOOL_CONNECTORS = ("KVPoolConnector", "AscendStoreConnector")
 # vLLM's non-cryptographic block hashes: seeded randomly per process unless PYTHONHASHSEED is set.
@@ -242,11 +244,24 @@ def check_local(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) -> 
 def check_server(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) -> None:
     assert isinstance(cfg.backend_settings, ServerClientSettings)
     path = cfg.backend_settings.server_socket
+    allowed_gid = cfg.backend_settings.allowed_gid
+    try:
+        check_socket_dir(path, "server_socket", allowed_gid)
+    except ConfigError as exc:
+        report.error(f"the workers would not trust {path}: {exc.expected}", "see docs/security.md")
+        return
     try:
         with socket.socket(socket.AF_UNIX) as s:
             s.settimeout(args.timeout)
             s.connect(path)
-        report.ok(f"kvpool server answers on {path}")
+            server = peers.peer_of(s)
+            trusted = peers.trusted(s, server, allowed_gid)
+        if trusted:
+            report.ok(f"kvpool server answers on {path}")
+        else:
+            report.error(f"the process on {path} ({server.describe()}) is not {peers.domain(allowed_gid)}: the "
+                         "workers will refuse it", "run kvpool server as this user, or set allowed_gid on both "
+                         "(docs/security.md)")
     except OSError as exc:
         report.error(f"no kvpool server answers on {path} ({exc.strerror or exc})",
                      f"start it first: kvpool server --socket {path} --memory-size 8GB (see docs/server.md)")

@@ -198,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model)
     requests = demo_requests(args.doc_tokens, lambda s: len(tokenizer(s).input_ids))
 
-    # lookup_rpc_port "1" names an IPC socket under VLLM_RPC_BASE_PATH (default /tmp); a private
-    # directory keeps this demo from clashing with another instance on the host using port 1.
+    # lookup_rpc_port "1" names an IPC socket under VLLM_RPC_BASE_PATH (default: the user's
+    # runtime directory); a private directory keeps this demo from clashing with another
+    # instance of the same user on the host using port 1.
     rpc_dir = tempfile.mkdtemp(prefix="kvpool-demo-")
     ref_log, log_a, log_b, server_log = (logs / f for f in ("reference.log", "instance-a.log",
                                                           "instance-b.log", "kvpool-server.log"))

@@ -39,7 +39,9 @@ import numpy as np
 
 from kvpool.config import DEFAULT_SERVER_SOCKET
 from kvpool.errors import CHECKSUM_MISMATCH, INTERNAL, INVALID, INVALID_KEY, OK, RPC_FAIL, RPC_TIMEOUT
-from kvpool.errors import BackendUnavailable, ErrorCode
+from kvpool.errors import BackendUnavailable, ConfigError, ErrorCode
+from kvpool.paths import check_socket_dir
+from kvpool.server import peers
 from kvpool.server import protocol as P
 from kvpool.server import shm
 from kvpool.store.buffers import as_u8 as _u8
@@ -52,6 +54,10 @@ logger = logging.getLogger(__name__)
 
 class _Down(Exception):
     """The server cannot be reached (or misbehaved) for this call."""
+
+
+class _Untrusted(_Down):
+    """What is on the socket is not a server of our trust domain: nothing was sent or mapped."""
 
 
 @dataclass
@@ -132,6 +138,11 @@ class PoolClient:
     ``timeout_s`` bounds one round trip, ``connect_timeout_s`` the connect and handshake.
     With ``ping`` a daemon thread pings every client_ttl/3 and reconnects when the link is
     down (every ``retry_interval_s``); calls also reconnect themselves, at most that often.
+
+    Trust (docs/security.md): before sending anything the client checks, with SO_PEERCRED,
+    that the listening process runs as our uid (or, with ``allowed_gid``, as a member of that
+    group), and before mapping the arena that the file is that uid's, mode 0600 (0660 and
+    ``allowed_gid`` with group sharing). ``untrusted`` counts the servers refused.
     """
 
     def __init__(
@@ -143,8 +154,11 @@ class PoolClient:
         connect_timeout_s: float = 1.0,
         retry_interval_s: float = 0.5,
         ping: bool = True,
+        allowed_gid: int | None = None,
     ) -> None:
         self.socket_path = socket_path
+        self.allowed_gid = allowed_gid
+        self.untrusted = 0
         self.name = name[: P.MAX_NAME]
         self.timeout_s = timeout_s
         self.checksum_failures = 0  # copies out of the arena refused: not what their writer committed
@@ -528,6 +542,11 @@ class PoolClient:
                 return link
             try:
                 link = self._open()
+            except _Untrusted as exc:
+                self.untrusted += 1
+                self._retry_at = time.monotonic() + self.retry_interval_s * 10
+                self._report_down(exc)
+                raise
             except (OSError, ValueError, P.FrameError, msgspec.DecodeError, _Down) as exc:
                 # A refused/missing socket fails in microseconds, so retry soon; a hung server
                 # cost us a timeout, so leave retries to the pinger for a while.
@@ -545,11 +564,33 @@ class PoolClient:
                     link.hello.arena_size)
         return link
 
+    def _check_path(self) -> None:
+        """Refuse a socket another user could have put there (see ``check_socket_dir``)."""
+        try:
+            where = check_socket_dir(self.socket_path, "server_socket", self.allowed_gid)
+        except ConfigError as exc:
+            raise _Untrusted(str(exc)) from None
+        if not where.shared:
+            return
+        st = os.lstat(self.socket_path)  # FileNotFoundError: no server (yet)
+        ours = st.st_uid == os.getuid() or (self.allowed_gid is not None and st.st_gid == self.allowed_gid)
+        if not ours:
+            raise _Untrusted(f"{self.socket_path} is owned by uid {st.st_uid} in a directory anyone can write; "
+                             f"not connecting (use the default socket, or a directory only you can write)")
+
     def _open(self) -> _Link:
+        self._check_path()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(self.connect_timeout_s)
             sock.connect(self.socket_path)
+            # The kernel's word on who listens, before a single byte of ours goes out.
+            server = peers.peer_of(sock)
+            if not peers.trusted(sock, server, self.allowed_gid):
+                raise _Untrusted(f"the process listening on {self.socket_path} ({server.describe()}) is not "
+                                 f"in this client's trust domain ({peers.domain(self.allowed_gid)}); not "
+                                 f"connecting. Start `kvpool server` as this user, or set allowed_gid for "
+                                 f"group sharing")
             P.send_frame(sock, P.Hello(self.name, os.getpid()))
             body = P.recv_frame(sock, P.MAX_REPLY_FRAME)
             if body is None:
@@ -559,7 +600,10 @@ class PoolClient:
                 raise _Down(f"server refused the handshake: {hello.message}")
             if not isinstance(hello, P.HelloReply):
                 raise _Down(f"unexpected handshake reply {type(hello).__name__}")
-            arena = shm.attach(hello.arena_name, hello.arena_size)
+            try:
+                arena = shm.attach(hello.arena_name, hello.arena_size, server.uid, self.allowed_gid)
+            except ValueError as exc:
+                raise _Untrusted(str(exc)) from None
             sock.settimeout(self.timeout_s)
         except BaseException:
             sock.close()

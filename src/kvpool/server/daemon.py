@@ -16,6 +16,11 @@ Start-up exclusivity: a `flock` on `<socket>.lock` is held for the server's life
 kernel drops it when the process dies however it dies, so a server that gets the lock knows any
 socket file (and `/dev/shm` arena of that socket) is a dead server's leftover and takes over;
 one that does not get it exits, naming the live server's pid.
+
+Trust (docs/security.md): the socket, its lock and the arena are this user's (mode 0600, or
+0660 and `--allowed_gid`'s group with group sharing), the default socket is in the per-user
+runtime directory, and every accepted connection's SO_PEERCRED must be our uid or a member of
+`--allowed_gid`; anyone else gets an error reply saying so and is closed before a request.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ import msgspec
 
 from kvpool.config import ServerSettings, add_flags, from_flags
 from kvpool.errors import ConfigError, ErrorCode, KVPoolError
+from kvpool.paths import check_socket_dir, open_private_lock
+from kvpool.server import peers
 from kvpool.server import protocol as P
 from kvpool.server import shm
 from kvpool.store.engine import Allocation, Lease, PoolEngine
@@ -65,7 +72,7 @@ def _acquire_socket_lock(socket_path: str) -> int:
     """flock ``<socket>.lock``; raise ServerRunning if a live server holds it."""
     lock_path = socket_path + ".lock"
     for _ in range(5):
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = open_private_lock(lock_path, "socket")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -91,7 +98,7 @@ def _acquire_socket_lock(socket_path: str) -> int:
     raise ServerRunning(f"could not lock {lock_path}: it keeps being replaced")
 
 
-def _bind(socket_path: str, mode: int) -> socket.socket:
+def _bind(socket_path: str, mode: int, allowed_gid: int | None) -> socket.socket:
     """Bind the listening socket, replacing a dead server's socket file (we hold the lock)."""
     try:
         st = os.lstat(socket_path)
@@ -112,6 +119,9 @@ def _bind(socket_path: str, mode: int) -> socket.socket:
         raise
     finally:
         os.umask(old)
+    if allowed_gid is not None:
+        os.chown(socket_path, -1, allowed_gid)
+        mode |= 0o060  # the group must be able to connect; --socket_mode may widen further
     os.chmod(socket_path, mode)
     sock.listen(128)
     return sock
@@ -155,7 +165,8 @@ class Server:
         self._threads: set[threading.Thread] = set()
         self._state = threading.Lock()
         self._seq = 0
-        self._counters = {"lookup_keys": 0, "lookup_hits": 0, "connections": 0, "protocol_errors": 0}
+        self._counters = {"lookup_keys": 0, "lookup_hits": 0, "connections": 0, "protocol_errors": 0,
+                          "refused_peers": 0}
         self._started = time.monotonic()
         self._stopping = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
@@ -165,14 +176,16 @@ class Server:
 
     def start(self) -> None:
         cfg = self.config
+        # The default socket's directory is created here; another must not let others plant files.
+        check_socket_dir(cfg.socket_path, "socket", cfg.allowed_gid)
         self._lock_fd = _acquire_socket_lock(cfg.socket_path)
         try:
             removed = shm.remove_stale(cfg.socket_path)
             if removed:
                 logger.info("removed arena(s) left by a dead server: %s", ", ".join(removed))
-            self._listener = _bind(cfg.socket_path, cfg.socket_mode)
+            self._listener = _bind(cfg.socket_path, cfg.socket_mode, cfg.allowed_gid)
             self.arena = shm.create(shm.arena_name(cfg.socket_path, os.getpid()), cfg.memory_size,
-                                    cfg.socket_mode & 0o666)
+                                    cfg.allowed_gid)
             engine_config = cfg.engine_config(client_ttl_s=cfg.client_ttl_s, put_timeout_s=cfg.put_timeout_s,
                                               reap_interval_s=min(1.0, cfg.client_ttl_s / 4))
             self.engine = PoolEngine(engine_config, arena=memoryview(self.arena.array))
@@ -229,6 +242,8 @@ class Server:
             time.sleep(0.05)
             return
         sock.setblocking(True)
+        if not self._peer_trusted(sock):
+            return
         with self._state:
             if len(self._conns) >= self.config.max_connections:
                 full = True
@@ -248,6 +263,25 @@ class Server:
         with self._state:
             self._threads.add(t)
         t.start()
+
+    def _peer_trusted(self, sock: socket.socket) -> bool:
+        """Refuse (with an error reply that says why) a peer outside this pool's trust domain."""
+        try:
+            peer = peers.peer_of(sock)
+            ok = peers.trusted(sock, peer, self.config.allowed_gid)
+        except OSError as exc:
+            peer, ok = None, False
+            logger.warning("refusing a connection: cannot tell who it is from (%s)", exc)
+        if ok:
+            return True
+        with self._state:
+            self._counters["refused_peers"] += 1
+        who = peer.describe() if peer is not None else "unknown peer"
+        logger.warning("refusing a connection from %s: not %s", who, peers.domain(self.config.allowed_gid))
+        self._reply_and_close(sock, P.Error(int(ErrorCode.INVALID_PARAMS), (
+            f"permission denied: this kvpool server serves {peers.domain(self.config.allowed_gid)}, "
+            f"not {who}; start your own server, or ask its owner for --allowed_gid group sharing")))
+        return False
 
     def _shutdown(self) -> None:
         logger.info("shutting down: closing %d connection(s), flushing the offload queue", len(self._conns))
@@ -528,8 +562,7 @@ def config_from_args(args: argparse.Namespace) -> ServerSettings:
     if args.socket is not None:
         args.socket = os.path.abspath(args.socket)
     settings: ServerSettings = from_flags(args, ServerSettings)
-    if not os.path.isdir(os.path.dirname(settings.socket_path)):
-        raise ConfigError("--socket", args.socket, "a path in an existing directory")
+    check_socket_dir(settings.socket_path, "--socket", settings.allowed_gid)
     if settings.enable_offload and not settings.offload_path:
         raise ConfigError("--enable_offload", True, "to be used with --offload_path DIR")
     for flag in ("offload_path", "offload_quota", "offload_eviction_policy"):

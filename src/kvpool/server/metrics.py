@@ -20,7 +20,7 @@ COUNTERS = frozenset({
     "puts", "gets", "hits", "disk_hits", "misses", "evictions", "promotions",
     "allocation_failures", "lease_expired", "disk_write_errors", "reclaimed_allocations",
     "reaped_clients", "disk_evictions", "checksum_failures", "lookup_keys", "lookup_hits",
-    "connections", "protocol_errors", "corrupt_objects",
+    "connections", "protocol_errors", "corrupt_objects", "refused_peers",
 })
 
 HELP = {
@@ -37,6 +37,7 @@ HELP = {
     "evictions": "Objects evicted from memory",
     "lookup_keys": "Keys asked about by exists lookups",
     "lookup_hits": "Keys found by exists lookups",
+    "refused_peers": "Connections refused because the peer's uid/gid is outside the pool's trust domain",
 }
 
 

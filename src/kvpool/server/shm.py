@@ -2,8 +2,9 @@
 
 POSIX shared memory on Linux is a tmpfs file under /dev/shm; opening it by path is what
 ``shm_open`` does, without needing ctypes. The file is created with ``O_EXCL | O_NOFOLLOW`` and
-mode 0600 (or the server's socket mode, so that whoever may connect may also map), so no other
-user can read or write the KV cache it holds.
+mode 0600 (0660 and the shared group with group sharing), so no other user can read or write the
+KV cache it holds. A client checks owner and mode on the opened descriptor before it maps
+anything, so it never maps a file another user planted under an arena's name.
 
 Names are ``kvpool-<socket tag>-<pid>``: the tag (a hash of the socket path) lets a server that
 takes over a dead server's socket find and unlink the arena that server left behind after a
@@ -68,7 +69,12 @@ class Arena:
         self.array = np.empty(0, dtype=np.uint8)
 
 
-def create(name: str, size: int, mode: int = 0o600) -> Arena:
+def arena_mode(allowed_gid: int | None) -> int:
+    """The only mode an arena may have: owner only, or owner and the shared group."""
+    return 0o600 if allowed_gid is None else 0o660
+
+
+def create(name: str, size: int, allowed_gid: int | None = None) -> Arena:
     """Create and map a new arena of ``size`` bytes (sparse: pages are allocated on first write)."""
     if not os.path.isdir(SHM_DIR):
         raise ConfigError("shm", SHM_DIR, "a tmpfs mounted at /dev/shm (POSIX shared memory)")
@@ -85,8 +91,9 @@ def create(name: str, size: int, mode: int = 0o600) -> Arena:
     path = _check_name(name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        if mode != 0o600:
-            os.fchmod(fd, mode)
+        if allowed_gid is not None:
+            os.fchown(fd, -1, allowed_gid)
+            os.fchmod(fd, arena_mode(allowed_gid))
         os.ftruncate(fd, size)
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
@@ -97,14 +104,25 @@ def create(name: str, size: int, mode: int = 0o600) -> Arena:
     return Arena(name, size, mm, np.frombuffer(mm, dtype=np.uint8))
 
 
-def attach(name: str, size: int) -> Arena:
-    """Map an arena the server created (clients); raises OSError/ValueError if it is not there."""
+def attach(name: str, size: int, owner_uid: int, allowed_gid: int | None = None) -> Arena:
+    """Map an arena the server (running as ``owner_uid``) created; raises OSError/ValueError if
+    it is not there or is not what that server would have created (owner, mode, group).
+
+    Mapped read-write: clients write their puts straight into it."""
     path = _check_name(name)
     fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size < size:
             raise ValueError(f"{path} is not an arena of {size} bytes (size {st.st_size})")
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_uid != owner_uid:
+            raise ValueError(f"{path} is owned by uid {st.st_uid}, not by the server's uid {owner_uid}; "
+                             f"refusing to map it")
+        group_shared = allowed_gid is not None and mode == 0o660 and st.st_gid == allowed_gid
+        if mode != 0o600 and not group_shared:
+            raise ValueError(f"{path} has mode {mode:04o} (group {st.st_gid}); an arena must be 0600, or 0660 "
+                             f"with the shared group (allowed_gid={allowed_gid}); refusing to map it")
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)

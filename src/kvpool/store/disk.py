@@ -22,6 +22,12 @@ Invariants:
 * ``used_bytes`` (file sizes, headers included, plus in-flight writes) never
   exceeds ``quota_bytes``.
 
+Trust (docs/security.md): the directory must be the serving user's and writable by no one
+else (``validate_offload_path``); the tier creates its shard directories 0700 and its files
+0600 (``O_CREAT | O_EXCL | O_NOFOLLOW``, then ``fchmod`` so no umask widens them), and holds an
+exclusive ``flock`` on ``.kvpool.lock`` in the directory for its lifetime, so two servers or
+engines never share one directory (each would keep its own index and quota).
+
 Thread-safe: one internal lock guards the index; file reads and writes happen
 outside it (an unlinked file stays readable through an open descriptor).
 """
@@ -29,6 +35,7 @@ outside it (an unlinked file stays readable through an open descriptor).
 from __future__ import annotations
 
 import collections
+import fcntl
 import hashlib
 import itertools
 import logging
@@ -55,6 +62,28 @@ _HEADER = struct.Struct("<4sHHIQI")
 HEADER_SIZE = _HEADER.size
 _TMP_MARK = ".tmp."
 _POLICIES = ("none", "fifo", "lru")
+LOCK_NAME = ".kvpool.lock"
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+
+def _lock_dir(path: str) -> int:
+    """Take the directory's lock for this tier's lifetime; ConfigError naming the holder if taken."""
+    lock_path = os.path.join(path, LOCK_NAME)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ConfigError(
+            key="ssd_offload_path", value=path,
+            expected=f"a directory no other kvpool server or engine uses (pid {holder} holds {lock_path}); "
+                     f"give each its own directory",
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 
@@ -97,6 +126,7 @@ class DiskTier:
                 key="ssd_quota_bytes", value=quota_bytes, expected="a positive int of bytes"
             )
         self.path = os.path.normpath(path)
+        self._lock_fd: int | None = _lock_dir(self.path)
         self.quota_bytes = quota_bytes
         self.policy: DiskPolicy = policy
         self._lock = threading.Lock()
@@ -111,6 +141,15 @@ class DiskTier:
         self._scan()
 
     # ---- public API -------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the directory's lock (another tier may then open it). Idempotent."""
+        fd, self._lock_fd = getattr(self, "_lock_fd", None), None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
 
     @property
     def used_bytes(self) -> int:
@@ -172,8 +211,10 @@ class DiskTier:
             crc = 0
             for v in views:
                 crc = zlib.crc32(v, crc)
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            with open(tmp, "wb") as f:
+            os.makedirs(os.path.dirname(final), mode=DIR_MODE, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+            os.fchmod(fd, FILE_MODE)
+            with open(fd, "wb") as f:
                 f.write(_HEADER.pack(MAGIC, VERSION, 0, len(key_bytes), payload_len, crc))
                 f.write(key_bytes)
                 for v in views:

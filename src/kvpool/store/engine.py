@@ -690,6 +690,8 @@ class PoolEngine:
                 self._persist(key)
         if self._reaper is not None:
             self._reaper.join()
+        if self._disk is not None:
+            self._disk.close()  # its directory's lock: a restarted engine may take the directory
 
     def __enter__(self) -> PoolEngine:
         return self

@@ -5,6 +5,10 @@ a backend client and answers. The channel is a ZMQ REQ/REP pair over an IPC sock
 contains `lookup_rpc_port`, so two instances on one host need different values. A flock on a
 file beside the socket detects a clash at start-up (ZMQ would silently steal the socket) and is
 released by the kernel if the owner dies, so a crashed instance never blocks its successor.
+
+Socket and lock live in the per-user runtime directory (mode 0700, kvpool.paths), so no other
+user can connect, plant a socket there first or hold the lock; `VLLM_RPC_BASE_PATH`, when set,
+replaces that directory and must pass the same check as an explicit `kvpool server` socket path.
 """
 
 from __future__ import annotations
@@ -12,7 +16,6 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import tempfile
 import threading
 from collections.abc import Callable, Sequence
 
@@ -20,6 +23,7 @@ import msgspec
 import zmq
 
 from kvpool.errors import ConfigError
+from kvpool.paths import check_socket_dir, open_private_lock, runtime_dir
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +34,17 @@ POLL_INTERVAL_MS = 200
 
 
 def lookup_socket_path(lookup_rpc_port: int, dp_rank: int = 0) -> str:
-    base = os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
-    return os.path.join(base, f"kvpool_lookup_{lookup_rpc_port}_dp{dp_rank}.sock")
+    """The channel's socket path; its directory is created (runtime dir) or checked first."""
+    name = f"kvpool_lookup_{lookup_rpc_port}_dp{dp_rank}.sock"
+    base = os.environ.get("VLLM_RPC_BASE_PATH")
+    if not base:
+        return os.path.join(runtime_dir(), name)
+    path = os.path.join(base, name)
+    if check_socket_dir(path, "VLLM_RPC_BASE_PATH").shared:
+        # A sticky directory anyone can write (like /tmp): others could bind our name first.
+        raise ConfigError("VLLM_RPC_BASE_PATH", base, "a directory only this user can write; unset it to "
+                                                      "use kvpool's private runtime directory")
+    return path
 
 
 class LookupServer:
@@ -39,7 +52,7 @@ class LookupServer:
 
     def __init__(self, lookup_rpc_port: int, dp_rank: int, count_hits: Callable[[Sequence[bytes]], int]) -> None:
         self.path = lookup_socket_path(lookup_rpc_port, dp_rank)
-        self._lock_fd = os.open(self.path + ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+        self._lock_fd = open_private_lock(self.path + ".lock", "lookup_rpc_port")
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -1,0 +1,345 @@
+"""Attacks by a second local user on the pool's local paths; each must achieve nothing.
+
+The victim is this test process (and the servers it starts); the attacker is `kvpool-attacker`
+(see conftest.py). Every attack reports what it managed as counts, and the assertions are that
+it read 0 bytes and wrote 0 bytes of the victim's, and that the victim sent or mapped nothing
+of the attacker's.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+
+import numpy as np
+import pytest
+
+from kvpool import paths
+from kvpool.errors import ConfigError, ErrorCode
+from kvpool.server import protocol as P
+from kvpool.server import shm
+from kvpool.server.client import PoolClient
+from kvpool.store import DiskTier
+from kvpool.testing.launch import PoolServer
+
+# An impostor server: binds the path first, then counts connections and the bytes they send.
+# With a reply, it answers every connection with that frame (a HelloReply naming its arena).
+IMPOSTOR = r"""
+import json, os, select, socket, sys
+path, arena = sys.argv[1], sys.argv[2]
+if arena:
+    fd = os.open(arena, os.O_RDWR | os.O_CREAT, 0o666); os.ftruncate(fd, 1 << 20); os.fchmod(fd, 0o666); os.close(fd)
+s = socket.socket(socket.AF_UNIX); s.bind(path); os.chmod(path, 0o777); s.listen(8); s.settimeout(0.05)
+print("ready", flush=True)
+conns = received = 0
+done = False
+while True:
+    # After the victim is done (stdin closes), drain what is still queued in the backlog.
+    done = done or bool(select.select([sys.stdin], [], [], 0)[0])
+    try:
+        c, _ = s.accept()
+    except socket.timeout:
+        if done:
+            break
+        continue
+    conns += 1
+    c.settimeout(0.5)
+    try:
+        while True:
+            data = c.recv(65536)
+            if not data:
+                break
+            received += len(data)
+    except socket.timeout:
+        pass
+    c.close()
+if arena:
+    os.unlink(arena)
+print(json.dumps({"connections": conns, "received": received}))
+"""
+
+
+def _impostor(attacker, path: str, arena: str = ""):
+    code = f"import sys; sys.argv = ['x', {path!r}, {arena!r}]\n" + IMPOSTOR
+    proc = attacker.start(code)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def _victim_tries(path: str) -> PoolClient:
+    client = PoolClient(path, "victim", ping=False, connect_timeout_s=1.0)
+    value = np.arange(4096, dtype=np.uint8)
+    assert client.put(["secret"], [[value]]) == [ErrorCode.RPC_FAIL]
+    assert client.exists(["secret"]) == [False]
+    assert not client.connected and client.arena is None  # nothing mapped
+    return client
+
+
+def test_a_socket_bound_first_in_a_sticky_dir_is_refused(attacker, shared_dir):
+    sticky = os.path.join(shared_dir, "sticky")
+    os.mkdir(sticky)
+    os.chmod(sticky, 0o1777)
+    path = os.path.join(sticky, "kvpool.sock")
+    proc = _impostor(attacker, path)
+    client = _victim_tries(path)
+    assert client.untrusted >= 1
+    client.close()
+    report = attacker.finish(proc)
+    assert report == {"connections": 0, "received": 0}  # refused on the socket's owner: never connected
+
+
+def test_a_socket_that_looks_ours_is_refused_on_its_peer_credentials(attacker, shared_dir):
+    """Whatever the path checks say (here the socket file is made ours), the kernel's word on
+    the listening process decides: the client sends not one byte and maps nothing, not even the
+    world-writable arena the impostor offers."""
+    sticky = os.path.join(shared_dir, "sticky")
+    os.mkdir(sticky)
+    os.chmod(sticky, 0o1777)
+    path = os.path.join(sticky, "kvpool.sock")
+    arena = os.path.join(shm.SHM_DIR, shm.arena_name(path, 1))
+    proc = _impostor(attacker, path, arena)
+    os.chown(path, os.getuid(), os.getgid())
+    client = _victim_tries(path)
+    assert client.untrusted >= 1
+    client.close()
+    report = attacker.finish(proc)
+    assert report["received"] == 0 and report["connections"] >= 1
+
+
+def test_a_planted_runtime_dir_is_refused(attacker, fallback_base):
+    """The classic /tmp attack: the attacker creates the victim's /tmp/kvpool-<uid> first."""
+    victim_dir = paths.runtime_dir_path()
+    code = (f"import json, os; os.mkdir({victim_dir!r}, 0o777); os.chmod({victim_dir!r}, 0o777)\n"
+            "print(json.dumps({}))")
+    attacker.run(code)
+    proc = _impostor(attacker, os.path.join(victim_dir, paths.SERVER_SOCKET_NAME))
+    with pytest.raises(ConfigError) as exc:
+        paths.runtime_dir()
+    assert exc.value.value == victim_dir
+    client = _victim_tries(paths.default_server_socket())
+    assert client.untrusted >= 1
+    client.close()
+    assert attacker.finish(proc) == {"connections": 0, "received": 0}
+
+
+# The attacker against a real server: connect (the socket is 0666 so only the peer check stands
+# in the way), read the reply, and try the arena file directly.
+INTRUDER = r"""
+import glob, json, os, socket, struct, sys
+path, tag = sys.argv[1], sys.argv[2]
+out = {"reply": "", "arena_reads": 0, "arena_writes": 0, "arenas": 0}
+s = socket.socket(socket.AF_UNIX); s.settimeout(5); s.connect(path)
+s.settimeout(1.0)  # a refusal comes at once; a served peer gets nothing until it says Hello
+head = b""
+try:
+    while len(head) < 4:
+        chunk = s.recv(4 - len(head))
+        if not chunk:
+            break
+        head += chunk
+except socket.timeout:
+    out["waiting"] = 1
+if len(head) == 4:
+    n = struct.unpack("!I", head)[0]; body = b""
+    while len(body) < n:
+        chunk = s.recv(n - len(body))
+        if not chunk:
+            break
+        body += chunk
+    out["reply"] = body.hex()
+# A Hello anyway (any bytes): the server has closed the connection already.
+try:
+    s.sendall(b"\x00\x00\x00\x01\x80"); out["after"] = s.recv(10).hex()
+except OSError as e:
+    out["after"] = type(e).__name__
+for p in glob.glob("/dev/shm/kvpool-" + tag + "-*"):
+    out["arenas"] += 1
+    for flags, key in ((os.O_RDONLY, "arena_reads"), (os.O_WRONLY, "arena_writes")):
+        try:
+            os.close(os.open(p, flags)); out[key] += 1
+        except PermissionError:
+            pass
+print(json.dumps(out))
+"""
+
+
+def test_the_real_server_refuses_another_uid(attacker, shared_dir):
+    sock_dir = os.path.join(shared_dir, "srv")
+    os.mkdir(sock_dir)
+    os.chmod(sock_dir, 0o755)
+    path = os.path.join(sock_dir, "kvpool.sock")
+    server = PoolServer(path, memory_size="16MB", extra_args=("--socket-mode", "0666"),
+                        log_path=os.path.join(shared_dir, "server.log"), startup_timeout_s=15.0).start()
+    try:
+        with PoolClient(path, "victim", ping=False) as victim:
+            value = np.full(4096, 7, dtype=np.uint8)
+            assert victim.put(["secret"], [[value]]) == [ErrorCode.OK]
+            code = f"import sys; sys.argv = ['x', {path!r}, {shm.socket_tag(path)!r}]\n" + INTRUDER
+            report = attacker.run(code)
+            reply = P.reply_decoder.decode(bytes.fromhex(report["reply"]))
+            assert isinstance(reply, P.Error) and reply.code == ErrorCode.INVALID_PARAMS and "waiting" not in report
+            assert report["arenas"] == 1 and report["arena_reads"] == 0 and report["arena_writes"] == 0
+            stats, clients = victim.server_stats()
+            assert stats["refused_peers"] == 1 and stats["connections"] == 1  # only the victim got in
+            assert [c["name"] for c in clients] == ["victim"]
+            out = np.zeros(4096, dtype=np.uint8)
+            assert victim.get_into(["secret"], [[out]]) == [ErrorCode.OK] and (out == 7).all()
+    finally:
+        server.stop()
+
+
+def test_group_sharing_lets_exactly_that_group_in(attacker, shared_dir):
+    """The same intruder, now a member of the server's --allowed_gid: served, and its group may
+    map the arena. Group sharing is the one way in, and an explicit one."""
+    sock_dir = os.path.join(shared_dir, "srv")
+    os.mkdir(sock_dir)
+    os.chmod(sock_dir, 0o755)
+    path = os.path.join(sock_dir, "kvpool.sock")
+    server = PoolServer(path, memory_size="16MB", extra_args=("--allowed_gid", str(attacker.gid)),
+                        log_path=os.path.join(shared_dir, "server.log"), startup_timeout_s=15.0).start()
+    try:
+        code = f"import sys; sys.argv = ['x', {path!r}, {shm.socket_tag(path)!r}]\n" + INTRUDER
+        report = attacker.run(code)
+        # It sent no Hello, so the server is still waiting for one: no reply, and no refusal.
+        assert report["reply"] == "" and report["waiting"] == 1
+        assert report["arenas"] == 1 and report["arena_reads"] == 1
+        with PoolClient(path, "victim", ping=False, allowed_gid=attacker.gid) as victim:
+            stats, _ = victim.server_stats()
+            assert stats["refused_peers"] == 0
+    finally:
+        server.stop()
+
+
+def test_an_arena_file_not_the_servers_is_never_mapped(attacker, shared_dir):
+    name = shm.arena_name(os.path.join(shared_dir, "x.sock"), 2)
+    path = os.path.join(shm.SHM_DIR, name)
+    attacker.run(f"import json, os; fd = os.open({path!r}, os.O_RDWR | os.O_CREAT, 0o600); "
+                 f"os.ftruncate(fd, 4096); os.close(fd); print(json.dumps({{}}))")
+    try:
+        with pytest.raises(ValueError, match="owned by uid"):
+            shm.attach(name, 4096, owner_uid=os.getuid())
+        os.chown(path, os.getuid(), -1)
+        os.chmod(path, 0o644)
+        with pytest.raises(ValueError, match="mode 0644"):
+            shm.attach(name, 4096, owner_uid=os.getuid())
+    finally:
+        os.unlink(path)
+
+
+# The attacker against the SSD tier: read and create files in the victim's directory.
+SSD_PROBE = r"""
+import json, os, sys
+root = sys.argv[1]
+out = {"reads": 0, "writes": 0, "listed": 0}
+for d, _, files in os.walk(root):
+    for f in files:
+        try:
+            open(os.path.join(d, f), "rb").read(); out["reads"] += 1
+        except OSError:
+            pass
+try:
+    out["listed"] = len(os.listdir(root))
+except OSError:
+    pass
+for target in (os.path.join(root, "planted"), os.path.join(root, "ab", "planted")):
+    try:
+        open(target, "wb").write(b"x"); out["writes"] += 1
+    except OSError:
+        pass
+print(json.dumps(out))
+"""
+
+# Plant a well-formed tier file for a key in a directory the attacker can write.
+PLANT = r"""
+import hashlib, json, os, struct, sys, zlib
+root, key, payload = sys.argv[1], sys.argv[2].encode(), b"attacker's bytes"
+digest = hashlib.sha256(key).hexdigest()
+os.makedirs(os.path.join(root, digest[:2]), exist_ok=True)
+head = struct.pack("<4sHHIQI", b"KVPL", 1, 0, len(key), len(payload), zlib.crc32(payload))
+open(os.path.join(root, digest[:2], digest), "wb").write(head + key + payload)
+print(json.dumps({"planted": 1}))
+"""
+
+
+def test_the_ssd_tier_is_out_of_reach(attacker, shared_dir):
+    victim = os.path.join(shared_dir, "ssd")
+    os.mkdir(victim, 0o700)
+    disk = DiskTier(victim, 1 << 20)
+    assert disk.put("secret", b"victim's bytes") == ErrorCode.OK
+    report = attacker.run(f"import sys; sys.argv = ['x', {victim!r}]\n" + SSD_PROBE)
+    assert report == {"reads": 0, "writes": 0, "listed": 0}
+    assert disk.keys() == ["secret"] and disk.get("secret") == b"victim's bytes"
+    disk.close()
+
+
+@pytest.mark.parametrize("who", ["world-writable", "attacker-owned"])
+def test_a_directory_the_attacker_could_write_is_never_served(attacker, shared_dir, who):
+    planted = os.path.join(shared_dir, "planted")
+    os.mkdir(planted)
+    if who == "world-writable":
+        os.chmod(planted, 0o777)
+    else:
+        os.chown(planted, attacker.uid, attacker.gid)
+    assert attacker.run(f"import sys; sys.argv = ['x', {planted!r}, 'secret']\n" + PLANT) == {"planted": 1}
+    with pytest.raises(ConfigError) as exc:
+        DiskTier(planted, 1 << 20)
+    assert exc.value.key == "ssd_offload_path" and exc.value.value == planted
+    reads = 0
+    try:
+        DiskTier(planted, 1 << 20).get("secret")
+        reads += 1
+    except ConfigError:
+        pass
+    assert reads == 0
+
+
+LOOKUP_PROBE = r"""
+import json, os, socket, sys
+path = sys.argv[1]
+out = {"connected": 0, "listed": 0}
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(path); out["connected"] = 1
+except OSError as e:
+    out["error"] = type(e).__name__
+try:
+    out["listed"] = len(os.listdir(os.path.dirname(path)))
+except OSError:
+    pass
+print(json.dumps(out))
+"""
+
+
+def test_the_lookup_channel_is_out_of_reach(attacker, fallback_base, monkeypatch):
+    lookup = pytest.importorskip("kvpool.vllm.lookup")
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    asked = []
+
+    def count_hits(hashes):
+        asked.append(len(hashes))
+        return len(hashes)
+
+    server = lookup.LookupServer(4242, 0, count_hits)
+    client = lookup.LookupClient(4242, 0)
+    try:
+        assert os.path.dirname(server.path) == paths.runtime_dir_path()
+        report = attacker.run(f"import sys; sys.argv = ['x', {server.path!r}]\n" + LOOKUP_PROBE)
+        assert report == {"connected": 0, "listed": 0, "error": "PermissionError"}
+        assert asked == []  # the attacker asked nothing
+        assert client.lookup([b"a", b"b"]) == 2 and asked == [2]  # the owner still can
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_shared_lookup_base_path_is_refused(monkeypatch, tmp_path):
+    lookup = pytest.importorskip("kvpool.vllm.lookup")
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(sticky))
+    with pytest.raises(ConfigError) as exc:
+        lookup.lookup_socket_path(1, 0)
+    assert exc.value.key == "VLLM_RPC_BASE_PATH"
+    assert os.listdir(sticky) == []
