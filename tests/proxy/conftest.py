@@ -16,9 +16,14 @@ from proxy_peers import Peer, PeerBehavior, ServerThread
 from kvpool.proxy.app import create_app
 from kvpool.proxy.config import Endpoint, ProxyConfig
 
+# The admin token the test proxies run with (as if from KVPOOL_PROXY_ADMIN_TOKEN).
+ADMIN_TOKEN = "test-admin-token-0123456789"
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
 # Fast settings for tests: short probe interval and retry delay, bounded waits.
 TEST_DEFAULTS: dict[str, Any] = dict(max_retries=2, retry_delay=0.01, health_interval=0.2,
-                                     connect_timeout=2.0, timeout=10.0, log_level="WARNING")
+                                     connect_timeout=2.0, timeout=10.0, log_level="WARNING",
+                                     admin_token=ADMIN_TOKEN)
 
 
 class ProxyHandle:
@@ -36,9 +41,13 @@ class ProxyHandle:
     def post(self, path: str, body: dict[str, Any], **kw: Any) -> httpx.Response:
         return self.client.post(path, json=body, **kw)
 
+    def admin(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        """POST to an admin route with the test token."""
+        return self.client.post(path, json=body, headers=ADMIN_HEADERS)
+
     def instances(self) -> dict[str, dict[str, Any]]:
         """GET /instances, keyed by "prefill:PORT" / "decode:PORT"."""
-        snap = self.client.get("/instances").json()
+        snap = self.client.get("/instances", headers=ADMIN_HEADERS).json()
         return {f"{i['type']}:{i['port']}": i for role in snap.values() for i in role}
 
     def stop(self) -> None:

@@ -8,6 +8,7 @@ import threading
 import httpx
 import pytest
 
+from kvpool.proxy.config import ForwardAuth
 from kvpool.testing.proc import expect
 
 COMPLETION = {"model": "test-model", "prompt": "Hello. I have a question. The president of the United States is",
@@ -19,7 +20,7 @@ def test_prefill_gets_one_token_then_decode_gets_the_original_request(make_peer,
     kv = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_engine_id": "p0"}
     p = make_peer("P", kv_transfer_params=kv)
     d = make_peer("D")
-    proxy = start_proxy([p], [d])
+    proxy = start_proxy([p], [d], forward_authorization=ForwardAuth.STATIC)
     resp = proxy.post("/v1/completions", COMPLETION, headers={"Authorization": "Bearer k", "X-Request-Id": "req-1"})
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["text"].startswith("D says t0")  # the decoder's answer

@@ -83,15 +83,16 @@ def test_pick_prefers_fewest_in_flight_then_fewest_tokens_then_round_robin():
     assert reg.pick(Role.PREFILL) is a
 
 
-def test_pick_skips_down_and_tried_instances_but_never_returns_nothing_while_any_exist():
+def test_pick_skips_down_and_tried_instances_and_a_retry_never_goes_back():
     reg, (a, b, c) = _registry()
     reg.mark_down(a, "refused")
     assert {reg.pick(Role.PREFILL).key for _ in range(4)} == {b.key, c.key}
     assert reg.pick(Role.PREFILL, exclude=[b]) is c
-    assert reg.pick(Role.PREFILL, exclude=[b, c]) in (b, c)  # healthy ones again before a down one
+    assert reg.pick(Role.PREFILL, exclude=[b, c]) is None  # a retry: only healthy, untried ones
     reg.mark_down(b, "refused")
     reg.mark_down(c, "refused")
-    assert reg.pick(Role.PREFILL) is not None  # last resort: try a down one
+    assert reg.pick(Role.PREFILL) is not None  # a first attempt's last resort: try a down one
+    assert reg.pick(Role.PREFILL, exclude=[c]) is None
     reg.mark_up(b)
     assert reg.pick(Role.PREFILL) is b
     assert reg.pick(Role.DECODE) is None

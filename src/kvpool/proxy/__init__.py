@@ -9,6 +9,7 @@ Modules, one job each:
 
 - ``config``   arguments and the validated :class:`~kvpool.proxy.config.ProxyConfig`
                (no web dependencies: ``kvpool --help`` stays light)
+- ``intake``   reading a client's body under the size limit, strict JSON, field types
 - ``registry`` instances, their load and health state, least-loaded selection (no I/O)
 - ``health``   the background ``GET /health`` probe that takes instances in and out of rotation
 - ``forward``  building the prefill/decode requests, retries, streaming pass-through

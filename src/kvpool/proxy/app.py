@@ -6,12 +6,19 @@ Routes:
 - ``GET /v1/models``: from a decode instance
 - ``GET /healthcheck``: instance counts; 200 while at least one prefill and one decode
   instance is healthy, else 503
+
+Admin routes (they need ``Authorization: Bearer <token>``, the token being the value of
+``KVPOOL_PROXY_ADMIN_TOKEN`` in the proxy's environment; without that variable they answer 403
+and say how to enable them; a missing or wrong token is a 401):
+
 - ``GET /instances``: every instance with its health and load
 - ``POST /instances/add``, ``POST /instances/remove``: ``{"type": "prefill"|"decode",
   "host": H, "port": P}``, or vLLM-Ascend's ``{"type": ..., "instances": ["H:P", ...]}``.
   An added instance is probed at once and joins the rotation when ``GET /health`` answers 200
   (at once, or at a later probe: it may still be starting). A removed one gets no new
   requests; those in flight on it finish.
+
+Every request body is read under ``--max-body-bytes`` and parsed strictly (``intake.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
+import hmac
 import logging
 import sys
 from collections.abc import AsyncIterator, Awaitable, Sequence
@@ -31,9 +38,17 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from kvpool.errors import ConfigError
-from kvpool.proxy.config import Endpoint, ProxyConfig, add_arguments, config_from_args, endpoints
+from kvpool.proxy.config import (
+    ADMIN_TOKEN_ENV,
+    Endpoint,
+    ProxyConfig,
+    add_arguments,
+    config_from_args,
+    validate_endpoint,
+)
 from kvpool.proxy.forward import Forwarder, error_response
 from kvpool.proxy.health import HealthChecker
+from kvpool.proxy.intake import BadRequest, completion_body, parse_json, read_body
 from kvpool.proxy.registry import Registry, Role
 
 logger = logging.getLogger("kvpool.proxy")
@@ -44,7 +59,7 @@ class ProxyState:
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.registry = Registry(config.prefillers, config.decoders)
+        self.registry = Registry(config.prefillers, config.decoders)  # command line: not added at runtime
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(config.timeout, connect=config.connect_timeout),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
@@ -85,31 +100,68 @@ def config_error_text(exc: ConfigError) -> str:
     return f"{exc.key}: {exc.expected} (got {value})"
 
 
+# Instances one admin request may name: a typo'd loop must not register thousands.
+MAX_INSTANCES_PER_REQUEST = 256
+
+
 def _parse_instances(body: Any) -> tuple[Role, list[Endpoint]]:
-    """``{"type", "host", "port"}`` or ``{"type", "instances": "H:P" | ["H:P", ...]}``."""
+    """``{"type", "host", "port"}`` or ``{"type", "instances": "H:P" | ["H:P", ...]}``.
+
+    ``port`` is a JSON integer; in ``"H:P"`` it is decimal digits, and an IPv6 ``H`` is in
+    brackets (``"[::1]:8100"``). Hosts are validated as on the command line.
+    """
     if not isinstance(body, dict):
         raise ValueError("the body must be a JSON object")
     role = Role.parse(body.get("type"))
+    pairs: list[tuple[str, object, object]] = []
     if "instances" in body:
         items = body["instances"]
         items = [items] if isinstance(items, str) else items
         if not isinstance(items, list) or not items or not all(isinstance(i, str) for i in items):
             raise ValueError('"instances" must be "host:port" or a list of them')
-        hosts, ports = [], []
+        if len(items) > MAX_INSTANCES_PER_REQUEST:
+            raise ValueError(f'"instances" lists {len(items)} entries; at most {MAX_INSTANCES_PER_REQUEST} '
+                             "in one request")
         for item in items:
             host, sep, port = item.rpartition(":")
-            if not sep or not host:
-                raise ValueError(f'"instances" entry {item!r} is not "host:port"')
-            hosts.append(host)
-            ports.append(port)
+            if not sep or not host or (":" in host and not host.startswith("[")):
+                raise ValueError(f'"instances" entry {item!r} is not "host:port" (IPv6: "[addr]:port")')
+            pairs.append((f'"instances" entry {item!r}', host, port))
     elif "host" in body and "port" in body:
-        hosts, ports = [body["host"]], [body["port"]]
+        if not isinstance(body["port"], int) or isinstance(body["port"], bool):
+            raise ValueError(f'"port" must be an integer 1-65535, not {body["port"]!r:.50}')
+        pairs.append(('"host"/"port"', body["host"], body["port"]))
     else:
         raise ValueError('give "host" and "port", or "instances": ["host:port", ...]')
-    try:
-        return role, list(endpoints(role.value + "r", hosts, ports))
-    except ConfigError as exc:
-        raise ValueError(config_error_text(exc)) from None
+    result: list[Endpoint] = []
+    for key, host, port in pairs:
+        try:
+            ep = validate_endpoint(key, host, port)
+        except ConfigError as exc:
+            raise ValueError(config_error_text(exc)) from None
+        if ep not in result:
+            result.append(ep)
+    return role, result
+
+
+def admin_denied(config: ProxyConfig, request: Request) -> Response | None:
+    """None if ``request`` may use an admin route, else the 403 or 401 it gets.
+
+    Checked before the body is read: an unauthenticated client cannot make the proxy read it.
+    """
+    if config.admin_token is None:
+        return error_response(
+            403, f"the admin routes are disabled; to enable them, start the proxy with {ADMIN_TOKEN_ENV} set to "
+            "a secret token (16+ characters) and send it as 'Authorization: Bearer <token>'", "permission_denied")
+    scheme, _, credential = request.headers.get("authorization", "").partition(" ")
+    # compare_digest: the time taken does not tell how much of a guess was right.
+    if scheme.lower() == "bearer" and hmac.compare_digest(credential.strip().encode(), config.admin_token.encode()):
+        return None
+    resp = error_response(401, f"the admin routes need 'Authorization: Bearer <token>' with the token in "
+                          f"the proxy's {ADMIN_TOKEN_ENV}; this request has none or a wrong one",
+                          "authentication_error")
+    resp.headers["www-authenticate"] = "Bearer"
+    return resp
 
 
 def create_app(config: ProxyConfig) -> FastAPI:
@@ -130,11 +182,9 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
     async def _completion(request: Request, path: str) -> Response:
         try:
-            body = json.loads(await request.body())
-        except ValueError:
-            return error_response(400, "the request body is not valid JSON", "invalid_request_error")
-        if not isinstance(body, dict):
-            return error_response(400, "the request body must be a JSON object", "invalid_request_error")
+            body = completion_body(await read_body(request, config.max_body_bytes))
+        except BadRequest as exc:
+            return error_response(exc.status, exc.message, "invalid_request_error")
         headers = {k.lower(): v for k, v in request.headers.items()}
         return await _until_disconnect(request, state.forwarder.completion(path, body, headers))
 
@@ -160,12 +210,18 @@ def create_app(config: ProxyConfig) -> FastAPI:
                             status_code=200 if ok else 503)
 
     @app.get("/instances")
-    async def list_instances() -> Response:
-        return JSONResponse(state.registry.snapshot())
+    async def list_instances(request: Request) -> Response:
+        denied = admin_denied(config, request)
+        return denied or JSONResponse(state.registry.snapshot())
 
     async def _instances_body(request: Request) -> tuple[Role, list[Endpoint]] | Response:
+        denied = admin_denied(config, request)
+        if denied is not None:
+            return denied
         try:
-            return _parse_instances(json.loads(await request.body()))
+            return _parse_instances(parse_json(await read_body(request, config.max_body_bytes)))
+        except BadRequest as exc:
+            return error_response(exc.status, exc.message, "invalid_request_error")
         except ValueError as exc:
             return error_response(400, str(exc), "invalid_request_error")
 
@@ -177,7 +233,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
         role, eps = parsed
         added, present = [], []
         for ep in eps:
-            inst = state.registry.add(role, ep, healthy=False)
+            inst = state.registry.add(role, ep, healthy=False, added_at_runtime=True)
             if inst is None:
                 present.append(ep.key)
             else:
@@ -205,8 +261,12 @@ def create_app(config: ProxyConfig) -> FastAPI:
 def serve(config: ProxyConfig) -> None:
     """Run the proxy until interrupted."""
     if not config.prefillers or not config.decoders:
-        logger.warning("no %s instances given: requests fail with 503 until some are added with "
-                       "POST /instances/add", "prefill" if not config.prefillers else "decode")
+        how = ("POST /instances/add" if config.admin_token is not None
+               else f"POST /instances/add, which needs {ADMIN_TOKEN_ENV} set")
+        logger.warning("no %s instances given: requests fail with 503 until some are added with %s",
+                       "prefill" if not config.prefillers else "decode", how)
+    logger.info("admin routes (/instances*): %s", "enabled, bearer token required" if config.admin_token
+                else f"disabled ({ADMIN_TOKEN_ENV} is not set)")
     logger.info("kvpool proxy on http://%s:%d: prefill %s, decode %s", config.host, config.port,
                 [e.key for e in config.prefillers], [e.key for e in config.decoders])
     uvicorn.run(create_app(config), host=config.host, port=config.port,

@@ -5,6 +5,13 @@ spec's "启动代理服务器" step): ``--prefiller-hosts H1 H2 --prefiller-port
 i-th host with the i-th port. One host with several ports means that host for every port
 (``--prefiller-hosts localhost --prefiller-ports 8100 8101``). Any other mismatch is an error.
 
+Instance hosts, given here or to ``POST /instances/add``, are a host name or an IP literal and
+nothing else (no scheme, path, user info or whitespace); ports are whole numbers 1..65535.
+
+The admin token is read from the environment (:data:`ADMIN_TOKEN_ENV`), never from a flag, so
+it does not show in ``ps`` or shell history. Without it the admin routes are disabled
+(docs/security-proxy.md).
+
 This module imports nothing beyond the standard library, so ``kvpool --help`` stays fast.
 """
 
@@ -12,8 +19,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
+import ipaddress
 import math
-from collections.abc import Sequence
+import os
+import re
+from collections.abc import Mapping, Sequence
 
 from kvpool.errors import ConfigError
 
@@ -35,6 +46,20 @@ class Endpoint:
         return f"http://{self.key}"
 
 
+# The environment variable that holds the token for the admin routes (``/instances*``).
+ADMIN_TOKEN_ENV = "KVPOOL_PROXY_ADMIN_TOKEN"
+# A shorter token is refused: it could be guessed.
+ADMIN_TOKEN_MIN_LENGTH = 16
+
+
+class ForwardAuth(str, enum.Enum):
+    """To which instances the client's ``Authorization`` header is passed on."""
+
+    NONE = "none"  # to none: the instances see no client credentials
+    STATIC = "static"  # to the instances given on the command line only
+    ALL = "all"  # to every instance, those added with POST /instances/add too
+
+
 @dataclasses.dataclass(frozen=True)
 class ProxyConfig:
     host: str = "127.0.0.1"
@@ -54,22 +79,66 @@ class ProxyConfig:
     # two chunks of a stream. Past it the attempt fails (and is retried, if it can be).
     timeout: float = 600.0
     log_level: str = "INFO"
+    # Bytes a request body may have (Content-Length or counted as it arrives); more is a 413.
+    max_body_bytes: int = 16 * 1024 * 1024
+    # Which instances get the client's Authorization header (see ForwardAuth).
+    forward_authorization: ForwardAuth = ForwardAuth.NONE
+    # The admin routes' bearer token; None disables them. Not in repr: it must not reach a log.
+    admin_token: str | None = dataclasses.field(default=None, repr=False)
 
 
 def _port(key: str, value: object) -> int:
-    try:
-        port = int(value)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        raise ConfigError(key, value, "expected a TCP port number (1-65535)") from None
-    if not 1 <= port <= 65535:
+    """A port as an int, or as the decimal digits of one (command-line and "host:port" strings)."""
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 65535:
         raise ConfigError(key, value, "expected a TCP port number (1-65535)")
-    return port
+    return value
+
+
+# One DNS label: letters, digits, '-' and '_' (common in container and cluster names).
+_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
 
 
 def _host(key: str, value: object) -> str:
-    if not isinstance(value, str) or not value.strip() or any(c.isspace() for c in value):
-        raise ConfigError(key, value, "expected a host name or IP address")
-    return value.strip().strip("[]")
+    """A host name or IP literal (IPv6 with or without brackets); anything else is refused.
+
+    What makes a URL more than ``http://host:port`` (a scheme, ``/?#@``, whitespace, ``%``) is
+    never accepted, so a registered host cannot point a request somewhere else.
+    """
+    expected = "expected a host name or IP address (no scheme, path, port, user or spaces)"
+    if not isinstance(value, str) or not value or len(value) > 255:
+        raise ConfigError(key, value, expected)
+    inner = value[1:-1] if value.startswith("[") and value.endswith("]") else value
+    try:
+        addr = ipaddress.ip_address(inner)
+    except ValueError:
+        addr = None
+    if addr is not None and "%" not in inner:
+        if inner is not value and addr.version != 6:
+            raise ConfigError(key, value, expected)
+        return str(addr) if addr.version == 6 else inner
+    name = value[:-1] if value.endswith(".") else value
+    if inner is not value or len(name) > 253 or not all(_LABEL.fullmatch(p) for p in name.split(".")):
+        raise ConfigError(key, value, expected)
+    return value
+
+
+def validate_endpoint(key: str, host: object, port: object) -> Endpoint:
+    """One instance's host and port, validated (as given to POST /instances/add)."""
+    return Endpoint(_host(key, host), _port(key, port))
+
+
+def admin_token_from(env: Mapping[str, str]) -> str | None:
+    """The admin token from ``env``; None when unset or empty (admin routes disabled)."""
+    token = env.get(ADMIN_TOKEN_ENV, "")
+    if not token:
+        return None
+    if len(token) < ADMIN_TOKEN_MIN_LENGTH or not token.isascii() or not token.isprintable() or " " in token:
+        raise ConfigError(ADMIN_TOKEN_ENV, f"a {len(token)}-character value",
+                          f"expected at least {ADMIN_TOKEN_MIN_LENGTH} printable ASCII characters without "
+                          "spaces, e.g. from: python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+    return token
 
 
 def endpoints(role: str, hosts: Sequence[str], ports: Sequence[object]) -> tuple[Endpoint, ...]:
@@ -122,12 +191,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=d.timeout,
                         help="seconds an instance may stay silent (whole non-streaming answer, or between "
                              f"stream chunks) before the attempt fails (default {d.timeout})")
+    security = parser.add_argument_group(
+        "security", f"The admin routes (GET /instances, POST /instances/add and /instances/remove) are disabled "
+        f"unless the environment variable {ADMIN_TOKEN_ENV} holds a token ({ADMIN_TOKEN_MIN_LENGTH}+ characters); "
+        "requests to them then send 'Authorization: Bearer <token>'. Instances given by the flags above need none.")
+    security.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                        help="largest request body accepted, in bytes; a larger one is answered 413 before "
+                             f"it is read (default {d.max_body_bytes}, 16 MiB)")
+    security.add_argument("--forward-authorization", default=d.forward_authorization.value,
+                        choices=[m.value for m in ForwardAuth],
+                        help="pass the client's Authorization header on to: no instance (none, the default), "
+                             "the instances given on this command line (static), or also those added with "
+                             "POST /instances/add (all)")
     parser.add_argument("--log-level", default=d.log_level, type=str.upper,
                         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
 
 
-def config_from_args(args: argparse.Namespace) -> ProxyConfig:
-    """The validated config; :class:`ConfigError` names the argument that is wrong."""
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> ProxyConfig:
+    """The validated config; :class:`ConfigError` names the argument that is wrong.
+
+    ``env`` (default: the process environment) supplies the admin token.
+    """
     if not 0 <= args.port <= 65535:
         raise ConfigError("--port", args.port, "expected a TCP port number (0-65535)")
     if args.max_retries < 0:
@@ -138,6 +222,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
             raise ConfigError("--" + name.replace("_", "-"), value, "expected a number of seconds > 0")
+    if args.max_body_bytes < 1024:
+        raise ConfigError("--max-body-bytes", args.max_body_bytes, "expected a number of bytes >= 1024")
     return ProxyConfig(
         host=_host("--host", args.host),
         port=args.port,
@@ -149,4 +235,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         connect_timeout=args.connect_timeout,
         timeout=args.timeout,
         log_level=args.log_level,
+        max_body_bytes=args.max_body_bytes,
+        forward_authorization=ForwardAuth(args.forward_authorization),
+        admin_token=admin_token_from(os.environ if env is None else env),
     )

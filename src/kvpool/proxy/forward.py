@@ -5,8 +5,13 @@ the body has it), ``stream=false``, ``n=1``, no ``stream_options``/``min_tokens`
 ``kv_transfer_params={"do_remote_decode": true, ...}`` as vLLM's P2P connectors (NIXL,
 Mooncake transfer) expect; kvpool's connector ignores it.
 
-Decode request: the client's body as it came, plus the ``kv_transfer_params`` the prefill
-answered with (when it answered any). Its answer or SSE stream goes back to the client.
+Decode request: the client's body as it came, less any ``kv_transfer_params`` of the
+client's own (they tell a transfer connector where to fetch KV from, which is the prefill's to
+say, not the client's), plus the ``kv_transfer_params`` the prefill answered with (when it
+answered any). Its answer or SSE stream goes back to the client.
+
+Headers sent on: ``x-request-id`` (the client's, or a new one), and the client's
+``Authorization`` only as ``--forward-authorization`` says (default: to no instance).
 
 Cached tokens reported: when the prefill's answer has
 ``usage.prompt_tokens_details.cached_tokens`` (vLLM reports it with
@@ -19,12 +24,13 @@ When the prefill reported none, the decoder's usage is passed on untouched. The 
 ``x-kvpool-prefill-cached-tokens`` carries the prefill's number too.
 
 Failures: a connection error, a timeout, a dropped connection or a 5xx answer fails the attempt;
-the instance is marked down and the request is tried on another instance, up to
-``--max-retries`` more times, ``--retry-delay`` seconds apart. A 4xx answer is the client's
-problem: it is passed back as it is, without retrying. When every attempt failed the client gets
-the last 5xx answer as it was, or 502 (connection errors) / 504 (timeouts) with an
-OpenAI-shaped error body. Once a stream has started it cannot be retried: a failure mid-stream
-ends it with an SSE ``error`` event and ``data: [DONE]``.
+the instance is marked down and the request is tried on another healthy instance it has not
+tried yet, up to ``--max-retries`` more times, ``--retry-delay`` seconds apart; never on one
+that already failed it. A 4xx answer is the client's problem: it is passed back as it is,
+without retrying. When every attempt failed, or no untried healthy instance is left, the
+client gets the last 5xx answer as it was, or 502 (connection errors) / 504 (timeouts) with an
+OpenAI-shaped error body; 503 when there is no instance at all. Once a stream has started it
+cannot be retried: a failure mid-stream ends it with an SSE ``error`` event and ``data: [DONE]``.
 
 Client disconnects: while the proxy waits for the prefill or a non-streaming decode, the route
 watches for the client going away and cancels the upstream request (closing its connection,
@@ -46,7 +52,8 @@ import httpx
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from kvpool.proxy.config import ProxyConfig
+from kvpool.proxy.config import ForwardAuth, ProxyConfig
+from kvpool.proxy.intake import BadRequest, parse_json
 from kvpool.proxy.registry import Instance, Lease, Registry, Role
 
 logger = logging.getLogger("kvpool.proxy")
@@ -112,6 +119,7 @@ def prefill_payload(body: Mapping[str, Any]) -> dict[str, Any]:
 
 def decode_payload(body: Mapping[str, Any], kv_transfer_params: Any) -> dict[str, Any]:
     payload = dict(body)
+    payload.pop("kv_transfer_params", None)
     if kv_transfer_params:
         payload["kv_transfer_params"] = kv_transfer_params
     return payload
@@ -204,7 +212,7 @@ class SSEUsageRewriter:
                 continue
             try:
                 data = json.loads(line[5:].strip())
-            except ValueError:
+            except (ValueError, RecursionError):  # not ours to fix: passed on as it came
                 return event
             if not merge_usage(data, self.prefill_cached):
                 return event
@@ -302,10 +310,15 @@ class Forwarder:
         for attempt in range(self.config.max_retries + 1):
             inst = self.registry.pick(role, exclude=tried)
             if inst is None:
+                if failure is not None:  # a retry, and no healthy instance left that it has not tried
+                    logger.warning("%s: no other healthy %s instance to retry on", failure.message, role.value)
+                    raise failure
                 raise UpstreamFailed(503, f"no {role.value} instance is configured")
             if attempt:
                 logger.info("retrying on %s instance %s (retry %d of %d)", role.value, inst.key, attempt,
                             self.config.max_retries)
+                if self.config.retry_delay > 0:
+                    await asyncio.sleep(self.config.retry_delay)
             tried.append(inst)
             lease = self.registry.lease(inst, tokens)
             try:
@@ -338,28 +351,29 @@ class Forwarder:
                 failure = UpstreamFailed(resp.status_code, f"{role.value} instance {inst.key}: {reason}", resp)
             self.registry.mark_down(inst, reason)
             logger.warning("%s attempt %d on %s failed: %s", role.value, attempt + 1, inst.key, reason)
-            if attempt < self.config.max_retries and self.config.retry_delay > 0:
-                await asyncio.sleep(self.config.retry_delay)
         assert failure is not None
         raise failure
 
-    def _headers(self, incoming: Mapping[str, str], request_id: str) -> dict[str, str]:
+    def _headers(self, incoming: Mapping[str, str], request_id: str, inst: Instance) -> dict[str, str]:
+        """What ``inst`` gets: the request id, and the client's credentials only where allowed."""
         headers = {"x-request-id": request_id}
-        if "authorization" in incoming:
+        mode = self.config.forward_authorization
+        allowed = mode is ForwardAuth.ALL or (mode is ForwardAuth.STATIC and not inst.added_at_runtime)
+        if allowed and "authorization" in incoming:
             headers["authorization"] = incoming["authorization"]
         return headers
 
     async def completion(self, path: str, body: dict[str, Any], incoming: Mapping[str, str]) -> Response:
         """One ``/v1/completions`` or ``/v1/chat/completions`` request, prefill then decode."""
         request_id = incoming.get("x-request-id") or uuid.uuid4().hex
-        headers = self._headers(incoming, request_id)
         n_prompt = prompt_tokens(body)
 
         # Prefill: a whole (non-streaming) answer, lease released as soon as it is in.
         pbody = prefill_payload(body)
 
         async def send_prefill(inst: Instance) -> httpx.Response:
-            return await self.client.post(inst.base_url + path, json=pbody, headers=headers)
+            return await self.client.post(inst.base_url + path, json=pbody,
+                                          headers=self._headers(incoming, request_id, inst))
 
         try:
             pinst, presp, p_lease = await self._attempts(Role.PREFILL, send_prefill, n_prompt)
@@ -370,11 +384,13 @@ class Forwarder:
         if presp.status_code != 200:
             return passthrough(presp, out_headers)  # 4xx: the request is wrong; no decode
         try:
-            pdata = presp.json()
-        except ValueError:
-            return error_response(502, f"prefill instance {pinst.key} answered with a body that is not JSON",
-                                  "bad_gateway")
+            pdata = parse_json(presp.content, f"prefill instance {pinst.key}'s answer")
+        except BadRequest as exc:
+            return error_response(502, exc.message, "bad_gateway")
         kv_params = pdata.get("kv_transfer_params") if isinstance(pdata, dict) else None
+        if kv_params is not None and not isinstance(kv_params, dict):
+            return error_response(502, f"prefill instance {pinst.key} answered kv_transfer_params that are not an "
+                                  f"object: {kv_params!r:.100}", "bad_gateway")
         prefill_cached = cached_tokens(pdata)
         if prefill_cached is not None:
             out_headers[HEADER_PREFILL_CACHED] = str(prefill_cached)
@@ -385,7 +401,8 @@ class Forwarder:
         dtokens = n_prompt + output_tokens(body)
 
         async def send_decode(inst: Instance) -> httpx.Response:
-            req = self.client.build_request("POST", inst.base_url + path, json=dbody, headers=headers)
+            req = self.client.build_request("POST", inst.base_url + path, json=dbody,
+                                            headers=self._headers(incoming, request_id, inst))
             return await self.client.send(req, stream=stream)
 
         try:
@@ -397,9 +414,9 @@ class Forwarder:
             dlease.release()
             if dresp.status_code == 200 and prefill_cached is not None:
                 try:
-                    ddata = dresp.json()
-                except ValueError:
-                    ddata = None
+                    ddata = parse_json(dresp.content, "the decode answer")
+                except BadRequest:
+                    ddata = None  # passed on as it came
                 if merge_usage(ddata, prefill_cached):
                     return JSONResponse(ddata, headers=out_headers)
             return passthrough(dresp, out_headers)
@@ -422,10 +439,10 @@ class Forwarder:
 
     async def get(self, role: Role, path: str, incoming: Mapping[str, str]) -> Response:
         """A GET (``/v1/models``) answered by one instance of ``role``, with retries."""
-        headers = self._headers(incoming, incoming.get("x-request-id") or uuid.uuid4().hex)
+        request_id = incoming.get("x-request-id") or uuid.uuid4().hex
 
         async def send(inst: Instance) -> httpx.Response:
-            return await self.client.get(inst.base_url + path, headers=headers)
+            return await self.client.get(inst.base_url + path, headers=self._headers(incoming, request_id, inst))
 
         try:
             _, resp, lease = await self._attempts(role, send, 0)

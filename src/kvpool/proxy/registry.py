@@ -5,8 +5,10 @@ completion without awaiting, so the state is consistent between any two awaits.
 
 Selection (:meth:`Registry.pick`) among the instances of one role:
 
-1. candidates: the healthy instances this request has not tried yet; if there are none, the
-   healthy ones it has tried; if none is healthy, all of them (a last resort, so a request is
+1. candidates: the healthy instances this request has not tried yet. A retry takes nothing
+   else: an instance that just failed or timed out for this request is never tried again by
+   it (a hung instance would otherwise cost the client one timeout per retry). For a first
+   attempt only, when no instance is healthy, any of them (a last resort, so a request is
    not refused just because the health probe has not yet seen an instance come back);
 2. the least loaded wins: fewest requests in flight, then fewest estimated tokens in flight,
    then the one picked least recently (round-robin among equals).
@@ -56,6 +58,9 @@ class Instance:
     failures: int = 0  # attempts that failed (connection error, timeout, 5xx)
     last_error: str | None = None
     down_since: float | None = None
+    # Added with POST /instances/add rather than given on the command line: such an instance
+    # gets the client's Authorization header only with --forward-authorization all.
+    added_at_runtime: bool = False
 
     @property
     def key(self) -> str:
@@ -76,6 +81,7 @@ class Instance:
             "requests": self.requests,
             "failures": self.failures,
             "last_error": self.last_error,
+            "added_at_runtime": self.added_at_runtime,
         }
 
 
@@ -115,11 +121,12 @@ class Registry:
     def get(self, role: Role, endpoint: Endpoint) -> Instance | None:
         return self._instances[role].get(endpoint.key)
 
-    def add(self, role: Role, endpoint: Endpoint, healthy: bool = True) -> Instance | None:
+    def add(self, role: Role, endpoint: Endpoint, healthy: bool = True,
+            added_at_runtime: bool = False) -> Instance | None:
         """Add an instance; None if it is already there."""
         if endpoint.key in self._instances[role]:
             return None
-        inst = Instance(role, endpoint, healthy=healthy)
+        inst = Instance(role, endpoint, healthy=healthy, added_at_runtime=added_at_runtime)
         if not healthy:
             inst.down_since = time.monotonic()
             inst.last_error = "added; waiting for its first successful health probe"
@@ -135,10 +142,15 @@ class Registry:
         return inst
 
     def pick(self, role: Role, exclude: Collection[Instance] = ()) -> Instance | None:
-        """The least-loaded instance of ``role`` (see the module docstring); None if there is none."""
+        """The least-loaded instance of ``role`` not in ``exclude`` (see the module docstring).
+
+        None if there is none: no instance at all, or (``exclude`` given: a retry) no healthy
+        instance this request has not tried.
+        """
         pool = self.instances(role)
-        healthy = [i for i in pool if i.healthy]
-        candidates = [i for i in healthy if i not in exclude] or healthy or pool
+        candidates = [i for i in pool if i.healthy and i not in exclude]
+        if not candidates and not exclude:
+            candidates = pool
         if not candidates:
             return None
         best = min(candidates, key=lambda i: (i.in_flight, i.token_load, i.last_pick))
