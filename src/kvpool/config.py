@@ -642,7 +642,7 @@ class ServerSettings(EngineSettings, frozen=True, kw_only=True):
     KEYS: ClassVar[dict[str, str]] = {
         "memory_size": "global_segment_size", "default_kv_lease_ttl_ms": "default_kv_lease_ttl",
         "client_ttl_s": "client_ttl", "put_timeout_s": "put_timeout", "hello_timeout_s": "hello_timeout",
-        "socket_path": "socket"}
+        "socket_path": "socket", "client_max_hold_s": "client_max_hold"}
 
     memory_size: Annotated[int, Meta(ge=MiB, le=PiB, extra={"kind": "size"}, description=(
         'memory tier size, e.g. "4GB" (binary units)'))] = 4 * GiB
@@ -662,7 +662,19 @@ class ServerSettings(EngineSettings, frozen=True, kw_only=True):
         "serve /metrics, /stats and /healthz on 127.0.0.1:PORT (0: any free port; default off)"))] | None = None
     hello_timeout_s: Annotated[float, Meta(gt=0, le=3600, extra={"kind": "seconds"}, description=(
         "close a connection that has not said Hello within this time"))] = 5.0
-    max_connections: Annotated[int, Meta(ge=1, le=1 << 20, description="refuse connections beyond this many")] = 1024
+    max_connections: Annotated[int, Meta(ge=1, le=1 << 20, description=(
+        "refuse handshakes beyond this many connected clients"))] = 1024
+    max_connections_per_client: Annotated[int, Meta(ge=1, le=1 << 20, description=(
+        "refuse handshakes beyond this many connections from one client process"))] = 16
+    max_handshakes: Annotated[int, Meta(ge=1, le=1 << 16, description=(
+        "connections that have not said Hello yet; past it the oldest is closed to admit a new one"))] = 32
+    client_pool_share: Annotated[float, Meta(gt=0, le=1, description=(
+        "fraction of the memory tier one client process may pin in leased objects plus "
+        "uncommitted allocations (its leases past it still read, but do not pin)"))] = 0.5
+    client_max_leases: Annotated[int, Meta(ge=0, le=1 << 30, description=(
+        "leases plus uncommitted allocations one client process may hold at once (0: no cap)"))] = 1 << 18
+    client_max_hold_s: Annotated[float, Meta(ge=0, le=DAY_S, extra={"kind": "seconds"}, description=(
+        "longest one client process may keep one object leased by renewing it (0: no cap)"))] = 120.0
     log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], Meta(description="log level")] = "INFO"
 
     @property

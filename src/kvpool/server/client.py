@@ -98,14 +98,14 @@ def _prepare(keys: Sequence[str], values: Sequence[Sequence[Any]], writable: boo
     return codes, todo
 
 
-def _chunks(items: list[Any], size_of: Any = None) -> Iterator[list[Any]]:
+def _chunks(items: list[Any], size_of: Any = None, max_bytes: int = P.MAX_INLINE_BYTES) -> Iterator[list[Any]]:
     """Split into batches the server accepts: at most MAX_BATCH items and, with ``size_of``,
-    about MAX_INLINE_BYTES of payload (so a reply with disk-served bytes inline stays bounded)."""
+    about ``max_bytes`` of payload (so a reply with disk-served bytes inline stays bounded)."""
     batch: list[Any] = []
     total = 0
     for item in items:
         size = size_of(item) if size_of else 0
-        if batch and (len(batch) >= P.MAX_BATCH or total + size > P.MAX_INLINE_BYTES):
+        if batch and (len(batch) >= P.MAX_BATCH or total + size > max_bytes):
             yield batch
             batch, total = [], 0
         batch.append(item)
@@ -262,7 +262,14 @@ class PoolClient:
         copy out of the caller's buffers (`BufferGate`).
         """
         codes, todo = _prepare(keys, values, writable=False)
-        for batch in _chunks(todo):
+        # A quarter of the arena per Allocate: uncommitted bytes count against this process's
+        # share of the pool (the server's --client_pool_share), so a large put goes in rounds
+        # that each commit before the next allocates.
+        try:
+            limit = max(1, self._current().hello.arena_size // 4)
+        except _Down:
+            limit = P.MAX_INLINE_BYTES  # every batch fails fast with RPC_FAIL anyway
+        for batch in _chunks(todo, size_of=lambda item: item[3], max_bytes=min(limit, P.MAX_INLINE_BYTES)):
             self._put_batch(batch, codes, buffers or _ALWAYS)
         return codes
 

@@ -12,6 +12,14 @@ too, so a client can only commit or release what it was given, and everything it
 dropped the moment its connection closes (a SIGKILLed writer's half-written range is freed and
 never published).
 
+Fair sharing (docs/security-fairshare.md): a connection that has not said Hello yet may send
+one small frame (`protocol.MAX_HELLO_FRAME`) within one deadline from accept; at most
+`max_handshakes` such strangers are kept (a new one closes the oldest), and they do not count
+toward `max_connections`, which only handshaken clients use up, at most
+`max_connections_per_client` per client process. Each client process is one owner for the
+engine's quotas (`client_pool_share`, `client_max_leases`, `client_max_hold_s`), however many
+connections it opens.
+
 Start-up exclusivity: a `flock` on `<socket>.lock` is held for the server's lifetime. The
 kernel drops it when the process dies however it dies, so a server that gets the lock knows any
 socket file (and `/dev/shm` arena of that socket) is a dead server's leftover and takes over;
@@ -57,6 +65,10 @@ logger = logging.getLogger("kvpool.server")
 # A connection may hold this many unreleased read leases; past it the oldest are released
 # (a client that never releases must not grow the server without bound).
 _MAX_LEASES_PER_CONN = 1 << 16
+# Heap bytes an object costs the server besides its key (index entries, its record, its lookup
+# lease): measured at ~1.1 KiB with tracemalloc. Charged to the memory budget with the key's
+# bytes, so a flood of tiny objects with long keys fills the pool instead of the server's heap.
+_OBJECT_OVERHEAD_BYTES = 1024
 
 
 class ServerRunning(KVPoolError):
@@ -145,7 +157,11 @@ class _Conn:
     peer_pid: int
     client_id: str = ""
     name: str = ""
+    owner_pid: int = 0  # the client process this connection counts against, once handshaken
     connected_at: float = dataclasses.field(default_factory=time.time)
+    accepted_at: float = dataclasses.field(default_factory=time.monotonic)  # the handshake deadline's start
+    evicted: bool = False  # closed by the server to admit a newer stranger
+    warned_quota: bool = False
     requests: int = 0
     pending: dict[int, Allocation] = dataclasses.field(default_factory=dict)
     leases: dict[int, Lease] = dataclasses.field(default_factory=dict)
@@ -162,11 +178,16 @@ class Server:
         self._lock_fd: int | None = None
         self._listener: socket.socket | None = None
         self._conns: dict[int, _Conn] = {}
+        # Connections that have not finished their Hello, oldest first (seq order).
+        self._strangers: dict[int, _Conn] = {}
+        self._per_pid: dict[int, int] = {}  # handshaken connections per client process
+        self._handshaken = 0
         self._threads: set[threading.Thread] = set()
         self._state = threading.Lock()
         self._seq = 0
         self._counters = {"lookup_keys": 0, "lookup_hits": 0, "connections": 0, "protocol_errors": 0,
-                          "refused_peers": 0}
+                          "refused_peers": 0, "refused_connections": 0, "evicted_handshakes": 0,
+                          "handshake_timeouts": 0}
         self._started = time.monotonic()
         self._stopping = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
@@ -187,7 +208,12 @@ class Server:
             self.arena = shm.create(shm.arena_name(cfg.socket_path, os.getpid()), cfg.memory_size,
                                     cfg.allowed_gid)
             engine_config = cfg.engine_config(client_ttl_s=cfg.client_ttl_s, put_timeout_s=cfg.put_timeout_s,
-                                              reap_interval_s=min(1.0, cfg.client_ttl_s / 4))
+                                              reap_interval_s=min(1.0, cfg.client_ttl_s / 4),
+                                              client_pool_share=cfg.client_pool_share,
+                                              client_max_leases=cfg.client_max_leases,
+                                              client_max_hold_s=cfg.client_max_hold_s,
+                                              object_overhead_bytes=_OBJECT_OVERHEAD_BYTES,
+                                              max_key_bytes=P.MAX_KEY_BYTES)
             self.engine = PoolEngine(engine_config, arena=memoryview(self.arena.array))
             if cfg.metrics_port is not None:
                 try:
@@ -244,21 +270,21 @@ class Server:
         sock.setblocking(True)
         if not self._peer_trusted(sock):
             return
+        evict: _Conn | None = None
         with self._state:
-            if len(self._conns) >= self.config.max_connections:
-                full = True
-            else:
-                full = False
-                self._seq += 1
-                conn = _Conn(sock, self._seq, _peer_pid(sock))
-                self._conns[conn.seq] = conn
-                self._counters["connections"] += 1
-        if full:
-            logger.warning("refusing a connection: %d clients connected (--max-connections)",
-                           self.config.max_connections)
-            self._reply_and_close(sock, P.Error(int(ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS),
-                                                "server at --max-connections"))
-            return
+            # Strangers are capped on their own and the oldest makes way, so idle connections
+            # that never say Hello cannot keep clients out; max_connections counts handshakes.
+            if len(self._strangers) >= self.config.max_handshakes:
+                evict = self._strangers.pop(next(iter(self._strangers)))
+                evict.evicted = True
+                self._counters["evicted_handshakes"] += 1
+            self._seq += 1
+            conn = _Conn(sock, self._seq, _peer_pid(sock))
+            self._conns[conn.seq] = conn
+            self._strangers[conn.seq] = conn
+            self._counters["connections"] += 1
+        if evict is not None:
+            self._evict(evict)
         t = threading.Thread(target=self._serve_conn, args=(conn,), name=f"kvpool-conn-{conn.seq}", daemon=True)
         with self._state:
             self._threads.add(t)
@@ -282,6 +308,20 @@ class Server:
             f"permission denied: this kvpool server serves {peers.domain(self.config.allowed_gid)}, "
             f"not {who}; start your own server, or ask its owner for --allowed_gid group sharing")))
         return False
+
+    def _evict(self, conn: _Conn) -> None:
+        """Tell a connection still without a handshake why it goes, and wake its thread to close it."""
+        msg = P.Error(int(ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS),
+                      f"closed before its Hello: {self.config.max_handshakes} connections were waiting "
+                      f"to say Hello (--max_handshakes); connect and say Hello at once")
+        try:  # from the accept thread: never block on a peer that does not read
+            conn.sock.send(P.encode_frame(msg), socket.MSG_DONTWAIT)
+        except OSError:
+            pass
+        try:
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def _shutdown(self) -> None:
         logger.info("shutting down: closing %d connection(s), flushing the offload queue", len(self._conns))
@@ -338,7 +378,15 @@ class Server:
         try:
             reason = self._conn_loop(conn)
         except (TimeoutError, socket.timeout):
-            reason = "timed out" if conn.client_id else f"said nothing for {self.config.hello_timeout_s}s"
+            if conn.client_id:
+                reason = "timed out"
+            else:
+                reason = f"no Hello within {self.config.hello_timeout_s}s"
+                with self._state:
+                    self._counters["handshake_timeouts"] += 1
+                self._reply_and_close(conn.sock, P.Error(
+                    int(ErrorCode.RPC_TIMEOUT), f"no complete Hello within --hello_timeout="
+                    f"{self.config.hello_timeout_s}s of connecting"))
         except P.FrameError as exc:
             self._protocol_error()
             reason = f"bad frame: {exc}"
@@ -353,11 +401,15 @@ class Server:
 
     def _conn_loop(self, conn: _Conn) -> str:
         sock = conn.sock
-        sock.settimeout(self.config.hello_timeout_s)
+        # One deadline for the whole handshake, from accept: bytes trickling in do not extend it.
+        hello_deadline = conn.accepted_at + self.config.hello_timeout_s
         while not self._stopping.is_set():
-            body = P.recv_frame(sock, P.MAX_REQUEST_FRAME)
+            if conn.client_id:
+                body = P.recv_frame(sock, P.MAX_REQUEST_FRAME)
+            else:
+                body = P.recv_frame(sock, P.MAX_HELLO_FRAME, deadline=hello_deadline)
             if body is None:
-                return "closed by client"
+                return "evicted before its Hello" if conn.evicted else "closed by client"
             try:
                 request = P.request_decoder.decode(body)
             except msgspec.DecodeError as exc:
@@ -373,9 +425,11 @@ class Server:
                     self._protocol_error()
                     P.send_frame(sock, P.Error(int(ErrorCode.INVALID_PARAMS), "expected Hello first"))
                     return "no handshake"
-                P.send_frame(sock, self._hello(conn, request))
+                reply = self._hello(conn, request)
+                P.send_frame(sock, reply)
                 if not conn.client_id:
-                    return "handshake refused"
+                    return f"handshake refused: {reply.message}" if isinstance(reply, P.Error) \
+                        else "handshake refused"
                 sock.settimeout(self.config.idle_timeout_s)
                 continue
             P.send_frame(sock, self._dispatch(conn, request))
@@ -387,19 +441,50 @@ class Server:
             return P.Error(int(ErrorCode.INVALID_PARAMS),
                            f"protocol version {hello.version} unsupported; server speaks {P.PROTOCOL_VERSION}")
         pid = conn.peer_pid or hello.pid
-        conn.name = hello.client_name or "client"
-        conn.client_id = f"{conn.name}:{pid}:{conn.seq}"
-        self.engine.ping(conn.client_id)
-        logger.info("client connected: %s (pid %d, %d connected)", conn.client_id, pid, len(self._conns))
         cfg = self.config
+        with self._state:
+            if conn.evicted:
+                return P.Error(int(ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS), "closed before its Hello")
+            refusal = ""
+            if self._handshaken >= cfg.max_connections:
+                refusal = (f"server at --max_connections={cfg.max_connections} connected clients; "
+                           f"retry later or raise it")
+            elif self._per_pid.get(pid, 0) >= cfg.max_connections_per_client:
+                refusal = (f"process {pid} already has --max_connections_per_client="
+                           f"{cfg.max_connections_per_client} connections; close some or raise it")
+            self._strangers.pop(conn.seq, None)
+            if refusal:
+                self._counters["refused_connections"] += 1
+            else:
+                conn.name = hello.client_name or "client"
+                conn.client_id = f"{conn.name}:{pid}:{conn.seq}"
+                conn.owner_pid = pid
+                self._per_pid[pid] = self._per_pid.get(pid, 0) + 1
+                self._handshaken += 1
+            connected = self._handshaken
+        if refusal:
+            logger.warning("refusing a client (pid %d): %s", pid, refusal)
+            return P.Error(int(ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS), refusal)
+        # Quotas are per client process, not per connection: opening more connections buys none.
+        self.engine.bind_client(conn.client_id, f"pid:{pid}")
+        self.engine.ping(conn.client_id)
+        logger.info("client connected: %s (pid %d, %d connected)", conn.client_id, pid, connected)
         return P.HelloReply(conn.client_id, self.arena.name, cfg.memory_size, cfg.default_kv_lease_ttl_ms,
                             cfg.client_ttl_s, os.getpid())
 
     def _close_conn(self, conn: _Conn, reason: str) -> None:
         with self._state:
             self._conns.pop(conn.seq, None)
+            self._strangers.pop(conn.seq, None)
             self._threads.discard(threading.current_thread())
-            left = len(self._conns)
+            if conn.client_id:
+                self._handshaken -= 1
+                left_pid = self._per_pid.get(conn.owner_pid, 1) - 1
+                if left_pid > 0:
+                    self._per_pid[conn.owner_pid] = left_pid
+                else:
+                    self._per_pid.pop(conn.owner_pid, None)
+            left = self._handshaken
         try:
             conn.sock.close()
         except OSError:
@@ -454,6 +539,7 @@ class Server:
                     codes.append(int(result))
                     handles.append(0)
                     offsets.append(0)
+            self._note_refusals(conn, codes)
             return P.Allocated(codes, handles, offsets)
         if isinstance(req, (P.Commit, P.Abort)):
             sums = req.checksums if isinstance(req, P.Commit) else []
@@ -518,7 +604,26 @@ class Server:
                 conn.leases[result.lease_id] = result
                 rows.append((0, result.lease_id, result.offset, result.size, None, result.checksum))
         codes, lease_ids, offsets, sizes, data, sums = (list(col) for col in zip(*rows)) if rows else ([],) * 6
+        self._note_refusals(conn, codes)
         return P.Acquired(codes, lease_ids, offsets, sizes, data, sums)
+
+    def _note_refusals(self, conn: _Conn, codes: list[int]) -> None:
+        """Say once per connection why its leases or allocations are being refused by quota."""
+        if conn.warned_quota or int(ErrorCode.NO_AVAILABLE_HANDLE) not in codes:
+            return
+        assert self.engine is not None
+        held, holds = self.engine.holding(f"pid:{conn.owner_pid}")
+        cfg = self.config
+        share = int(cfg.client_pool_share * cfg.memory_size)
+        if held + (1 << 20) < share and (not cfg.client_max_leases or holds < cfg.client_max_leases):
+            return  # the pool itself is full, not this client's quota
+        conn.warned_quota = True
+        logger.warning(
+            "client %s (pid %d) is at its quota: it holds %d bytes in %d leases/allocations "
+            "(--client_pool_share=%s: %d bytes, --client_max_leases=%d); allocations past them are "
+            "refused with NO_AVAILABLE_HANDLE until it commits or aborts, and leases past the share "
+            "are granted without pinning",
+            conn.client_id, conn.owner_pid, held, holds, cfg.client_pool_share, share, cfg.client_max_leases)
 
     # ---- introspection --------------------------------------------------------------------------
 
@@ -528,7 +633,8 @@ class Server:
         out: dict[str, Any] = dict(self.engine.stats())
         with self._state:
             out.update(self._counters)
-            out["connected_clients"] = sum(1 for c in self._conns.values() if c.client_id)
+            out["connected_clients"] = self._handshaken
+            out["pending_handshakes"] = len(self._strangers)
         out.update(
             uptime_s=round(time.monotonic() - self._started, 3),
             server_pid=os.getpid(),
@@ -541,12 +647,17 @@ class Server:
         return out
 
     def client_list(self) -> list[dict[str, Any]]:
+        """Handshaken connections; ``held_bytes``/``holds`` are their process's quota usage."""
+        assert self.engine is not None
         with self._state:
-            return [
-                {"client_id": c.client_id, "name": c.name, "pid": c.peer_pid, "connected_at": c.connected_at,
-                 "requests": c.requests}
-                for c in self._conns.values() if c.client_id
-            ]
+            conns = [c for c in self._conns.values() if c.client_id]
+        out = []
+        for c in conns:
+            held, holds = self.engine.holding(f"pid:{c.owner_pid}")
+            out.append({"client_id": c.client_id, "name": c.name, "pid": c.peer_pid,
+                        "connected_at": c.connected_at, "requests": c.requests,
+                        "held_bytes": held, "holds": holds})
+        return out
 
 
 # ---- command line -----------------------------------------------------------------------------

@@ -20,7 +20,8 @@ COUNTERS = frozenset({
     "puts", "gets", "hits", "disk_hits", "misses", "evictions", "promotions",
     "allocation_failures", "lease_expired", "disk_write_errors", "reclaimed_allocations",
     "reaped_clients", "disk_evictions", "checksum_failures", "lookup_keys", "lookup_hits",
-    "connections", "protocol_errors", "corrupt_objects", "refused_peers",
+    "connections", "protocol_errors", "corrupt_objects", "refused_peers", "quota_refusals", "unpinned_leases",
+    "hold_limit_hits", "lease_ops", "refused_connections", "evicted_handshakes", "handshake_timeouts",
 })
 
 HELP = {
@@ -38,6 +39,13 @@ HELP = {
     "lookup_keys": "Keys asked about by exists lookups",
     "lookup_hits": "Keys found by exists lookups",
     "refused_peers": "Connections refused because the peer's uid/gid is outside the pool's trust domain",
+    "quota_refusals": "Leases and allocations refused because a client process was at its quota",
+    "unpinned_leases": "Leases granted without pinning: past the client's pool share or hold time",
+    "hold_limit_hits": "Objects a client process pinned for client_max_hold_s, then had to let go",
+    "lease_ops": "Steps of lease bookkeeping (adds, drops, expiry-heap pops)",
+    "refused_connections": "Handshakes refused at max_connections or max_connections_per_client",
+    "evicted_handshakes": "Connections closed before their Hello to admit newer ones (max_handshakes)",
+    "pending_handshakes": "Connections that have not said Hello yet",
 }
 
 

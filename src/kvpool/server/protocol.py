@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from typing import Annotated, Union
 
 import msgspec
@@ -27,6 +28,9 @@ PROTOCOL_VERSION = 1
 HEADER = struct.Struct("!I")
 # Requests carry keys and numbers only; 16 MiB holds a batch of MAX_BATCH maximal keys.
 MAX_REQUEST_FRAME = 16 << 20
+# Before its Hello a peer is unknown: its frame is a Hello (a name of at most MAX_NAME characters
+# and two ints), so a few KiB is plenty and an idle stranger costs no more than that.
+MAX_HELLO_FRAME = 4096
 # Replies may carry disk-served payloads inline (bounded by MAX_INLINE_BYTES) plus metadata.
 MAX_REPLY_FRAME = 1 << 30
 MAX_INLINE_BYTES = 256 << 20
@@ -192,12 +196,22 @@ def send_frame(sock: socket.socket, message: Message) -> None:
     sock.sendall(encode_frame(message))
 
 
-def _recv_exact(sock: socket.socket, n: int, first: bool = False) -> bytearray | None:
-    """Read exactly n bytes. None on a clean EOF before the first byte of a frame."""
+def _recv_exact(sock: socket.socket, n: int, first: bool = False,
+                deadline: float | None = None) -> bytearray | None:
+    """Read exactly n bytes. None on a clean EOF before the first byte of a frame.
+
+    With ``deadline`` (time.monotonic()), the whole read must finish by then: a peer
+    trickling one byte at a time cannot stretch a per-recv timeout.
+    """
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"frame not complete by its deadline ({got} of {n} bytes)")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:])
         if k == 0:
             if first and got == 0:
@@ -207,16 +221,16 @@ def _recv_exact(sock: socket.socket, n: int, first: bool = False) -> bytearray |
     return buf
 
 
-def recv_frame(sock: socket.socket, max_size: int) -> bytearray | None:
+def recv_frame(sock: socket.socket, max_size: int, deadline: float | None = None) -> bytearray | None:
     """The body of the next frame, or None if the peer closed between frames.
 
     Raises FrameError for a length over ``max_size`` or a truncated frame; socket timeouts and
-    OSErrors propagate.
+    OSErrors propagate. ``deadline`` (time.monotonic()) bounds the whole frame, not each recv.
     """
-    header = _recv_exact(sock, HEADER.size, first=True)
+    header = _recv_exact(sock, HEADER.size, first=True, deadline=deadline)
     if header is None:
         return None
     (length,) = HEADER.unpack(header)
     if length > max_size:
         raise FrameError(f"frame of {length} bytes exceeds the limit of {max_size}")
-    return _recv_exact(sock, length)
+    return _recv_exact(sock, length, deadline=deadline)

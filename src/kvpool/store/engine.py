@@ -18,7 +18,19 @@ sequences):
   generation), is reported LEASE_EXPIRED by ``validate`` rather than trusted;
 * with a disk tier, an object evicted from memory is already on disk or is
   spilled there (readers find it in the spill buffer meanwhile), so eviction
-  moves data down a tier instead of losing it (unless the disk refuses it).
+  moves data down a tier instead of losing it (unless the disk refuses it);
+* fair sharing (when configured): one owner (a client process; see
+  ``bind_client``) never pins more than ``client_pool_share`` of the capacity
+  in leased objects plus uncommitted allocations, never holds more than
+  ``client_max_leases`` leases and allocations, and never pins one object for
+  more than ``client_max_hold_s`` plus two lease TTLs. Past its share or hold
+  time its leases are still granted and still verified, but do not pin: a
+  lone client reads as before, and an object someone else needs room for can
+  be evicted under it (its read then reports LEASE_EXPIRED, never wrong bytes).
+
+Lease bookkeeping is O(log n) per lease: an expiry heap prunes expired leases,
+and per-client and per-(owner, object) indexes make dropping a client's leases
+and checking its quota independent of how many leases other clients hold.
 
 Concurrency: one ``threading.Lock`` guards all metadata. Bulk byte copies and
 disk I/O happen outside it; leases/pins/pending allocations are what keep the
@@ -30,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 import itertools
 import logging
 import math
@@ -69,6 +82,9 @@ _STAT_NAMES = (
     "reclaimed_allocations",
     "reaped_clients",
     "corrupt_objects",  # arena bytes that no longer matched their writer's checksum: never spilled
+    "quota_refusals",
+    "unpinned_leases",
+    "hold_limit_hits",
 )
 
 
@@ -81,6 +97,17 @@ class EngineConfig:
     the disk tier only receives objects at eviction (spill) time.
     ``reap_interval_s``: how often a background thread calls ``reap``; 0 turns
     the thread off (tests with an injected clock call ``reap`` themselves).
+
+    Fair sharing between clients (``kvpool server`` sets these; the defaults
+    turn them off for the single-client ``local`` backend), per owner:
+    ``client_pool_share`` caps the bytes of pinned (leased) objects plus
+    uncommitted allocations as a fraction of the capacity (1.0: no cap; leases
+    past it are granted without pinning, allocations refused);
+    ``client_max_leases`` caps the number of leases plus allocations (0: none);
+    ``client_max_hold_s`` caps how long one object may stay continuously leased
+    (0: no cap). ``object_overhead_bytes`` is charged to the memory budget per
+    object on top of its key's UTF-8 bytes, so metadata is not free;
+    ``max_key_bytes`` bounds a stored key.
     """
 
     memory_size: int
@@ -94,6 +121,11 @@ class EngineConfig:
     alignment: int = 64
     reap_interval_s: float = 1.0
     disk_queue_size: int = 1024
+    client_pool_share: float = 1.0
+    client_max_leases: int = 0
+    client_max_hold_s: float = 0.0
+    object_overhead_bytes: int = 0
+    max_key_bytes: int = 4096
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid field, its value and what is expected."""
@@ -119,6 +151,17 @@ class EngineConfig:
         positive("client_ttl", self.client_ttl_s, (int, float), "positive seconds, e.g. 10")
         positive("put_timeout_s", self.put_timeout_s, (int, float), "positive seconds, e.g. 30")
         positive("disk_queue_size", self.disk_queue_size, int, "a positive int, e.g. 1024")
+        positive("max_key_bytes", self.max_key_bytes, int, "a positive int of bytes, e.g. 4096")
+        share = self.client_pool_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ConfigError(key="client_pool_share", value=share, expected="a ratio in (0, 1], e.g. 0.5")
+        for name in ("client_max_leases", "object_overhead_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(key=name, value=value, expected="an int >= 0 (0: off)")
+        hold = self.client_max_hold_s
+        if isinstance(hold, bool) or not isinstance(hold, (int, float)) or hold < 0:
+            raise ConfigError(key="client_max_hold_s", value=hold, expected="seconds >= 0 (0: no cap)")
         if isinstance(self.reap_interval_s, bool) or not isinstance(self.reap_interval_s, (int, float)) \
                 or self.reap_interval_s < 0:
             raise ConfigError(
@@ -182,6 +225,7 @@ class _Object:
     leases: dict[int, tuple[str, float]] = field(default_factory=dict)
     pins: int = 0  # the disk writer's internal leases; they never expire
     on_disk: bool = False
+    pinning: int = 0  # leases in ``leases`` that keep it from eviction (the rest only verify)
     # client id -> its lookup lease id in ``leases``. A repeated lookup extends that lease
     # instead of adding one: a hot prefix looked up many times per TTL would otherwise pile up
     # thousands of never-released leases per object, each scanned by later lookups and reaps.
@@ -198,6 +242,26 @@ class _Pending:
     client_id: str
     created_at: float
     generation: int
+    charge: int = 0  # bytes counted against its owner's share (0 for internal promotions)
+    owner: str = ""
+
+
+@dataclass
+class _Hold:
+    """One owner's leases on one object: counted once against its share however many there are."""
+
+    count: int
+    charge: int
+    since: float  # when this continuous hold began (for client_max_hold_s)
+    cooldown_until: float = 0.0  # after hitting the hold limit: no new lease before this
+
+
+@dataclass
+class _Owner:
+    """What one owner (client process) holds, for the fair-sharing quotas."""
+
+    charge: int = 0  # bytes: leased objects (once each) + uncommitted allocations
+    holds: int = 0  # leases + uncommitted allocations
 
 
 
@@ -255,6 +319,21 @@ class PoolEngine:
         self._handles = itertools.count(1)
         self._generations = itertools.count(1)
         self._lease_ids = itertools.count(1)
+        # lease id -> (object, client id, owner, whether it pins the object): O(1) release and
+        # per-client drops, whatever else the object is leased by.
+        self._lease_index: dict[int, tuple[_Object, str, str, bool]] = {}
+        # (expires_at, lease id); entries of released or extended leases are skipped lazily.
+        self._expiry: list[tuple[float, int]] = []
+        self._client_lease_ids: dict[str, set[int]] = {}
+        self._owner_of: dict[str, str] = {}
+        self._owners: dict[str, _Owner] = {}
+        self._holds: dict[tuple[str, str], _Hold] = {}  # (owner, key) -> hold
+        self._cooling: set[tuple[str, str]] = set()  # holds with count 0 kept for their cooldown
+        self._warned_hold: set[str] = set()
+        self._share_bytes = int(config.client_pool_share * self._alloc.capacity)
+        self._quotas_on = (config.client_pool_share < 1 or config.client_max_leases > 0
+                           or config.client_max_hold_s > 0)
+        self._lease_ops = 0  # lease-structure steps (adds, heap pops, drops), a complexity probe
         self._stats = dict.fromkeys(_STAT_NAMES, 0)
         self._closed = False
 
@@ -293,16 +372,19 @@ class PoolEngine:
 
         OBJECT_ALREADY_EXISTS when ``key`` is committed in memory or being written
         (a key that is only on disk may be put again: that re-promotes it).
-        NO_AVAILABLE_HANDLE when it cannot fit even after eviction; eviction never
-        touches leased, pinned or uncommitted objects.
+        NO_AVAILABLE_HANDLE when it cannot fit even after eviction (eviction never
+        touches leased, pinned or uncommitted objects) or when the client's owner
+        would go over its pool share or hold count (``quota_refusals`` counts those).
+        INVALID_KEY for a key that is empty or longer than max_key_bytes in UTF-8.
         """
-        if not isinstance(key, str) or not key:
+        if not self._storable_key(key):
             return ErrorCode.INVALID_KEY
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             return ErrorCode.INVALID_PARAMS
         now = self._clock()
         with self._lock:
             self._touch_client(client_id, now)
+            self._prune_locked(now)
             result, spills = self._allocate_locked(client_id, key, size, now)
         self._write_spills(spills)
         return result
@@ -327,17 +409,17 @@ class PoolEngine:
                 )
                 return ErrorCode.OBJECT_NOT_FOUND
             self._touch_client(pending.client_id, now)
+            self._uncharge_pending_locked(pending)
             self._commit_locked(pending).checksum = checksum
             return ErrorCode.OK
 
     def abort(self, handle: int) -> ErrorCode:
         """Give back an allocation without publishing it (OBJECT_NOT_FOUND if the handle is unknown)."""
         with self._lock:
-            pending = self._pending.pop(handle, None)
+            pending = self._pending.get(handle)
             if pending is None:
                 return ErrorCode.OBJECT_NOT_FOUND
-            del self._pending_keys[pending.key]
-            self._alloc.free(pending.offset)
+            self._reclaim_locked(pending)
             return ErrorCode.OK
 
     # ---- reads ------------------------------------------------------------------
@@ -350,14 +432,19 @@ class PoolEngine:
         evicting colder objects) and no put of ``key`` is pending, else returned
         in ``Lease.data``.
         OBJECT_NOT_FOUND when absent everywhere, CHECKSUM_MISMATCH when the disk
-        copy is corrupt (the disk tier deletes it).
+        copy is corrupt (the disk tier deletes it). NO_AVAILABLE_HANDLE when the
+        client's owner holds client_max_leases leases and allocations already.
+        Past its pool share or hold time the lease is granted without pinning.
         """
         if not isinstance(key, str) or not key:
             return ErrorCode.INVALID_KEY
         now = self._clock()
         with self._lock:
             self._touch_client(client_id, now)
+            self._prune_locked(now)
             lease = self._lease_locked(client_id, key, now)
+            if isinstance(lease, ErrorCode):
+                return lease
             if lease is not None:
                 self._stats["hits"] += 1
                 return lease
@@ -400,13 +487,17 @@ class PoolEngine:
 
         ``lease=True`` grants each in-memory hit a lookup lease of
         default_kv_lease_ttl_ms so it is not evicted before the reader comes
-        (disk-only hits need none: nothing evicts them from memory).
+        (disk-only hits need none: nothing evicts them from memory). A lookup lease
+        refused by the fair-sharing quotas still reports the key as found: it is
+        only unprotected.
         """
         now = self._clock()
         found: list[bool] = []
         with self._lock:
             if client_id:
                 self._touch_client(client_id, now)
+            if lease:
+                self._prune_locked(now)
             for key in keys:
                 obj = self._objects.get(key)
                 if obj is not None:
@@ -489,15 +580,20 @@ class PoolEngine:
             wanted.append(i)
         leases: dict[int, Lease] = {}
         now = self._clock()
+        refused: set[int] = set()
         with self._lock:
             self._touch_client(client_id, now)
+            self._prune_locked(now)
             for i in wanted:
                 lease = self._lease_locked(client_id, keys[i], now)
-                if lease is not None:
+                if isinstance(lease, ErrorCode):
+                    codes[i] = lease
+                    refused.add(i)
+                elif lease is not None:
                     self._stats["hits"] += 1
                     leases[i] = lease
         for i in wanted:  # not in memory: the spill buffer or the disk tier, one key at a time
-            if i not in leases:
+            if i not in leases and i not in refused:
                 got = self.acquire(client_id, keys[i])
                 if isinstance(got, ErrorCode):
                     codes[i] = got
@@ -554,6 +650,7 @@ class PoolEngine:
         now = self._clock()
         found = False
         with self._lock:
+            self._prune_locked(now)
             while True:
                 obj = self._objects.get(key)
                 if obj is None:
@@ -594,14 +691,10 @@ class PoolEngine:
                 del self._clients[client]
                 logger.warning("client %r silent for > client_ttl_s=%ss; dropping its leases and puts",
                                client, cfg.client_ttl_s)
-            dropped_leases = 0
-            for obj in self._objects.values():
-                if not obj.leases:
-                    continue
-                stale = [lid for lid, (c, exp) in obj.leases.items() if c in dead or exp < now]
-                for lid in stale:
-                    del obj.leases[lid]
-                dropped_leases += len(stale)
+            dropped_leases = self._prune_locked(now)
+            for client in dead:
+                dropped_leases += self._drop_client_leases_locked(client)
+                self._owner_of.pop(client, None)
             reclaimed = 0
             for handle, pending in list(self._pending.items()):
                 too_old = now - pending.created_at > cfg.put_timeout_s
@@ -612,9 +705,7 @@ class PoolEngine:
                         f"not committed within put_timeout_s={cfg.put_timeout_s}" if too_old
                         else "its client stopped pinging",
                     )
-                    del self._pending[handle]
-                    del self._pending_keys[pending.key]
-                    self._alloc.free(pending.offset)
+                    self._reclaim_locked(pending)
                     reclaimed += 1
             self._stats["reclaimed_allocations"] += reclaimed
             self._stats["reaped_clients"] += len(dead)
@@ -629,21 +720,28 @@ class PoolEngine:
         """
         with self._lock:
             known = self._clients.pop(client_id, None) is not None
-            dropped_leases = 0
-            for obj in self._objects.values():
-                mine = [lid for lid, (c, _) in obj.leases.items() if c == client_id]
-                for lid in mine:
-                    del obj.leases[lid]
-                dropped_leases += len(mine)
+            dropped_leases = self._drop_client_leases_locked(client_id)
             reclaimed = 0
-            for handle, pending in list(self._pending.items()):
+            for pending in list(self._pending.values()):
                 if pending.client_id == client_id:
-                    del self._pending[handle]
-                    del self._pending_keys[pending.key]
-                    self._alloc.free(pending.offset)
+                    self._reclaim_locked(pending)
                     reclaimed += 1
+            self._owner_of.pop(client_id, None)
             self._stats["reclaimed_allocations"] += reclaimed
         return ReapReport(clients=int(known), leases=dropped_leases, allocations=reclaimed)
+
+    def bind_client(self, client_id: str, owner: str) -> None:
+        """Count ``client_id``'s leases and allocations against ``owner`` (e.g. its process), so a
+        client with several connections shares one quota. Unbound clients are their own owner."""
+        with self._lock:
+            self._owner_of[client_id] = owner
+
+    def holding(self, owner: str) -> tuple[int, int]:
+        """(bytes, count) that ``owner`` holds in leased objects and uncommitted allocations."""
+        with self._lock:
+            self._prune_locked(self._clock())
+            usage = self._owners.get(owner)
+            return (usage.charge, usage.holds) if usage else (0, 0)
 
     def stats(self) -> dict[str, int | float]:
         """Counters and gauges for /stats and /metrics."""
@@ -657,6 +755,8 @@ class PoolEngine:
                 pending_allocations=len(self._pending),
                 spilling=len(self._spill),
                 clients=len(self._clients),
+                leases=len(self._lease_index),
+                lease_ops=self._lease_ops,
             )
         disk = self._disk
         out.update(
@@ -706,33 +806,169 @@ class PoolEngine:
             self._clients[client_id] = now
 
     def _is_leased(self, obj: _Object, now: float) -> bool:
-        return any(exp >= now for _, exp in obj.leases.values())
+        # Exact once _prune_locked(now) ran: every lease left has expires_at >= now.
+        return obj.pinning > 0
 
     def _is_held(self, obj: _Object, now: float) -> bool:
         """Not evictable: leased by a reader or pinned by the disk writer."""
         return obj.pins > 0 or self._is_leased(obj, now)
 
-    def _add_lease_locked(self, obj: _Object, client_id: str, now: float) -> tuple[int, float]:
-        if len(obj.leases) >= 16:
-            # Lookup leases are never released explicitly; prune here so a hot key's
-            # dict does not grow between reaps.
-            for lid in [lid for lid, (_, exp) in obj.leases.items() if exp < now]:
-                del obj.leases[lid]
+    def _owner(self, client_id: str) -> str:
+        """Whom a client's holdings count against; "" (no accounting) when quotas are off or for
+        the engine's own internal calls."""
+        if not self._quotas_on:
+            return ""
+        return self._owner_of.get(client_id, client_id)
+
+    def _prune_locked(self, now: float) -> int:
+        """Drop leases that expired before ``now``; O(log n) per expired lease. Returns how many."""
+        heap = self._expiry
+        dropped = 0
+        while heap and heap[0][0] < now:
+            _, lease_id = heapq.heappop(heap)
+            self._lease_ops += 1
+            entry = self._lease_index.get(lease_id)
+            if entry is None:
+                continue  # released, or dropped with its client or object
+            expires_at = entry[0].leases[lease_id][1]
+            if expires_at >= now:  # an extended lookup lease: one entry per lease, re-filed
+                heapq.heappush(heap, (expires_at, lease_id))
+                continue
+            self._drop_lease_locked(lease_id)
+            dropped += 1
+        if len(heap) > 2 * len(self._lease_index) + 1024:
+            # Released leases leave their entries behind; rebuild so the heap stays O(live leases).
+            self._expiry = [(e[0].leases[lid][1], lid) for lid, e in self._lease_index.items()]
+            heapq.heapify(self._expiry)
+            self._lease_ops += len(self._expiry)
+        if self._cooling:
+            for hold_key in [h for h in self._cooling if self._holds[h].cooldown_until < now]:
+                self._cooling.discard(hold_key)
+                del self._holds[hold_key]
+        return dropped
+
+    def _drop_lease_locked(self, lease_id: int) -> None:
+        entry = self._lease_index.pop(lease_id, None)
+        if entry is None:
+            return
+        obj, client_id, owner, pins = entry
+        self._lease_ops += 1
+        del obj.leases[lease_id]
+        if pins:
+            obj.pinning -= 1
+        if obj.lookup_leases.get(client_id) == lease_id:
+            del obj.lookup_leases[client_id]
+        ids = self._client_lease_ids.get(client_id)
+        if ids is not None:
+            ids.discard(lease_id)
+            if not ids:
+                del self._client_lease_ids[client_id]
+        if not owner:
+            return
+        usage = self._owners[owner]
+        usage.holds -= 1
+        if pins:
+            hold = self._holds[(owner, obj.key)]
+            hold.count -= 1
+            if hold.count == 0:
+                usage.charge -= hold.charge
+                if hold.cooldown_until:
+                    self._cooling.add((owner, obj.key))
+                else:
+                    del self._holds[(owner, obj.key)]
+        if not usage.holds and not usage.charge:
+            del self._owners[owner]
+            self._warned_hold.discard(owner)
+
+    def _drop_client_leases_locked(self, client_id: str) -> int:
+        ids = self._client_lease_ids.get(client_id)
+        if not ids:
+            return 0
+        mine = list(ids)
+        for lease_id in mine:
+            self._drop_lease_locked(lease_id)
+        return len(mine)
+
+    def _may_pin_locked(self, owner: str, obj: _Object, now: float) -> bool:
+        """Whether one more lease of ``owner`` on ``obj`` may pin it: within its pool share, and
+        not past client_max_hold_s of continuous pinning (nor in the cooldown after that)."""
+        hold = self._holds.get((owner, obj.key))
+        if hold is not None and hold.cooldown_until >= now:
+            return False
+        cfg = self.config
+        if hold is not None and hold.count:
+            if cfg.client_max_hold_s and now - hold.since >= cfg.client_max_hold_s:
+                # Its pins lapse within one TTL (no renewal); after that the object stays
+                # unpinned by this owner for another TTL, so eviction can reach it.
+                hold.cooldown_until = now + 2 * self._ttl_s
+                self._stats["hold_limit_hits"] += 1
+                if owner not in self._warned_hold:  # once per owner: an attacker may hold many keys
+                    self._warned_hold.add(owner)
+                    logger.warning("client %r pinned key=%r for %.1fs (client_max_hold_s=%s); its leases on it "
+                                   "(and any other past the limit) stop pinning for %.1fs", owner, obj.key,
+                                   now - hold.since, cfg.client_max_hold_s, 2 * self._ttl_s)
+                return False
+            return True  # the object is charged once, however many leases pin it
+        usage = self._owners.get(owner)
+        return (usage.charge if usage else 0) + self._object_charge(obj) <= self._share_bytes
+
+    def _object_charge(self, obj: _Object) -> int:
+        return self._alloc.size_of(obj.offset) or self._alloc.reserved_size(obj.size)
+
+    def _add_lease_locked(self, obj: _Object, client_id: str, now: float,
+                          lookup: bool = False) -> tuple[int, float] | ErrorCode:
+        """A new lease; NO_AVAILABLE_HANDLE when the owner holds client_max_leases already. A
+        lookup lease that could not pin would protect nothing, so it is not made (also
+        NO_AVAILABLE_HANDLE)."""
+        owner = self._owner(client_id)
+        pins = True
+        if owner:
+            usage = self._owners.get(owner)
+            if self.config.client_max_leases and usage is not None and usage.holds >= self.config.client_max_leases:
+                self._stats["quota_refusals"] += 1
+                return ErrorCode.NO_AVAILABLE_HANDLE
+            pins = self._may_pin_locked(owner, obj, now)
+            if not pins:
+                self._stats["unpinned_leases"] += 1
+                if lookup:
+                    return ErrorCode.NO_AVAILABLE_HANDLE
         lease_id = next(self._lease_ids)
         expires_at = now + self._ttl_s
         obj.leases[lease_id] = (client_id, expires_at)
+        if pins:
+            obj.pinning += 1
+        self._lease_index[lease_id] = (obj, client_id, owner, pins)
+        self._client_lease_ids.setdefault(client_id, set()).add(lease_id)
+        heapq.heappush(self._expiry, (expires_at, lease_id))
+        self._lease_ops += 1
+        if owner:
+            usage = self._owners.setdefault(owner, _Owner())
+            usage.holds += 1
+            if pins:
+                hold = self._holds.get((owner, obj.key))
+                if hold is None:
+                    hold = self._holds[(owner, obj.key)] = _Hold(0, 0, now)
+                if hold.count == 0:  # a new continuous hold: charge the object once
+                    self._cooling.discard((owner, obj.key))
+                    hold.charge = self._object_charge(obj)
+                    hold.since = now
+                    hold.cooldown_until = 0.0
+                    usage.charge += hold.charge
+                hold.count += 1
         return lease_id, expires_at
 
     def _lookup_lease_locked(self, obj: _Object, client_id: str, now: float) -> None:
         lease_id = obj.lookup_leases.get(client_id)
         if lease_id is not None and lease_id in obj.leases:
             # Lookup lease ids are never handed out, so moving the expiry later is invisible
-            # to everyone but the evictor.
-            obj.leases[lease_id] = (client_id, now + self._ttl_s)
+            # to everyone but the evictor. The heap entry is re-filed when it comes up.
+            owner = self._owner(client_id)
+            if not owner or self._may_pin_locked(owner, obj, now):
+                obj.leases[lease_id] = (client_id, now + self._ttl_s)
             return
-        if len(obj.lookup_leases) >= 16:  # forget entries whose lease expired or was reaped
-            obj.lookup_leases = {c: lid for c, lid in obj.lookup_leases.items() if lid in obj.leases}
-        obj.lookup_leases[client_id], _ = self._add_lease_locked(obj, client_id, now)
+        added = self._add_lease_locked(obj, client_id, now, lookup=True)
+        if not isinstance(added, ErrorCode):
+            obj.lookup_leases[client_id] = added[0]
 
     def _validate_locked(self, lease: Lease, now: float) -> ErrorCode:
         if now > lease.expires_at:
@@ -748,25 +984,71 @@ class PoolEngine:
     def _release_locked(self, lease: Lease) -> None:
         if not lease.lease_id:
             return
-        obj = self._objects.get(lease.key)
-        if obj is not None and obj.generation == lease.generation:
-            obj.leases.pop(lease.lease_id, None)
+        entry = self._lease_index.get(lease.lease_id)
+        if entry is not None and entry[0].generation == lease.generation:
+            self._drop_lease_locked(lease.lease_id)
 
-    def _lease_locked(self, client_id: str, key: str, now: float) -> Lease | None:
+    def _lease_locked(self, client_id: str, key: str, now: float) -> Lease | ErrorCode | None:
+        """A lease on the in-memory object ``key``; None when not in memory, an ErrorCode when refused."""
         obj = self._objects.get(key)
         if obj is None:
             return None
-        lease_id, expires_at = self._add_lease_locked(obj, client_id, now)
+        added = self._add_lease_locked(obj, client_id, now)
+        if isinstance(added, ErrorCode):
+            return added
+        lease_id, expires_at = added
         self._lru.move_to_end(key)
         return Lease(key, obj.offset, obj.size, obj.generation, expires_at, lease_id, checksum=obj.checksum)
+
+    def _storable_key(self, key: object) -> bool:
+        if not isinstance(key, str) or not key:
+            return False
+        limit = self.config.max_key_bytes
+        # A str has at most 4 UTF-8 bytes per character: encode only keys that could be too long.
+        return len(key) * 4 <= limit or len(key.encode("utf-8", "surrogatepass")) <= limit
+
+    def _meta_charge(self, key: str) -> int:
+        """Budget bytes for an object's metadata: its key and index entries live in the heap."""
+        overhead = self.config.object_overhead_bytes
+        return overhead + len(key.encode("utf-8", "surrogatepass")) if overhead else 0
+
+    def _reclaim_locked(self, pending: _Pending) -> None:
+        """Free an uncommitted allocation (aborted, timed out, or its client gone)."""
+        del self._pending[pending.handle]
+        del self._pending_keys[pending.key]
+        self._alloc.free(pending.offset)
+        self._uncharge_pending_locked(pending)
+
+    def _uncharge_pending_locked(self, pending: _Pending) -> None:
+        if not pending.owner:
+            return
+        owner, pending.owner = pending.owner, ""
+        usage = self._owners[owner]
+        usage.charge -= pending.charge
+        usage.holds -= 1
+        if not usage.holds and not usage.charge:
+            del self._owners[owner]
+            self._warned_hold.discard(owner)
 
     def _allocate_locked(
         self, client_id: str, key: str, size: int, now: float
     ) -> tuple[Allocation | ErrorCode, list[tuple[str, bytes]]]:
         if key in self._objects or key in self._pending_keys:
             return ErrorCode.OBJECT_ALREADY_EXISTS, []
-        spills = self._make_room_locked(size, now)
-        offset = self._alloc.allocate(size)
+        total = size + self._meta_charge(key)
+        owner = self._owner(client_id)
+        charge = self._alloc.reserved_size(total)
+        if owner:
+            usage = self._owners.get(owner)
+            cfg = self.config
+            if (usage is not None and cfg.client_max_leases and usage.holds >= cfg.client_max_leases) or \
+                    (usage.charge if usage else 0) + charge > self._share_bytes:
+                self._stats["quota_refusals"] += 1
+                logger.debug("allocate(key=%r, size=%d): client %r is at its share of the pool", key, size,
+                             client_id)
+                return ErrorCode.NO_AVAILABLE_HANDLE, []
+        spills = self._make_room_locked(total, now)
+        offset = self._alloc.allocate(total)
         if offset is None:
             self._stats["allocation_failures"] += 1
             logger.debug(
@@ -776,6 +1058,11 @@ class PoolEngine:
             )
             return ErrorCode.NO_AVAILABLE_HANDLE, spills
         pending = _Pending(next(self._handles), key, offset, size, client_id, now, next(self._generations))
+        if owner:
+            pending.owner, pending.charge = owner, charge
+            usage = self._owners.setdefault(owner, _Owner())
+            usage.charge += charge
+            usage.holds += 1
         self._pending[pending.handle] = pending
         self._pending_keys[key] = pending.handle
         return Allocation(pending.handle, key, offset, size), spills
@@ -796,7 +1083,7 @@ class PoolEngine:
         if not over and self._alloc.largest_free() >= need:
             return []
         candidates = [self._objects[k] for k in self._lru if not self._is_held(self._objects[k], now)]
-        reclaimable = sum(self._alloc.reserved_size(o.size) for o in candidates)
+        reclaimable = sum(self._object_charge(o) for o in candidates)
         if self._alloc.used - reclaimable + need > self._alloc.capacity:
             return []
         target = max(1, math.ceil(self.config.eviction_ratio * len(self._lru))) if over else 0
@@ -812,6 +1099,8 @@ class PoolEngine:
 
     def _drop_locked(self, obj: _Object, spill: bool = False) -> tuple[str, bytes] | None:
         """Remove ``obj`` from memory; when spilling and it is not on disk yet, keep a copy for the disk."""
+        for lease_id in list(obj.leases):  # expired ones not pruned yet; live ones are never dropped
+            self._drop_lease_locked(lease_id)
         del self._objects[obj.key]
         del self._lru[obj.key]
         out = None
@@ -849,7 +1138,10 @@ class PoolEngine:
         now = self._clock()
         spills: list[tuple[str, bytes]] = []
         with self._lock:
+            self._prune_locked(now)
             lease = self._lease_locked(client_id, key, now)  # another reader may have promoted it
+            if isinstance(lease, ErrorCode):
+                return lease
             if lease is not None:
                 self._stats["hits"] += 1
                 return lease
@@ -868,7 +1160,10 @@ class PoolEngine:
                 self._arena[result.offset : result.offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
                 self._commit_locked(self._pending[result.handle]).checksum = checksum([data])
                 self._stats["promotions"] += 1
-                lease = self._lease_locked(client_id, key, now)
+                promoted = self._lease_locked(client_id, key, now)
+                # Over its quota, the reader still gets the verified bytes, just not an arena lease.
+                lease = promoted if isinstance(promoted, Lease) else Lease(
+                    key, -1, len(data), 0, now + self._ttl_s, 0, data)
             else:
                 lease = Lease(key, -1, len(data), 0, now + self._ttl_s, 0, data)
         self._write_spills(spills)
@@ -939,6 +1234,40 @@ class PoolEngine:
                 logger.exception("reaper: reap() failed")
 
     # ---- test/introspection hooks ----------------------------------------------
+
+    def _debug_accounting(self) -> dict[str, tuple[int, int]]:
+        """Per owner (charge, holds) recomputed from the leases and allocations themselves, after
+        checking that every index agrees with the objects' own lease tables (tests)."""
+        with self._lock:
+            owners: dict[str, list[int]] = {}
+            seen_holds: dict[tuple[str, str], int] = {}
+            for key, obj in self._objects.items():
+                pinning = 0
+                for lease_id, (client, _) in obj.leases.items():
+                    o, c, owner, pins = self._lease_index[lease_id]
+                    assert o is obj and c == client and lease_id in self._client_lease_ids[c]
+                    pinning += pins
+                    if owner:
+                        owners.setdefault(owner, [0, 0])[1] += 1
+                        if pins:
+                            seen_holds[(owner, key)] = seen_holds.get((owner, key), 0) + 1
+                assert pinning == obj.pinning, (key, pinning, obj.pinning)
+            assert sum(len(o.leases) for o in self._objects.values()) == len(self._lease_index)
+            for (owner, key), count in seen_holds.items():
+                hold = self._holds[(owner, key)]
+                assert hold.count == count
+                owners[owner][0] += hold.charge
+            for (owner, key), hold in self._holds.items():
+                assert hold.count == seen_holds.get((owner, key), 0)
+                assert hold.count or (owner, key) in self._cooling
+            for pending in self._pending.values():
+                if pending.owner:
+                    usage = owners.setdefault(pending.owner, [0, 0])
+                    usage[0] += pending.charge
+                    usage[1] += 1
+            mine = {o: (u.charge, u.holds) for o, u in self._owners.items()}
+            assert mine == {o: (c, h) for o, (c, h) in owners.items()}, (mine, owners)
+            return mine
 
     def _debug_snapshot(self) -> dict[str, Any]:
         """Consistent copy of internal state for invariant checks in tests."""

@@ -1,0 +1,273 @@
+"""Fair sharing in `kvpool server`: each attack a hostile client can mount on a shared pool, run
+against a real server, with the outcome asserted through codes and counters: other clients
+are still served, and the attacker keeps no more than its quota."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import argparse
+
+import numpy as np
+import pytest
+from srvutil import payload, payload_ok
+
+from kvpool.errors import ConfigError, ErrorCode
+from kvpool.server import daemon
+from kvpool.server import protocol as P
+from kvpool.testing.proc import wait_for
+
+OK = 0
+MiB = 1 << 20
+HOSTILE = str(Path(__file__).resolve().parent / "hostile.py")
+
+
+def spawn(*args: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, HOSTILE, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.strip() == "READY", (line, proc.stderr.read() if proc.poll() is not None else "")
+    return proc
+
+
+def finish(proc: subprocess.Popen) -> None:
+    try:
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+    except OSError:
+        pass
+    try:
+        proc.wait(1)
+    except subprocess.TimeoutExpired:  # e.g. still pinning: an attacker need not be polite
+        proc.kill()
+        proc.wait()
+
+
+def held_by(client, pid: int) -> int:
+    _, clients = client.server_stats()
+    return max([c["held_bytes"] for c in clients if c["pid"] == pid] or [0])
+
+
+def raw_connect(path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(path)
+    return s
+
+
+def read_reply(s: socket.socket) -> P.Message | None:
+    body = P.recv_frame(s, P.MAX_REPLY_FRAME)
+    return None if body is None else P.reply_decoder.decode(body)
+
+
+# ---- the settings ---------------------------------------------------------------------------
+
+
+def parse(*argv: str):
+    parser = argparse.ArgumentParser()
+    daemon.add_arguments(parser)
+    return daemon.config_from_args(parser.parse_args(list(argv)))
+
+
+def test_quota_flags_parse_and_are_bounded():
+    cfg = parse("--client_max_hold", "2m", "--client-pool-share", "0.25", "--client_max_leases", "1000",
+                "--max_connections_per_client", "4", "--max-handshakes", "8")
+    assert (cfg.client_max_hold_s, cfg.client_pool_share, cfg.client_max_leases) == (120.0, 0.25, 1000)
+    assert (cfg.max_connections_per_client, cfg.max_handshakes) == (4, 8)
+    defaults = parse()
+    assert (defaults.client_pool_share, defaults.client_max_leases, defaults.client_max_hold_s) == (0.5, 1 << 18, 120.0)
+    for flag, value in [("--client_pool_share", "0"), ("--client_pool_share", "1.5"), ("--client_max_leases", "-1"),
+                        ("--max_handshakes", "0"), ("--client_max_hold", "-1")]:
+        with pytest.raises(ConfigError) as exc:
+            parse(flag, value)
+        assert exc.value.key == flag
+
+
+# ---- pinning the pool with leases ---------------------------------------------------------------
+
+
+def test_re_taken_leases_pin_at_most_the_share_and_let_go_after_the_hold_limit(start_server, make_client):
+    start_server("--default_kv_lease_ttl", "1000", "--client_max_hold", "2", "--client_pool_share", "0.5")
+    victim = make_client(name="victim")
+    cap = victim.server_stats()[0]["memory_capacity"]
+    # 14 of 16 MiB stored by the attacker, every key re-leased (lookup + unreleased read) every 0.2 s.
+    hostile = spawn("pin", victim.socket_path, "14", str(MiB - 4096), "8", "0.2")
+    try:
+        assert wait_for(lambda: held_by(victim, hostile.pid) > 0, 3)
+        assert held_by(victim, hostile.pid) <= cap // 2  # never more than its share pinned
+        # The victim is served meanwhile: the attacker's unpinned half makes room.
+        keys = [f"v{i}" for i in range(5)]
+        assert victim.put(keys, [[payload(k, MiB - 4096)] for k in keys]) == [OK] * 5
+        outs = [np.zeros(MiB - 4096, np.uint8) for _ in keys]
+        assert victim.get_into(keys, [[o] for o in outs]) == [OK] * 5
+        assert all(payload_ok(k, o) for k, o in zip(keys, outs))
+        # Renewing forever does not pin forever: past --client_max_hold (plus one lease TTL for
+        # the last renewal to lapse) the attacker pins nothing for a TTL.
+        assert wait_for(lambda: held_by(victim, hostile.pid) == 0, 6, interval=0.05)
+        more = [f"w{i}" for i in range(12)]
+        codes = victim.put(more, [[payload(k, MiB - 4096)] for k in more])
+        assert codes.count(OK) >= 10, codes  # nearly the whole pool, attacker evicted
+        stats = victim.server_stats()[0]
+        assert stats["hold_limit_hits"] > 0 and stats["unpinned_leases"] > 0
+    finally:
+        finish(hostile)
+
+
+# ---- pinning the pool with uncommitted allocations ---------------------------------------------------
+
+
+def test_uncommitted_allocations_stop_at_the_share(start_server, make_client):
+    start_server("--client_pool_share", "0.5", "--put_timeout", "30")
+    victim = make_client(name="victim")
+    cap = victim.server_stats()[0]["memory_capacity"]
+    hostile = spawn("hoard", victim.socket_path, str(MiB))
+    try:
+        got = json.loads(hostile.stdout.readline())
+        assert 0 < got["allocated"] <= cap // 2
+        assert got["last_code"] == int(ErrorCode.NO_AVAILABLE_HANDLE)  # told: over quota
+        assert held_by(victim, hostile.pid) <= cap // 2
+        assert victim.server_stats()[0]["quota_refusals"] >= 1
+        # Not 100% of the pool for put_timeout: the victim's puts go through right now.
+        keys = [f"v{i}" for i in range(6)]
+        assert victim.put(keys, [[payload(k, MiB)] for k in keys]) == [OK] * 6
+    finally:
+        finish(hostile)
+    # Its allocations go with its connection.
+    assert wait_for(lambda: victim.server_stats()[0]["pending_allocations"] == 0, 5)
+
+
+# ---- locking everyone out with connections ------------------------------------------------------------
+
+
+def test_idle_strangers_cannot_lock_clients_out(start_server, make_client):
+    server = start_server("--max_connections", "8", "--max_handshakes", "4", "--hello_timeout", "30")
+    idle = [raw_connect(server.socket_path) for _ in range(16)]  # never say Hello
+    try:
+        client = make_client(name="late", connect_timeout_s=2.0)
+        assert client.wait_connected(5)
+        assert client.ping() == OK
+        # The oldest strangers were told why, then closed.
+        evicted = 0
+        for s in idle[:8]:
+            reply = read_reply(s)
+            assert isinstance(reply, P.Error) and reply.code == int(ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS)
+            assert "max_handshakes" in reply.message
+            evicted += 1
+        stats = client.server_stats()[0]
+        assert stats["evicted_handshakes"] >= evicted and stats["pending_handshakes"] <= 4
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_one_process_cannot_take_every_connection(start_server, make_client):
+    server = start_server("--max_connections", "20", "--max_connections_per_client", "4")
+    hostile = spawn("conns", server.socket_path, "10")
+    try:
+        assert json.loads(hostile.stdout.readline())["connected"] == 4
+        victim = make_client(name="victim")
+        assert victim.wait_connected(5) and victim.ping() == OK
+        stats = victim.server_stats()[0]
+        assert stats["refused_connections"] >= 6 and stats["connected_clients"] == 5
+    finally:
+        finish(hostile)
+    # A refused client is told why before the close.
+    mine = [make_client(name=f"mine{i}") for i in range(3)]  # with victim: 4 for this process
+    assert all(c.wait_connected(5) for c in mine)
+    s = raw_connect(server.socket_path)
+    try:
+        P.send_frame(s, P.Hello("one-too-many", os.getpid()))
+        reply = read_reply(s)
+        assert isinstance(reply, P.Error) and reply.code == int(ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS)
+        assert "max_connections_per_client" in reply.message
+    finally:
+        s.close()
+
+
+# ---- what a stranger costs before its handshake -------------------------------------------------------
+
+
+def test_handshake_frames_are_small(start_server, make_client):
+    server = start_server()
+    s = raw_connect(server.socket_path)
+    try:
+        s.sendall(P.HEADER.pack(16 << 20))  # a 16 MiB "Hello": refused before any buffer is made
+        reply = read_reply(s)
+        assert isinstance(reply, P.Error) and reply.code == int(ErrorCode.INVALID_PARAMS)
+        assert str(P.MAX_HELLO_FRAME) in reply.message
+        assert s.recv(1) == b""
+    finally:
+        s.close()
+    assert make_client().ping() == OK
+
+
+def test_a_trickled_handshake_does_not_extend_the_deadline(start_server, make_client):
+    server = start_server("--hello_timeout", "1")
+    s = raw_connect(server.socket_path)
+    t0 = time.monotonic()
+    try:
+        s.sendall(P.HEADER.pack(200))
+        closed = False
+        for _ in range(60):  # one byte per 0.1 s: 6 s if every byte reset the timeout
+            try:
+                s.sendall(b"\x90")
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+            time.sleep(0.1)
+            s.setblocking(False)
+            try:
+                data = s.recv(1 << 16, socket.MSG_PEEK)
+            except BlockingIOError:
+                data = None
+            finally:
+                s.setblocking(True)
+            if data is not None:
+                closed = True
+                break
+        assert closed and time.monotonic() - t0 < 4  # generous: the deadline is 1 s from accept
+        s.settimeout(5)
+        reply = read_reply(s)
+        assert isinstance(reply, P.Error) and reply.code == int(ErrorCode.RPC_TIMEOUT)
+    finally:
+        s.close()
+    client = make_client()
+    assert client.server_stats()[0]["handshake_timeouts"] >= 1
+
+
+# ---- CPU: many leases on one key --------------------------------------------------------------------------
+
+
+def test_thousands_of_leases_on_one_key_cost_linear_work(start_server, make_client):
+    start_server()
+    c = make_client(name="leaser")
+    assert c.put(["hot"], [[payload("hot", 4096)]]) == [OK]
+    base = c.server_stats()[0]["lease_ops"]
+    for round_ in range(4):
+        reply = c.acquire(["hot"] * P.MAX_BATCH)  # 4096 leases per request, never released
+        assert reply.codes == [OK] * P.MAX_BATCH
+    stats = c.server_stats()[0]
+    assert stats["leases"] >= 4 * P.MAX_BATCH
+    # A constant number of bookkeeping steps per lease (quadratic pruning would be ~n/2 each).
+    assert stats["lease_ops"] - base <= 3 * 4 * P.MAX_BATCH
+
+
+# ---- heap: long keys ---------------------------------------------------------------------------------------
+
+
+def test_long_keys_are_charged_to_the_memory_budget(start_server, make_client):
+    start_server()
+    c = make_client()
+    used = c.server_stats()[0]["memory_used"]
+    keys = [f"{i:04d}".ljust(4000, "k") for i in range(200)]
+    assert c.put(keys, [[np.zeros(0, np.uint8)] for _ in keys]) == [OK] * len(keys)
+    # Key bytes plus per-object overhead count, not just the 64-byte minimum reservation.
+    assert c.server_stats()[0]["memory_used"] - used >= len(keys) * (4000 + 1024)
+    # A key is bounded in bytes, not characters: 3000 two-byte characters are 6000 bytes.
+    assert c.put(["é" * 3000], [[np.zeros(8, np.uint8)]]) == [int(ErrorCode.INVALID_KEY)]
