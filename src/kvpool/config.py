@@ -686,9 +686,9 @@ def load_config(extra: Mapping[str, Any] | None, kv_role: str | None = "kv_both"
                 raise ConfigError(old, extra[old], f"not both {old} and {new}; use {new}")
             extra[new] = extra.pop(old)
     known = known_keys()
-    unknown = sorted(set(extra) - known)
+    unknown = sorted(set(extra) - known, key=str)  # a dict built in Python may have non-str keys
     if unknown:
-        raise unknown_key_error(unknown[0], extra[unknown[0]], known - set(ALIASES), "kv_connector_extra_config")
+        raise unknown_key_error(str(unknown[0]), extra[unknown[0]], known - set(ALIASES), "kv_connector_extra_config")
     schemas = backend_schemas()
     backend = extra.get("backend", "local")
     if not isinstance(backend, str) or backend not in schemas:

@@ -107,9 +107,15 @@ _TRICKY = [
     "\u0661", "\u0661\u0662\u0663", "\u0661GB", "\uff11", "\uff11GB", "\u0967", "\u0660\u0666\u0660\u0660",
     "\u0661,\u0662", "\u0663s", "65536", "65535", "86401", "86400000", "86400001", "1024", "1025", "1048577",
 ]
+def too_large_to_show(i: int) -> Any:
+    """Values whose repr fails or fills a screen (built here: hypothesis reprs its strategies)."""
+    return (10**5000, [10**5000], "x" * 10**6)[i]
+
+
 _SCALARS = (
     st.none() | st.booleans() | st.integers() | st.integers(min_value=-(10**400), max_value=10**400)
     | st.sampled_from([10**400, -(10**400), 2**63, 2**64, 2**31, 65536, 0o600])
+    | st.integers(0, 2).map(too_large_to_show)
     | st.floats(allow_nan=True, allow_infinity=True)
     | st.sampled_from([math.inf, -math.inf, math.nan, 1e-6, 1e15, 1e300])
     | st.text(max_size=12) | st.sampled_from(_TRICKY)
@@ -392,6 +398,18 @@ def test_no_number_key_takes_a_bool_nan_infinity_or_a_huge_int(key, value, tmp_p
     if key == "prefill_pp_layer_partition":
         extra["prefill_pp_size"] = 1
     error_of(extra, key)
+
+
+@pytest.mark.parametrize("value", [10**5000, [10**5000], "1" * 10**6], ids=["int", "list", "str"])
+def test_a_value_too_large_to_show_is_still_a_config_error(value):
+    msg = error_of({"copy_threads": value}, "copy_threads")
+    assert len(msg) < 400 and "an integer from 0 to 64" in msg
+
+
+def test_a_non_string_key_is_an_unknown_key():
+    with pytest.raises(ConfigError) as info:
+        load_config({7: 1, "local_cpu_size": "1GB"})  # type: ignore[dict-item]
+    assert info.value.key == "7"
 
 
 @pytest.mark.parametrize("value", ["\ud800", "/tmp/\0x", "/tmp/\ud800.sock"])
