@@ -4,10 +4,14 @@ Three surfaces read these schemas: the connector's `kv_connector_extra_config` (
 the settings of the pool engine shared by `backend: local` and `kvpool server`
 (`EngineSettings`), and `kvpool server`'s command-line flags (`ServerSettings`,
 `add_flags`/`from_flags`). A field's type and `msgspec.Meta` say what it accepts: its kind
-(`extra={"kind": ...}`: a byte size, a duration, a path ...), its bounds (`ge`, `gt`, `le`,
-`lt`) and its help text (`description`). One function per kind parses a value whatever the
-surface, so "4GB", "true" and "500ms" mean the same everywhere, and an error always names the
-key the user wrote, the value and what is expected, with "did you mean" for a misspelt key.
+(`extra={"kind": ...}`: a byte size, a duration, a port, a path ...), its bounds (`ge`, `gt`,
+`le`, `lt`; every number has both a lower and an upper one, and `extra={"zero": "what 0 means"}`
+admits 0 besides them where 0 switches something off) and its help text (`description`). One
+function per kind parses a value whatever the surface, so "4GB", "true" and "500ms" mean the
+same everywhere, and an error always names the key the user wrote, the value and what is
+expected (the range included), with "did you mean" for a misspelt key. Whatever JSON value a
+key is given, parsing returns a value inside its bounds or raises `ConfigError`. The docs' table
+of ranges is generated from the same declarations (`bounds_table`).
 
 Each backend's own keys are a `BackendSettings` subclass naming its backend; that class is the
 backend's config schema in the registry (`kvpool.backends.registry`), and the list of backend
@@ -17,13 +21,14 @@ names derives from those classes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import json
 import math
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
@@ -43,6 +48,10 @@ KiB, MiB, GiB, TiB, PiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40, 1 << 50
 DEFAULT_SERVER_SOCKET = default_server_socket()
 _MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes including the terminating NUL
 DAY_S = 86_400.0
+# Counts no deployment comes near (the largest models have a few hundred layers); a larger value
+# is a typo.
+MAX_PP_SIZE = 1024
+MAX_LAYERS = 1 << 16
 # Pinned host memory per worker for the staging path (half for loads, half for saves): a
 # 4K-token hit of a 7B model (~2 GiB of KV) moves in a few rounds.
 DEFAULT_STAGING_BYTES = 512 * MiB
@@ -57,26 +66,34 @@ _UNITS = {
     "t": TiB, "tb": TiB, "tib": TiB,
     "p": PiB, "pb": PiB, "pib": PiB,
 }
-# ASCII digits only: `\d` and float() also accept other scripts' digits.
+# ASCII digits only: `\d`, str.isdigit(), int() and float() also accept other scripts' digits
+# ("١", "１"), which no config means as a number.
 _NUMBER_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$", re.ASCII)
+_SIGNED_RE = re.compile(r"^\s*([+-]?[0-9]+(?:\.[0-9]+)?)\s*$", re.ASCII)
+_INT_RE = re.compile(r"^\s*([+-]?[0-9]+)\s*$", re.ASCII)
+_OCTAL_RE = re.compile(r"^\s*(0o|0)?([0-7]{1,4})\s*$", re.ASCII)
+# No key's bound comes near this; larger numbers are refused before float() or int() can
+# overflow, and before a 10**400 reaches a comparison with a float bound.
+_MAX_MAGNITUDE = 2**63
 _DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+# The largest size any surface accepts: no host addresses a petabyte of memory or disk, so a
+# larger value is a typo ("100000000TB"), not a configuration.
+MAX_SIZE = PiB
 SIZE_EXPECTED = 'a non-negative byte count: an integer or a number with a unit B/KB/MB/GB/TB/PB, e.g. "4GB"'
 
 
-def human_size(n: int) -> str:
+def human_size(n: float) -> str:
     """Bytes as the largest binary unit that divides them ("1MB", "512MB", "1536KB")."""
+    n = int(n)
     for unit, size in (("PB", PiB), ("TB", TiB), ("GB", GiB), ("MB", MiB), ("KB", KiB)):
         if n >= size and n % size == 0:
             return f"{n // size}{unit}"
     return f"{n}B"
 
 
-def parse_size(key: str, value: Any) -> int:
-    """A byte size as Mooncake writes them: an int, or "1GB" / "1024MB" / "1048576KB" / "1073741824B".
-
-    Units are binary (1KB = 1024 bytes), as in mooncake.json; fractions ("1.5GB") round down.
-    """
+def _size_bytes(key: str, value: Any) -> int:
+    """Any non-negative size, unbounded above but never an overflow: the caller checks the range."""
     if isinstance(value, bool):
         raise ConfigError(key, value, SIZE_EXPECTED)
     if isinstance(value, int):
@@ -90,8 +107,22 @@ def parse_size(key: str, value: Any) -> int:
     if isinstance(value, str):
         m = _NUMBER_RE.match(value)
         if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+            # float() of a few hundred digits is inf, not an error
+            return int(n) if math.isfinite(n) else _MAX_MAGNITUDE
     raise ConfigError(key, value, SIZE_EXPECTED)
+
+
+def parse_size(key: str, value: Any) -> int:
+    """A byte size as Mooncake writes them: an int, or "1GB" / "1024MB" / "1048576KB" / "1073741824B".
+
+    Units are binary (1KB = 1024 bytes), as in mooncake.json; fractions ("1.5GB") round down.
+    At most `MAX_SIZE` (1PB).
+    """
+    n = _size_bytes(key, value)
+    if n > MAX_SIZE:
+        raise ConfigError(key, value, f"a byte size of at most {human_size(MAX_SIZE)}")
+    return n
 
 
 def parse_bool(key: str, value: Any) -> bool:
@@ -109,47 +140,75 @@ def _number(key: str, value: Any, expected: str) -> float:
     """A finite JSON number or a numeric ASCII string; booleans are never numbers here."""
     if isinstance(value, bool):
         raise ConfigError(key, value, expected)
-    if isinstance(value, (int, float)):
+    if isinstance(value, int):
+        if abs(value) > _MAX_MAGNITUDE:  # float(10**400) would raise OverflowError
+            raise ConfigError(key, value, expected)
         f = float(value)
-    elif isinstance(value, str) and (m := _NUMBER_RE.match(value.replace("-", "", 1))) and not m.group(2):
-        f = float(value)
+    elif isinstance(value, float):
+        f = value
+    elif isinstance(value, str) and (m := _SIGNED_RE.match(value)):
+        f = float(m.group(1))
     else:
         raise ConfigError(key, value, expected)
-    if not math.isfinite(f):
+    if not math.isfinite(f) or abs(f) > _MAX_MAGNITUDE:
         raise ConfigError(key, value, expected)
     return f
 
 
-def parse_int(key: str, value: Any, expected: str) -> int:
-    """An integer, from an int, an integral float (3.0) or a string of ASCII digits."""
-    f = _number(key, value, expected)
-    if f != int(f) or (isinstance(value, str) and "." in value):
+def parse_int(key: str, value: Any, expected: str, *, integral_floats: bool = True) -> int:
+    """An integer, from an int, a string of ASCII digits or (with `integral_floats`) an
+    integral float such as 3.0."""
+    if isinstance(value, bool):
         raise ConfigError(key, value, expected)
-    return int(value) if isinstance(value, int) else int(f)
+    if isinstance(value, int):
+        if abs(value) > _MAX_MAGNITUDE:
+            raise ConfigError(key, value, expected)
+        return value
+    if isinstance(value, str):
+        if not (m := _INT_RE.match(value)) or len(m.group(1)) > 20:
+            raise ConfigError(key, value, expected)
+        return int(m.group(1))
+    if isinstance(value, float) and integral_floats:
+        f = _number(key, value, expected)
+        if f == int(f):
+            return int(f)
+    raise ConfigError(key, value, expected)
 
 
 def parse_duration(key: str, value: Any, unit_s: float, expected: str) -> float:
     """A duration in units of `unit_s` seconds: a number in that unit, or "500ms"/"10s"/"2m"/"1h"."""
     if isinstance(value, str) and (m := _NUMBER_RE.match(value)) and m.group(2):
         scale = _DURATION_UNITS.get(m.group(2).lower())
-        if scale is None:
+        f = float(m.group(1)) * scale / unit_s if scale is not None else math.nan
+        if not math.isfinite(f) or f > _MAX_MAGNITUDE:
             raise ConfigError(key, value, expected)
-        return float(m.group(1)) * scale / unit_s
+        return f
     return _number(key, value, expected)
+
+
+def _path_text(key: str, value: Any, expected: str) -> str:
+    """A string the OS can take as a path: no NUL, encodable (a lone surrogate from JSON's "\\ud800" is not)."""
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise ConfigError(key, value, expected)
+    try:
+        os.fsencode(value)
+    except UnicodeError:
+        raise ConfigError(key, value, expected) from None
+    return value
 
 
 def parse_socket_path(key: str, value: Any) -> str:
     """An absolute Unix socket path that fits in sun_path (107 bytes)."""
     expected = f"an absolute Unix socket path of at most {_MAX_SOCKET_PATH} bytes, e.g. {DEFAULT_SERVER_SOCKET!r}"
-    if not isinstance(value, str) or not value or "\0" in value or not os.path.isabs(value):
-        raise ConfigError(key, value, expected)
-    if len(os.fsencode(value)) > _MAX_SOCKET_PATH:
+    value = _path_text(key, value, expected)
+    if not os.path.isabs(value) or len(os.fsencode(value)) > _MAX_SOCKET_PATH:
         raise ConfigError(key, value, expected)
     return value
 
 
 def _parse_file(key: str, value: Any) -> str:
-    if not isinstance(value, str) or not os.path.isabs(value):
+    value = _path_text(key, value, "an absolute path of an existing file, e.g. /etc/kvpool/<file>")
+    if not os.path.isabs(value):
         raise ConfigError(key, value, "an absolute path of an existing file, e.g. /etc/kvpool/<file>")
     if not os.path.isfile(value):
         raise ConfigError(key, value, "an existing file (it does not exist or is not a regular file)")
@@ -158,6 +217,7 @@ def _parse_file(key: str, value: Any) -> str:
 
 def _parse_dir(key: str, value: Any) -> str:
     try:
+        _path_text(key, value, "a non-empty absolute directory path, e.g. /mnt/nvme/kvpool")
         validate_offload_path(value)
     except ConfigError as exc:  # name the key as the user wrote it
         raise ConfigError(key, value, exc.expected) from None
@@ -183,18 +243,25 @@ def _parse_redis_url(key: str, value: Any) -> str:
 
 
 def _parse_int_list(key: str, value: Any) -> tuple[int, ...]:
-    parts = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    expected = 'comma-separated layer counts, e.g. "30,31"'
+    if isinstance(value, str):
+        parts: list[Any] = value.split(",")
+    elif isinstance(value, (list, tuple)):
+        parts = list(value)
+    else:
+        raise ConfigError(key, value, expected)
     try:
-        return tuple(int(str(p).strip()) for p in parts)
-    except ValueError:
-        raise ConfigError(key, value, 'comma-separated layer counts, e.g. "30,31"') from None
+        return tuple(parse_int(key, p, expected, integral_floats=False) for p in parts)
+    except ConfigError:
+        raise ConfigError(key, value, expected) from None  # name the whole value, as written
 
 
 def _parse_octal(key: str, value: Any) -> int:
-    try:
-        return int(str(value), 8)
-    except ValueError:
-        raise ConfigError(key, value, "an octal file mode such as 0600 or 0660") from None
+    # A JSON number 600 is what someone writing "0600" meant; the digits are read as octal.
+    text = str(value) if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 7777 else value
+    if not isinstance(text, str) or not (m := _OCTAL_RE.match(text)):
+        raise ConfigError(key, value, "an octal file mode such as 0600 or 0660")
+    return int(m.group(2), 8)
 
 
 # String kinds: parsers for str fields that need more than "is a string".
@@ -207,17 +274,35 @@ def _number_text(v: float) -> str:
     return str(int(v)) if float(v).is_integer() else f"{v:g}"
 
 
-def _bounds_text(t: Any, fmt: Any = _number_text) -> str:
-    lo = (">=", t.ge) if t.ge is not None else (">", t.gt) if t.gt is not None else None
-    hi = ("<=", t.le) if t.le is not None else ("<", t.lt) if t.lt is not None else None
-    if lo and hi and lo[0] == ">=" and hi[0] == "<=":
-        return f" from {fmt(lo[1])} to {fmt(hi[1])}"
-    return " and".join(f" {op} {fmt(v)}" for op, v in (lo, hi) if op)
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """The range a numeric key accepts, from its `Meta(ge=, gt=, le=, lt=)`, plus its
+    `extra={"zero": "..."}`: 0 is accepted too, meaning that (a switch-off or automatic value
+    below the range's sane minimum, such as a quota of 0 for "90% of the disk")."""
 
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    zero: str | None = None
 
-def _in_bounds(t: Any, v: float) -> bool:
-    return ((t.ge is None or v >= t.ge) and (t.gt is None or v > t.gt)
-            and (t.le is None or v <= t.le) and (t.lt is None or v < t.lt))
+    def admits(self, v: float) -> bool:
+        if self.zero is not None and v == 0:
+            return True
+        return ((self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
+                and (self.le is None or v <= self.le) and (self.lt is None or v < self.lt))
+
+    @property
+    def closed(self) -> bool:
+        """Bounded on both sides (every numeric key must be: tests/unit/test_config_properties.py)."""
+        return (self.ge is not None or self.gt is not None) and (self.le is not None or self.lt is not None)
+
+    def text(self, fmt: Callable[[float], str] = _number_text) -> str:
+        lo = (">=", self.ge) if self.ge is not None else (">", self.gt) if self.gt is not None else None
+        hi = ("<=", self.le) if self.le is not None else ("<", self.lt) if self.lt is not None else None
+        if lo and hi and lo[0] == ">=" and hi[0] == "<=":
+            return f" from {fmt(lo[1])} to {fmt(hi[1])}"
+        return " and".join(f" {op} {fmt(v)}" for op, v in (lo, hi) if op)
 
 
 def _unwrap(t: Any) -> tuple[Any, dict[str, Any], bool]:
@@ -232,47 +317,80 @@ def _unwrap(t: Any) -> tuple[Any, dict[str, Any], bool]:
     return t, extra, optional
 
 
+def field_bounds(ftype: Any) -> Bounds | None:
+    """The `Bounds` of a numeric field (of each item, for a list of numbers); None for others."""
+    t, extra, _ = _unwrap(ftype)
+    if isinstance(t, mi.VarTupleType):
+        t = t.item_type
+    if not isinstance(t, (mi.IntType, mi.FloatType)):
+        return None
+    return Bounds(ge=t.ge, gt=t.gt, le=t.le, lt=t.lt, zero=extra.get("zero"))
+
+
+def expected_text(ftype: Any) -> str:
+    """What a field accepts, as its errors and docs/configuration.md's bounds table say it."""
+    t, extra, _ = _unwrap(ftype)
+    kind = extra.get("kind")
+    b = field_bounds(ftype)
+    why = f" ({extra['why']})" if "why" in extra else ""
+    if isinstance(t, mi.VarTupleType):
+        assert b is not None
+        return f'comma-separated positive layer counts, e.g. "30,31": each{b.text()}, at most {t.max_length} of them'
+    if b is None:
+        return ""
+    if kind == "size":
+        text = f"a byte size{b.text(human_size)}"
+    elif kind in ("seconds", "ms"):
+        text = f"a number of {'seconds' if kind == 'seconds' else 'milliseconds'}{b.text()}"
+    elif kind == "port":
+        text = f"a port number (an integer){b.text()}"
+    elif kind == "octal":
+        text = "an octal mode that includes 0600, e.g. 0600 or 0660"
+    elif isinstance(t, mi.IntType):  # also kind "id": an integer that names something, never 3.0
+        text = f"an integer{b.text()}"
+    elif t.gt is not None and t.le is not None:
+        text = f"a number in ({t.gt:g}, {t.le:g}]"
+    else:
+        text = f"a number{b.text()}"
+    zero = f"0 ({b.zero}) or " if b.zero is not None else ""
+    return f"{zero}{text}{why}"
+
+
 def parse_value(key: str, value: Any, ftype: Any) -> Any:
     """Parse one raw value for a field of msgspec type `ftype` (from `msgspec.inspect`)."""
     t, extra, optional = _unwrap(ftype)
     if value is None and optional:
         return None
     kind = extra.get("kind")
-    why = f" ({extra['why']})" if "why" in extra else ""
     if isinstance(t, mi.BoolType):
         return parse_bool(key, value)
     if isinstance(t, mi.LiteralType):
-        if value not in t.values:
+        if not any(type(value) is type(v) and value == v for v in t.values):
             raise ConfigError(key, value, f"one of {', '.join(map(str, t.values))}")
         return value
-    if isinstance(t, mi.IntType) and kind == "size":
-        n = parse_size(key, value)
-        if not _in_bounds(t, n):
-            raise ConfigError(key, value, f"a byte size{_bounds_text(t, human_size)}{why}".replace(
-                "size >=", "size of at least"))
-        return n
-    if isinstance(t, mi.IntType) and kind == "octal":
-        n = _parse_octal(key, value)
-        if not _in_bounds(t, n) or n & 0o600 != 0o600:
-            raise ConfigError(key, value, "an octal mode that includes 0600, e.g. 0600 or 0660")
-        return n
     if isinstance(t, (mi.IntType, mi.FloatType)):
-        if kind in ("seconds", "ms"):
-            unit, noun = (1.0, "seconds") if kind == "seconds" else (1e-3, "milliseconds")
-            expected = f"a number of {noun}{_bounds_text(t)}{why}"
-            f = parse_duration(key, value, unit, expected)
+        bounds = field_bounds(ftype)
+        expected = expected_text(ftype)
+        if bounds is None or not bounds.closed:
+            raise TypeError(f"{key} declares no lower or no upper bound")  # a schema bug, not user input
+        f: float
+        if kind == "size":
+            f = _size_bytes(key, value)
+        elif kind == "octal":
+            f = _parse_octal(key, value)
+            if int(f) & 0o600 != 0o600:
+                raise ConfigError(key, value, expected)
+        elif kind in ("seconds", "ms"):
+            f = parse_duration(key, value, 1.0 if kind == "seconds" else 1e-3, expected)
             if isinstance(t, mi.IntType):
                 if f != int(f):
                     raise ConfigError(key, value, expected)
                 f = int(f)
         elif isinstance(t, mi.IntType):
-            expected = f"an integer{_bounds_text(t)}{why}"
-            f = parse_int(key, value, expected)
+            f = parse_int(key, value, expected, integral_floats=kind not in ("port", "id"))
         else:
-            interval = t.gt is not None and t.le is not None
-            expected = f"a number in ({t.gt:g}, {t.le:g}]" if interval else f"a number{_bounds_text(t)}"
-            f = _number(key, value, expected + why)
-        if not _in_bounds(t, f):
+            f = _number(key, value, expected)
+        if not bounds.admits(f):
             raise ConfigError(key, value, expected)
         return f
     if isinstance(t, mi.StrType):
@@ -283,8 +401,10 @@ def parse_value(key: str, value: Any, ftype: Any) -> Any:
         return value
     if isinstance(t, mi.VarTupleType):
         items = _parse_int_list(key, value)
-        if not all(_in_bounds(t.item_type, v) for v in items):
-            raise ConfigError(key, value, 'comma-separated positive layer counts, e.g. "30,31"')
+        bounds = field_bounds(ftype)
+        if (bounds is None or not all(bounds.admits(v) for v in items)
+                or (t.max_length is not None and len(items) > t.max_length)):
+            raise ConfigError(key, value, expected_text(ftype))
         return items
     raise TypeError(f"no parser for the type of {key}: {ftype}")  # a schema bug, not user input
 
@@ -340,7 +460,9 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
         "lease of a looked-up or read object, in milliseconds: it is not evicted meanwhile"))] = 11000
     offload_path: Annotated[str, Meta(extra={"kind": "dir"}, description=(
         "SSD tier directory: absolute, existing, writable, no symlinks (off when unset)"))] | None = None
-    offload_quota: Annotated[int, Meta(ge=0, le=PiB, extra={"kind": "size"}, description=(
+    # A positive quota below 1MB holds no block; 0 is the automatic quota.
+    offload_quota: Annotated[int, Meta(ge=MiB, le=PiB, extra={"kind": "size", "zero": "90% of the disk's free space"},
+                                       description=(
         "SSD tier byte quota (0: 90% of the disk's free space at start)"))] = 0
     offload_eviction_policy: Annotated[Literal["none", "fifo", "lru"], Meta(description=(
         "when the SSD tier is full: none (writes fail), fifo or lru"))] = "lru"
@@ -391,7 +513,7 @@ class ServerClientSettings(BackendSettings, frozen=True, kw_only=True):
     backend: ClassVar[str] = "server"
     server_socket: Annotated[str, Meta(extra={"kind": "socket"}, description=(
         "the Unix socket of `kvpool server` (same default as its --socket)"))] = DEFAULT_SERVER_SOCKET
-    allowed_gid: Annotated[int, Meta(ge=0, le=2**32 - 2, description=(
+    allowed_gid: Annotated[int, Meta(ge=0, le=2**32 - 2, extra={"kind": "id"}, description=(
         "group sharing: also trust a server whose user is in this group (default: only our own uid)"))] | None = None
 
 
@@ -425,11 +547,13 @@ class RedisSettings(BackendSettings, frozen=True, kw_only=True):
     backend: ClassVar[str] = "redis"
     redis_url: Annotated[str, Meta(extra={"kind": "redis_url"}, description=(
         "redis://[user:password@]host:port/db, rediss://... or unix:///path.sock"))] = "redis://127.0.0.1:6379/0"
-    redis_ttl_s: Annotated[float, Meta(ge=0, le=365 * DAY_S, extra={"kind": "seconds"}, description=(
+    # Redis expires in whole milliseconds and refuses PX 0, so a positive TTL starts at 1 ms.
+    redis_ttl_s: Annotated[float, Meta(ge=1e-3, le=365 * DAY_S, extra={"kind": "seconds", "zero": "never expire"},
+                                       description=(
         "expire pooled objects after this long (0: never; Redis' maxmemory-policy evicts them)"))] = 0.0
     redis_chunk_size: Annotated[int, Meta(ge=MiB, le=512 * MiB, extra={"kind": "size", "why": (
         "Redis' proto-max-bulk-len")}, description="values above this are split into chunk keys")] = 64 * MiB
-    redis_timeout_s: Annotated[float, Meta(gt=0, le=DAY_S, extra={"kind": "seconds"}, description=(
+    redis_timeout_s: Annotated[float, Meta(ge=0.01, le=DAY_S, extra={"kind": "seconds"}, description=(
         "socket timeout of each Redis call"))] = 5.0
 
 
@@ -453,7 +577,9 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     """The keys every backend shares."""
 
     backend: Annotated[str, Meta(description="where the pool lives: " + ", ".join(BACKENDS))] = "local"
-    lookup_rpc_port: Annotated[int, Meta(ge=0, le=2**31 - 1, description=(
+    # Not a TCP port despite its name (a component of an IPC socket name), hence the wide range;
+    # still a whole number only, as a port would be.
+    lookup_rpc_port: Annotated[int, Meta(ge=0, le=2**31 - 1, extra={"kind": "id"}, description=(
         "names the scheduler<->worker lookup channel; unique per instance on a host"))] = 0
     load_async: Annotated[bool, Meta(description=(
         "load on a background thread; the request waits in WAITING_FOR_REMOTE_KVS"))] = False
@@ -463,9 +589,10 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
         "a kv_producer also looks up and loads pooled prefixes"))] = False
     save_sync: Annotated[bool, Meta(description=(
         "finish a step's saves before the step returns (default: on for kv_producer)"))] | None = None
-    prefill_pp_size: Annotated[int, Meta(ge=1, le=1024, description=(
+    prefill_pp_size: Annotated[int, Meta(ge=1, le=MAX_PP_SIZE, description=(
         "PP size of the prefill nodes a decode node puts for"))] | None = None
-    prefill_pp_layer_partition: tuple[Annotated[int, Meta(gt=0)], ...] | None = None
+    prefill_pp_layer_partition: Annotated[tuple[Annotated[int, Meta(ge=1, le=MAX_LAYERS)], ...], Meta(
+        max_length=MAX_PP_SIZE, description="layers per prefill PP stage, e.g. \"30,31\"")] | None = None
     discard_partial_chunks: Annotated[bool, Meta(description="only full blocks are saved (must be true)")] = True
     transfer_path: Annotated[Literal["auto", "direct", "staged"], Meta(description=(
         "how blocks move between the KV cache and the pool: `auto` copies host-memory caches "
@@ -493,7 +620,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
         "are dropped) before a probe; doubles while probes fail, up to 30 s or this value"))] = 1.0
     inject_load_failure_every: Annotated[int, Meta(ge=0, le=2**31 - 1, description=(
         "test aid: fail every Nth block read (0: never)"))] = 0
-    stats_log_interval_s: Annotated[float, Meta(ge=0, le=DAY_S, extra={"kind": "seconds"}, description=(
+    stats_log_interval_s: Annotated[float, Meta(ge=0.01, le=DAY_S, extra={"kind": "seconds", "zero": (
+        "at every stats collection")}, description=(
         "log kvpool's counters at most this often"))] = 10.0
 
 
@@ -574,9 +702,9 @@ def load_config(extra: Mapping[str, Any] | None, kv_role: str | None = "kv_both"
                 raise ConfigError(old, extra[old], f"not both {old} and {new}; use {new}")
             extra[new] = extra.pop(old)
     known = known_keys()
-    unknown = sorted(set(extra) - known)
+    unknown = sorted(set(extra) - known, key=str)  # a dict built in Python may have non-str keys
     if unknown:
-        raise unknown_key_error(unknown[0], extra[unknown[0]], known - set(ALIASES), "kv_connector_extra_config")
+        raise unknown_key_error(str(unknown[0]), extra[unknown[0]], known - set(ALIASES), "kv_connector_extra_config")
     schemas = backend_schemas()
     backend = extra.get("backend", "local")
     if not isinstance(backend, str) or backend not in schemas:
@@ -650,17 +778,19 @@ class ServerSettings(EngineSettings, frozen=True, kw_only=True):
         "Unix socket to listen on (the backend's default server_socket)"))] = DEFAULT_SERVER_SOCKET
     socket_mode: Annotated[int, Meta(gt=0, le=0o777, extra={"kind": "octal"}, description=(
         "file mode of the socket (0600: this user only; who may use the pool is --allowed_gid's business)"))] = 0o600
-    allowed_gid: Annotated[int, Meta(ge=0, le=2**32 - 2, description=(
+    allowed_gid: Annotated[int, Meta(ge=0, le=2**32 - 2, extra={"kind": "id"}, description=(
         "group sharing: also serve users in this group; socket and arena get this group, mode 0660 "
         "(default: only the server's own uid)"))] | None = None
-    client_ttl_s: Annotated[float, Meta(gt=0, le=DAY_S, extra={"kind": "seconds"}, description=(
+    client_ttl_s: Annotated[float, Meta(ge=0.1, le=DAY_S, extra={"kind": "seconds", "why": (
+        "clients ping every client_ttl/3: shorter is a busy loop")},
+        description=(
         "drop a client's leases and unfinished puts after this long without a ping"))] = 10.0
-    put_timeout_s: Annotated[float, Meta(gt=0, le=DAY_S, extra={"kind": "seconds"}, description=(
+    put_timeout_s: Annotated[float, Meta(ge=0.1, le=DAY_S, extra={"kind": "seconds"}, description=(
         "reclaim an allocation not committed within this time"))] = 30.0
     enable_offload: Annotated[bool, Meta(description="enable the SSD offload tier (needs --offload_path)")] = False
-    metrics_port: Annotated[int, Meta(ge=0, le=65535, description=(
+    metrics_port: Annotated[int, Meta(ge=0, le=65535, extra={"kind": "port"}, description=(
         "serve /metrics, /stats and /healthz on 127.0.0.1:PORT (0: any free port; default off)"))] | None = None
-    hello_timeout_s: Annotated[float, Meta(gt=0, le=3600, extra={"kind": "seconds"}, description=(
+    hello_timeout_s: Annotated[float, Meta(ge=0.1, le=3600, extra={"kind": "seconds"}, description=(
         "close a connection that has not said Hello within this time"))] = 5.0
     max_connections: Annotated[int, Meta(ge=1, le=1 << 20, description=(
         "refuse handshakes beyond this many connected clients"))] = 1024
@@ -673,7 +803,7 @@ class ServerSettings(EngineSettings, frozen=True, kw_only=True):
         "uncommitted allocations (its leases past it still read, but do not pin)"))] = 0.5
     client_max_leases: Annotated[int, Meta(ge=0, le=1 << 30, description=(
         "leases plus uncommitted allocations one client process may hold at once (0: no cap)"))] = 1 << 18
-    client_max_hold_s: Annotated[float, Meta(ge=0, le=DAY_S, extra={"kind": "seconds"}, description=(
+    client_max_hold_s: Annotated[float, Meta(ge=1, le=DAY_S, extra={"kind": "seconds", "zero": "no cap"}, description=(
         "longest one client process may keep one object leased by renewing it (0: no cap)"))] = 120.0
     log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], Meta(description="log level")] = "INFO"
 
@@ -726,3 +856,32 @@ def from_flags(args: argparse.Namespace, schema: type[msgspec.Struct] = ServerSe
     """Parse the flags `add_flags` registered; errors name the flag as `--name`."""
     raw = {enc: getattr(args, enc) for enc in fields(schema) if getattr(args, enc, None) is not None}
     return convert(schema, raw, names={enc: f"--{enc}" for enc in raw})
+
+
+# ---- every surface, for the docs and the tests ---------------------------------------------------
+
+
+def config_surfaces() -> dict[str, tuple[type[msgspec.Struct], ...]]:
+    """Every schema a user's values reach, by surface: the connector's keys (shared and each
+    backend's) and `kvpool server`'s flags. A schema added to either is covered by the bounds
+    table and by the property tests without being listed anywhere else."""
+    return {
+        "kv_connector_extra_config": (ConnectorSettings, *backend_schemas().values()),
+        "kvpool server": (ServerSettings,),
+    }
+
+
+def bounds_table() -> str:
+    """docs/configuration.md's table of every numeric key's range (a test keeps the doc equal to it)."""
+    rows = ["| key | where | accepts |", "| --- | --- | --- |"]
+    for surface, schemas in config_surfaces().items():
+        seen: set[str] = set()
+        for schema in schemas:
+            for enc, f in fields(schema).items():
+                text = expected_text(f.type)
+                if not text or enc in seen:
+                    continue
+                seen.add(enc)
+                name = f"`--{enc}`" if surface == "kvpool server" else f"`{enc}`"
+                rows.append(f"| {name} | {surface} | {text} |")
+    return "\n".join(rows)

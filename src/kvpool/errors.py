@@ -68,6 +68,19 @@ class KVPoolError(Exception):
         return f"[{self.code.name} {int(self.code)}] {super().__str__()}"
 
 
+_MAX_SHOWN = 200
+
+
+def shown_value(value: object) -> str:
+    """`repr(value)` for a message, cut short: a config can carry a megabyte string, or an
+    integer too long for `repr` (Python refuses over 4300 digits)."""
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):
+        return f"<a {type(value).__name__} too large to show>"
+    return text if len(text) <= _MAX_SHOWN else f"{text[:_MAX_SHOWN - 40]}... ({len(text)} characters)"
+
+
 class ConfigError(KVPoolError):
     """A configuration value is invalid; raised at start-up, never mid-request.
 
@@ -80,7 +93,7 @@ class ConfigError(KVPoolError):
         self.key = key
         self.value = value
         self.expected = expected
-        super().__init__(f"{key}={value!r} is invalid: {expected}")
+        super().__init__(f"{key}={shown_value(value)} is invalid: {expected}")
 
 
 class StoreError(KVPoolError):

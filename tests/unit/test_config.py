@@ -335,9 +335,9 @@ def test_redis_defaults():
         ("redis_chunk_size", "600MB", "from 1MB to 512MB"),
         ("redis_chunk_size", "512KB", "from 1MB to 512MB"),
         ("redis_chunk_size", "lots", "non-negative byte count"),
-        ("redis_ttl_s", "-1", "a number of seconds from 0 to 31536000"),
-        ("redis_timeout_s", "0", "a number of seconds > 0 and <= 86400"),
-        ("redis_timeout_s", "soon", "a number of seconds > 0 and <= 86400"),
+        ("redis_ttl_s", "-1", "0 (never expire) or a number of seconds from 0.001 to 31536000"),
+        ("redis_timeout_s", "0", "a number of seconds from 0.01 to 86400"),
+        ("redis_timeout_s", "soon", "a number of seconds from 0.01 to 86400"),
     ],
 )
 def test_bad_redis_values(key, value, expected):
@@ -498,7 +498,7 @@ def test_ratios_in_range(key, value, expected):
         ("default_kv_lease_ttl_ms", 0, "a number of milliseconds from 1 to 86400000"),
         ("default_kv_lease_ttl_ms", 1e15, "a number of milliseconds from 1 to 86400000"),
         ("inject_load_failure_every", -2, "an integer from 0 to 2147483647"),
-        ("stats_log_interval_s", "-1", "a number of seconds from 0 to 86400"),
+        ("stats_log_interval_s", "-1", "0 (at every stats collection) or a number of seconds from 0.01 to 86400"),
         ("local_cpu_size", "100000000TB", "a byte size from 1MB to 1PB"),
         ("local_cpu_size", "\u0661GB", "non-negative byte count"),
     ],
@@ -508,7 +508,7 @@ def test_bad_integers(key, value, expected):
 
 
 def test_integral_float_is_an_integer():
-    assert load_config({"lookup_rpc_port": 3.0}).lookup_rpc_port == 3
+    assert load_config({"prefill_pp_size": 3.0}).prefill_pp_size == 3
 
 
 class TestPrefillPpLayerPartition:

@@ -670,7 +670,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ServerSettings:
     """Validate parsed flags; ConfigError names the flag, the value and what is expected."""
-    if args.socket is not None:
+    if isinstance(args.socket, str):  # anything else is refused, by name, by the parser
         args.socket = os.path.abspath(args.socket)
     settings: ServerSettings = from_flags(args, ServerSettings)
     check_socket_dir(settings.socket_path, "--socket", settings.allowed_gid)
