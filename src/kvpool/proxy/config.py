@@ -10,7 +10,7 @@ nothing else (no scheme, path, user info or whitespace); ports are whole numbers
 
 The admin token is read from the environment (:data:`ADMIN_TOKEN_ENV`), never from a flag, so
 it does not show in ``ps`` or shell history. Without it the admin routes are disabled
-(docs/security-proxy.md).
+(docs/security.md, `kvpool proxy`).
 
 This module imports nothing beyond the standard library, so ``kvpool --help`` stays fast.
 """

@@ -12,7 +12,7 @@ too, so a client can only commit or release what it was given, and everything it
 dropped the moment its connection closes (a SIGKILLed writer's half-written range is freed and
 never published).
 
-Fair sharing (docs/security-fairshare.md): a connection that has not said Hello yet may send
+Fair sharing (docs/security.md (fair sharing)): a connection that has not said Hello yet may send
 one small frame (`protocol.MAX_HELLO_FRAME`) within one deadline from accept; at most
 `max_handshakes` such strangers are kept (a new one closes the oldest), and they do not count
 toward `max_connections`, which only handshaken clients use up, at most
