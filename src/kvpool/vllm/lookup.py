@@ -123,7 +123,10 @@ class LookupClient:
         try:
             sock = self._socket()
             sock.send(msgspec.msgpack.encode(list(block_hashes)))
-            return int(msgspec.msgpack.decode(sock.recv()))
+            hits = msgspec.msgpack.decode(sock.recv(), type=int)
+        except msgspec.DecodeError as e:
+            logger.warning("kvpool lookup on %s: a malformed reply (%s); treating as a miss", self.path, e)
+            return 0
         except zmq.ZMQError as e:
             # A REQ socket that missed its reply is stuck in the wrong state: start a new one.
             logger.warning("kvpool lookup on %s failed (%s); treating as a miss", self.path, e)
@@ -131,6 +134,8 @@ class LookupClient:
                 self._sock.close()
                 self._sock = None
             return 0
+        # More hits than blocks asked about would have vLLM load blocks nobody stored.
+        return hits if 0 <= hits <= len(block_hashes) else 0
 
     def close(self) -> None:
         if self._sock is not None:

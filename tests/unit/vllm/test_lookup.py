@@ -200,3 +200,13 @@ def test_only_rank_zero_of_a_loading_instance_serves_lookups(make_worker, rpc_di
     assert not os.path.exists(lookup_socket_path(14))
     make_worker({"lookup_rpc_port": 15})
     assert os.path.exists(lookup_socket_path(15))
+
+
+@pytest.mark.parametrize("answer", [10**9, -1, len(HASHES) + 1])
+def test_an_impossible_hit_count_is_a_miss(closing, answer):
+    # More hits than blocks asked about (or fewer than none) would have vLLM load blocks nobody
+    # stored: whatever answered, such a reply is a miss.
+    closing(LookupServer(9, 0, lambda hashes: answer))
+    client = closing(LookupClient(9))
+    for _ in range(20):
+        assert client.lookup(HASHES) == 0
