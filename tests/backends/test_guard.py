@@ -14,20 +14,11 @@ import pytest
 from kvpool.backends.base import Backend
 from kvpool.backends.guard import CLOSED, OPEN, Guard, GuardSettings
 from kvpool.errors import NOT_FOUND, OK, RPC_FAIL, RPC_TIMEOUT
+from kvpool.testing.proc import wait_for
 
 # Short deadlines: every test that waits for one waits a fraction of a second.
 FAST = GuardSettings(lookup_timeout_s=0.05, transfer_timeout_s=0.1, failures=3, cooldown_s=0.05,
                      cooldown_max_s=0.2)
-
-
-def wait_until(cond, timeout_s: float = 10.0) -> bool:
-    """Poll `cond` (a generous bound: only a broken guard ever reaches it)."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.005)
-    return cond()
 
 
 class Freezable(Backend):
@@ -124,7 +115,7 @@ def test_breaker_closes_by_itself_once_the_store_answers(store):
     assert guard.state == OPEN
     store.answer.set()  # the store thaws
     # Callers are answered at once while open; a probe on the guard's own thread closes it.
-    assert wait_until(lambda: store.batch_exists(["k"]) == [True])
+    assert wait_for(lambda: store.batch_exists(["k"]) == [True], 10)
     assert guard.state == CLOSED and store.stats()["probes"] >= 1
 
 
@@ -142,7 +133,7 @@ def test_probes_back_off_while_the_store_stays_frozen():
     for _ in range(40):
         clock[0] += 0.01
         g.allows()
-        wait_until(lambda: not g._probing)
+        wait_for(lambda: not g._probing, 10)
     # cooldowns 0.05, 0.1, 0.2, 0.2 ...: far fewer probes than calls
     assert 2 <= len(calls) <= 4
     g.close()

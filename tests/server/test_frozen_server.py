@@ -3,25 +3,15 @@ call costs one deadline, later calls cost nothing, and hits come back once it th
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from kvpool.backends.guard import GuardSettings
 from kvpool.backends.pool_server import ServerBackend
 from kvpool.errors import OK, RPC_TIMEOUT
+from kvpool.testing.proc import wait_for
 
 FAST = GuardSettings(lookup_timeout_s=0.05, transfer_timeout_s=0.1, failures=3, cooldown_s=0.05,
                      cooldown_max_s=0.2)
-
-
-def wait_until(cond, timeout_s: float = 10.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 def test_frozen_server_costs_one_deadline_then_nothing(start_server, sock_path):
@@ -29,7 +19,7 @@ def test_frozen_server_costs_one_deadline_then_nothing(start_server, sock_path):
     b = ServerBackend(sock_path, "guarded")
     b.use_guard(FAST)
     try:
-        assert wait_until(lambda: b.client.connected)
+        assert wait_for(lambda: b.client.connected, 10)
         value = np.arange(4096, dtype=np.uint8)
         assert b.batch_put(["a"], [[value]]) == [OK]
         server.pause()
@@ -42,7 +32,7 @@ def test_frozen_server_costs_one_deadline_then_nothing(start_server, sock_path):
             assert b.stats()["timeouts"] == 1
         finally:
             server.resume()
-        assert wait_until(lambda: b.batch_exists(["a"]) == [True], 30)
+        assert wait_for(lambda: b.batch_exists(["a"]) == [True], 30)
         assert b.batch_get_into(["a"], [[dest]]) == [OK] and np.array_equal(dest, value)
     finally:
         b.close()

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from kvpool.config import (
     ALIASES,
+    _unwrap,
     DAY_S,
     MAX_SIZE,
     PiB,
@@ -47,21 +48,9 @@ IDS = [f"{schema.__name__}.{enc}" for _, schema, enc, _ in ENTRIES]
 NUMERIC = [(schema, enc, f) for _, schema, enc, f in ENTRIES if field_bounds(f.type) is not None]
 
 
-def _base(ftype: Any) -> tuple[Any, dict[str, Any], bool]:
-    """(type, extra, optional) of a field, read straight from msgspec.inspect."""
-    optional = False
-    if isinstance(ftype, mi.UnionType):
-        rest = [x for x in ftype.types if not isinstance(x, mi.NoneType)]
-        optional, ftype = len(rest) < len(ftype.types), rest[0]
-    extra: dict[str, Any] = {}
-    if isinstance(ftype, mi.Metadata):
-        extra, ftype = dict(ftype.extra or {}), ftype.type
-    return ftype, extra, optional
-
-
 def assert_declared(key: str, ftype: Any, v: Any) -> None:
     """`v`, an accepted value of a field of type `ftype`, is what the declaration promises."""
-    t, extra, optional = _base(ftype)
+    t, extra, optional = _unwrap(ftype)
     if v is None:
         assert optional, f"{key}: None accepted for a key that cannot be unset"
         return
@@ -242,7 +231,7 @@ def test_server_flags_accept_only_declared_values(flag, data, tmp_path_factory):
 def test_every_numeric_key_declares_sane_bounds(schema, enc, f):
     """Bounds on both sides for every number; sizes within a machine, durations long enough not to
     spin and at most a year, ports TCP ports, counts within an int32."""
-    t, extra, _ = _base(f.type)
+    t, extra, _ = _unwrap(f.type)
     b = field_bounds(f.type)
     assert b is not None and b.closed, f"{enc} must declare a lower and an upper bound"
     lo = b.ge if b.ge is not None else b.gt
