@@ -204,3 +204,44 @@ class TestOffloadPath:
         with pytest.raises(ConfigError) as exc:
             validate_offload_path("/sys/kernel")
         assert "writable" in exc.value.expected
+
+
+def _disk_full_once(monkeypatch, disk: DiskTier, times: int = 1) -> list[int]:
+    """The next `times` file writes meet a full disk (ENOSPC), as when something else on the
+    device filled it below our quota."""
+    import errno
+
+    real, calls = disk._write, []
+
+    def write(*args, **kwargs):
+        calls.append(1)
+        if len(calls) <= times:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(disk, "_write", write)
+    return calls
+
+
+@pytest.mark.parametrize("policy", ["fifo", "lru"])
+def test_a_full_disk_below_the_quota_evicts_and_lowers_the_quota(make_disk, monkeypatch, policy) -> None:
+    disk = make_disk(quota_bytes=quota_for(10), policy=policy)
+    for i in range(4):
+        assert disk.put(f"k{i}", bytes(100)) is ErrorCode.OK
+    calls = _disk_full_once(monkeypatch, disk)
+    assert disk.put("k4", bytes(100)) is ErrorCode.OK  # evicted one, wrote on the second try
+    assert len(calls) == 2 and disk.full_disk_events == 1
+    assert disk.keys() == ["k1", "k2", "k3", "k4"] and disk.evictions == 1
+    assert disk.quota_bytes == quota_for(4)  # from now on it evicts before the disk says no
+    assert disk.put("k5", bytes(100)) is ErrorCode.OK
+    assert disk.keys() == ["k2", "k3", "k4", "k5"] and len(calls) == 3
+
+
+def test_a_full_disk_with_policy_none_fails_the_write_and_keeps_the_files(make_disk, monkeypatch) -> None:
+    disk = make_disk(quota_bytes=quota_for(10), policy="none")
+    for i in range(2):
+        assert disk.put(f"k{i}", bytes(100)) is ErrorCode.OK
+    _disk_full_once(monkeypatch, disk)
+    assert disk.put("k2", bytes(100)) is ErrorCode.INTERNAL_ERROR
+    assert disk.keys() == ["k0", "k1"] and disk.used_bytes == quota_for(2)
+    assert disk.put("k3", bytes(100)) is ErrorCode.NO_AVAILABLE_HANDLE  # the lowered quota says no first

@@ -20,7 +20,7 @@ COUNTERS = frozenset({
     "puts", "gets", "hits", "disk_hits", "misses", "evictions", "promotions",
     "allocation_failures", "lease_expired", "disk_write_errors", "reclaimed_allocations",
     "reaped_clients", "disk_evictions", "checksum_failures", "lookup_keys", "lookup_hits",
-    "connections", "protocol_errors", "corrupt_objects", "refused_peers", "quota_refusals", "unpinned_leases",
+    "connections", "protocol_errors", "corrupt_objects", "disk_full_events", "refused_peers", "quota_refusals", "unpinned_leases",
     "hold_limit_hits", "lease_ops", "refused_connections", "evicted_handshakes", "handshake_timeouts",
 })
 

@@ -35,6 +35,7 @@ outside it (an unlinked file stays readable through an open descriptor).
 from __future__ import annotations
 
 import collections
+import errno
 import fcntl
 import hashlib
 import itertools
@@ -137,6 +138,7 @@ class DiskTier:
         self._tmp_counter = itertools.count()
         self.checksum_failures = 0
         self.evictions = 0
+        self.full_disk_events = 0  # writes that met a full disk below the quota (ENOSPC)
         self.removed_at_scan = 0
         self._scan()
 
@@ -206,6 +208,26 @@ class DiskTier:
             self._used += size
 
         final = self._file_path(key)
+        for attempt in (1, 2):
+            try:
+                self._write(final, key_bytes, views, payload_len)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT) and attempt == 1 and self._room_after_full_disk(size):
+                    continue  # the disk filled up under the quota: evicted to make room, try again
+                logger.warning("disk tier: writing key=%r to %s failed: %s", key, final, exc)
+                with self._lock:
+                    if self._inflight.pop(key, None) is not None:
+                        self._used -= size
+                return ErrorCode.INTERNAL_ERROR
+            with self._lock:
+                del self._inflight[key]
+                self._index[key] = size
+            return ErrorCode.OK
+        raise AssertionError("unreachable")
+
+    def _write(self, final: str, key_bytes: bytes, views: list[memoryview], payload_len: int) -> None:
+        """Write one object's file next to ``final`` and rename it into place (no temp file is
+        left behind on failure)."""
         tmp = f"{final}{_TMP_MARK}{os.getpid()}.{next(self._tmp_counter)}"
         try:
             crc = 0
@@ -221,19 +243,29 @@ class DiskTier:
                     f.write(v)
             with self._lock:
                 os.replace(tmp, final)
-                del self._inflight[key]
-                self._index[key] = size
-            return ErrorCode.OK
-        except OSError as exc:
-            logger.warning("disk tier: writing key=%r to %s failed: %s", key, final, exc)
-            with self._lock:
-                if self._inflight.pop(key, None) is not None:
-                    self._used -= size
+        except OSError:
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
-            return ErrorCode.INTERNAL_ERROR
+            raise
+
+    def _room_after_full_disk(self, size: int) -> bool:
+        """The disk ran out of space below our quota (something else filled it): shrink the
+        quota to what the tier holds now, so it evicts instead of failing every write from now
+        on, and evict room for one more object of ``size`` bytes. False with policy ``none``."""
+        with self._lock:
+            self.full_disk_events += 1
+            held = self._used - size  # this write's reservation is still counted
+            self.quota_bytes = max(size, held)
+            if self.policy == "none":
+                return False
+            logger.warning("disk tier: %s is full below its quota; quota lowered to %d bytes (what the "
+                           "tier holds), evicting to make room", self.path, self.quota_bytes)
+            # The disk had no room for `size` more bytes: free that much of our own.
+            before = self._used
+            self._evict_locked(size)
+            return before - self._used >= size
 
     def get(self, key: str) -> bytes:
         """Return the payload of ``key``.

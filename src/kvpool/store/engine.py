@@ -765,6 +765,7 @@ class PoolEngine:
             disk_quota=disk.quota_bytes if disk else 0,
             disk_evictions=disk.evictions if disk else 0,
             checksum_failures=disk.checksum_failures if disk else 0,
+            disk_full_events=disk.full_disk_events if disk else 0,
             disk_queue=self._queue.qsize() if self._queue else 0,
         )
         return out
