@@ -12,7 +12,11 @@ CPU-layout tensors, exactly as `PoolWorker._load` does it, and each stage is tim
   views        building the per-block lists of byte views (`KVLayout.stage_buffers`)
   base class   `Backend.batch_get_into`'s checks, over an adapter that copies nothing
   leases       the engine's batch read with a copy engine that copies nothing: lease, validate,
-               release (one lock acquisition each), and for `server` the two round trips
+               release (one lock acquisition each), and for `server` the two round trips and
+               the checksum check of each copy
+  checksum     XXH3 of every block's destination views (`store.buffers.checksum`): what a
+               `server` read adds to check its copy against the writer's checksum (`local`
+               serves its own process's memory and checks none)
   copy         the copy alone (`CopyEngine.scatter_all` over the same source and destination
                views), on 1..N threads
   load         the whole `DirectCopier.load` (what a synchronous hit waits for), and the same
@@ -48,6 +52,7 @@ from kvpool.device.copy import DirectCopier, StagedCopier
 from kvpool.device.layout import KVLayout
 from kvpool.errors import OK
 from kvpool.keys import KeyScheme
+from kvpool.store.buffers import checksum
 from kvpool.store.memcopy import CopyEngine, auto_threads
 from kvpool.testing.launch import PoolServer
 
@@ -114,6 +119,7 @@ def profile(backend_name: str, backend: Backend, layout: KVLayout, n_blocks: int
     row["lookup_ms"] = median_ms(lambda: backend.batch_exists(keys, lease=True), reps)
     row["views_ms"] = median_ms(lambda: [layout.stage_buffers(b, layers) for b in dst_ids], reps)
     views = [layout.stage_buffers(b, layers) for b in dst_ids]
+    row["checksum_ms"] = median_ms(lambda: [checksum(v) for v in views], reps)
     null = _NullAdapter()
     row["base_ms"] = median_ms(lambda: null.batch_get_into(keys, views), reps)
     saved = backend._state.copies
@@ -194,12 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         r["default_vs_memcpy"] = r[f"load_ms_t{auto}"] / r["memcpy_ms"]
         r["serial_vs_memcpy"] = r[f"load_ms_t{threads[0]}"] / r["memcpy_ms"]
         r["staged_vs_direct"] = r["staged_ms"] / r[f"load_ms_t{auto}"]
-    heads = ["size", "backend", "MiB", "memcpy", "lookup", "views", "base", "leases",
+    heads = ["size", "backend", "MiB", "memcpy", "lookup", "views", "base", "leases", "checksum",
              *[f"copy t{t}" for t in threads], *[f"load t{t}" for t in threads], "staged",
              f"load t{auto}/memcpy", "staged/direct"]
     table = markdown_table(heads, [
         [r["size"], r["backend"], f"{r['mib']:.0f}", f"{r['memcpy_ms']:.2f}", f"{r['lookup_ms']:.2f}",
-         f"{r['views_ms']:.2f}", f"{r['base_ms']:.2f}", f"{r['leases_ms']:.2f}",
+         f"{r['views_ms']:.2f}", f"{r['base_ms']:.2f}", f"{r['leases_ms']:.2f}", f"{r['checksum_ms']:.2f}",
          *[f"{r[f'copy_ms_t{t}']:.2f}" for t in threads], *[f"{r[f'load_ms_t{t}']:.2f}" for t in threads],
          f"{r['staged_ms']:.2f}", f"{r['default_vs_memcpy']:.2f}", f"{r['staged_vs_direct']:.2f}"]
         for r in rows])

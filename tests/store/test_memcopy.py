@@ -4,6 +4,7 @@ released whatever happens."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 from kvpool.errors import ErrorCode
 from kvpool.store import EngineConfig, PoolEngine
-from kvpool.store.memcopy import MIN_PARALLEL_BYTES, CopyEngine
+from kvpool.store.memcopy import MIN_PARALLEL_BYTES, CopyEngine, auto_threads, process_cpus
 
 SEG = 64 * 1024  # bytes per destination segment
 
@@ -110,3 +111,31 @@ def test_engine_batch_read_on_threads_is_exact_and_releases_leases() -> None:
     finally:
         copies.close()
         eng.close()
+
+
+def test_copy_helpers_run_on_every_cpu_of_the_process_not_the_callers_one():
+    # vLLM-CPU pins the worker's main thread to one core and its other OpenMP threads to the
+    # others; copy helpers started from the main thread must not inherit its single core.
+    all_cpus = set(os.sched_getaffinity(0))
+    first, others = min(all_cpus), all_cpus - {min(all_cpus)}
+    pinned, release = threading.Event(), threading.Event()
+
+    def omp_like_thread() -> None:  # stands for the OpenMP threads bound to the other cores
+        os.sched_setaffinity(0, others or {first})
+        pinned.set()
+        release.wait(10)
+
+    t = threading.Thread(target=omp_like_thread)
+    t.start()
+    assert pinned.wait(10)
+    os.sched_setaffinity(0, {first})
+    try:
+        assert process_cpus() == all_cpus and auto_threads() == min(4, len(all_cpus))
+        engine = CopyEngine(2)
+        seen = engine._executor().submit(lambda: set(os.sched_getaffinity(0))).result()
+        engine.close()
+        assert seen == all_cpus
+    finally:
+        os.sched_setaffinity(0, all_cpus)
+        release.set()
+        t.join()

@@ -34,13 +34,43 @@ MAX_AUTO_THREADS = 4
 Job = tuple[np.ndarray, Sequence[np.ndarray]]
 
 
-def auto_threads() -> int:
-    """Copy threads for `copy_threads: 0`: the CPUs this process may run on, at most 4."""
+def process_cpus() -> set[int]:
+    """The CPUs this process computes on: the union of its threads' affinities.
+
+    Not the calling thread's own: vLLM-CPU pins each OpenMP thread to one core
+    (`VLLM_CPU_OMP_THREADS_BIND`), the worker's main thread included, and a thread started from
+    it inherits that single core. Copy helpers confined there would share one core with the
+    thread they are meant to relieve while the others, idle during a synchronous load, wait.
+    """
+    cpus: set[int] = set()
     try:
-        cpus = len(os.sched_getaffinity(0))
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        tids = []
+    for tid in tids:
+        try:
+            cpus |= os.sched_getaffinity(int(tid))
+        except (OSError, ValueError):
+            pass  # a thread that just ended
+    if not cpus:
+        try:
+            cpus = set(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = set(range(os.cpu_count() or 1))
+    return cpus
+
+
+def auto_threads() -> int:
+    """Copy threads for `copy_threads: 0`: the CPUs this process computes on, at most 4."""
+    return max(1, min(MAX_AUTO_THREADS, len(process_cpus())))
+
+
+def _spread(cpus: set[int]) -> None:
+    """A copy helper's start: free to run on every CPU of the process (`process_cpus`)."""
+    try:
+        os.sched_setaffinity(0, cpus)
     except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(MAX_AUTO_THREADS, cpus))
+        pass  # not on Linux, or a CPU set we may not use: keep the inherited one
 
 
 class CopyEngine:
@@ -102,5 +132,6 @@ class CopyEngine:
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvpool-copy")
+                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvpool-copy",
+                                                initializer=_spread, initargs=(process_cpus(),))
             return self._pool
