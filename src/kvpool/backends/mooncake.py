@@ -47,7 +47,8 @@ from kvpool.backends.base import Backend, spans
 from kvpool.backends.net import default_local_hostname, parse_host_port, probe
 from kvpool.config import MooncakeSettings, parse_size, read_json_object
 from kvpool.errors import ConfigError, ErrorCode
-from kvpool.errors import EXISTS, INTERNAL, INVALID, LEASE_EXPIRED, NOT_FOUND, NO_HANDLE, OK, RPC_FAIL, RPC_TIMEOUT  # the codes as ints
+from kvpool.errors import EXISTS, INTERNAL, INVALID, LEASE_EXPIRED, NOT_FOUND, NO_HANDLE, OK  # the codes as ints
+from kvpool.errors import RPC_FAIL, RPC_TIMEOUT
 
 logger = logging.getLogger(__name__)
 

@@ -42,7 +42,8 @@ from kvpool.backends.base import Backend, gather, scatter, total_size
 from kvpool.store.buffers import checksum
 from kvpool.config import RedisSettings
 from kvpool.errors import ConfigError, ErrorCode
-from kvpool.errors import CHECKSUM_MISMATCH, EXISTS, INTERNAL, INVALID, NOT_FOUND, NO_HANDLE, OK, RPC_FAIL, RPC_TIMEOUT  # the codes as ints
+from kvpool.errors import CHECKSUM_MISMATCH, EXISTS, INTERNAL, INVALID, NOT_FOUND, NO_HANDLE, OK  # the codes as ints
+from kvpool.errors import RPC_FAIL, RPC_TIMEOUT
 
 logger = logging.getLogger(__name__)
 
