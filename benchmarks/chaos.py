@@ -79,14 +79,14 @@ def plot(result: ChaosResult, path: Path) -> Path | None:
             if pts:
                 ax.scatter(*zip(*pts), s=9, marker=marker, color=color,
                            label=f"{name} {'hit' if hit else 'miss'}")
-    bad = [(r.t_start, (r.total_s or 0) * 1000) for r in result.requests if r.status != "ok"]
+    bad = [(r.t_start, (r.total_s or r.ttft_s or 1.0) * 1000) for r in result.requests if r.status != "ok"]
     if bad:
         ax.scatter(*zip(*bad), s=40, marker="x", color="k", label="wrong/failed/hung")
     ax.set_xlabel("time since the load started (s)")
     ax.set_ylabel("TTFT (ms)")
     ax.set_yscale("log")
     ax.set_title(f"kvpool chaos run: {len(result.requests)} requests, {len(result.faults)} faults")
-    ax.legend(fontsize=7, ncol=4, loc="upper right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
