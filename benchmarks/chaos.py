@@ -26,12 +26,12 @@ matplotlib is installed).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from common import REPO, RESULTS_DIR, fmt, log, machine_info, markdown_table, package_version, pyplot, unwind_on_sigterm, \
-    write_json
+from common import REPO, RESULTS_DIR, fmt, log, machine_info, markdown_table, package_version, pyplot, unwind_on_sigterm
 
 from kvpool.testing.chaos import FAULT_KINDS, ChaosConfig, ChaosResult, ChaosRun
 from kvpool.testing.model import SPECS, build_model
@@ -60,6 +60,17 @@ def table(s: dict[str, Any]) -> str:
     rows.append(["target: p99 during faults <= cold p50 + deadline", f"{_ms(s['target_bound_s'])} ms bound: "
                  + {True: "met", False: "missed", None: "—"}[s["target_met"]]])
     return markdown_table(["", "value"], rows)
+
+
+def write_rows_json(path: Path, data: dict[str, Any]) -> Path:
+    """`write_json`, but the (thousands of) request rows one a line, to keep the file small."""
+    rows = data["requests"]
+    head = json.dumps({**data, "requests": []}, indent=1)
+    assert head.endswith('"requests": []\n}')
+    body = ",\n".join(json.dumps(r, separators=(",", ":")) for r in rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(head[: -len("[]\n}")] + "[\n" + body + "\n]\n}\n")
+    return path
 
 
 def plot(result: ChaosResult, path: Path) -> Path | None:
@@ -117,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     result = ChaosRun(cfg).run()
     s = result.summary()
     data = {"environment": env, "model": args.model, **result.to_json()}
-    write_json(out, data)
+    write_rows_json(out, data)
     png = plot(result, out.with_suffix(".png"))
     print(table(s))
     log(f"wrote {out}" + (f" and {png}" if png else " (no matplotlib: no plot)"))

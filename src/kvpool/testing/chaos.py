@@ -45,7 +45,7 @@ import httpx
 
 from kvpool.testing.launch import ChildProcess, OpenAIServer, PoolServer, ServerError, stream_completion
 
-__all__ = ["FAULT_KINDS", "ChaosConfig", "ChaosResult", "ChaosRun", "Fault", "Request", "SlowProxy",
+__all__ = ["FAULT_KINDS", "REQUEST_COLUMNS", "ChaosConfig", "ChaosResult", "ChaosRun", "Fault", "Request", "SlowProxy",
            "percentile", "tmpfs_mount"]
 
 FAULT_KINDS = ("kill", "pause", "writer", "corrupt", "ssd_full", "slow")
@@ -240,6 +240,14 @@ class Request:
     error: str | None = None
 
 
+REQUEST_COLUMNS = tuple(f.name for f in dataclasses.fields(Request))
+
+
+def request_row(r: Request) -> list[Any]:
+    """`r` as a JSON row in `REQUEST_COLUMNS` order, times rounded to the millisecond."""
+    return [round(v, 3) if isinstance(v, float) else v for v in dataclasses.astuple(r)]
+
+
 @dataclasses.dataclass
 class Fault:
     kind: str
@@ -315,7 +323,9 @@ class ChaosResult:
             "config": self.config,
             "summary": self.summary(),
             "faults": [dataclasses.asdict(f) for f in self.faults],
-            "requests": [dataclasses.asdict(r) for r in self.requests],
+            # One row per request (REQUEST_COLUMNS), times in ms: a long run has thousands.
+            "request_columns": list(REQUEST_COLUMNS),
+            "requests": [request_row(r) for r in self.requests],
             "pool_stats": self.pool_stats,
             "t_load_end": self.t_load_end,
         }
@@ -502,10 +512,16 @@ class ChaosRun:
         elif kind == "writer":
             proc = subprocess.Popen([sys.executable, "-c", _WRITER, self.pool.socket_path], stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            assert proc.stdout is not None
+            # The clock starts once it writes: on a busy machine its start-up alone can take seconds.
+            started = threading.Thread(target=proc.stdout.readline, daemon=True)
+            started.start()
+            started.join(30)
             time.sleep(cfg.writer_s)
             proc.kill()
             out = proc.communicate(timeout=30)[0].decode(errors="replace")
-            detail = "killed while writing" if "writing" in out else f"killed before writing: {out[-300:]}"
+            detail = "killed while writing" if not started.is_alive() and proc.returncode == -signal.SIGKILL \
+                else f"killed before writing: {out[-300:]}"
         elif kind == "corrupt":
             r = subprocess.run([sys.executable, "-c", _ROGUE, self.pool.socket_path, str(cfg.corrupt_ranges),
                                 str(cfg.corrupt_bytes), str(self.rng.randrange(1 << 30))],
