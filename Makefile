@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/store.py
 	$(BIN)/python benchmarks/hitpath.py
 	$(BIN)/python benchmarks/ttft.py
+	$(BIN)/python benchmarks/chaos.py
 
 clean:
 	rm -rf $(VENV) .cache

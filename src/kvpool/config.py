@@ -447,6 +447,26 @@ def convert(schema: type[msgspec.Struct], raw: Mapping[str, Any], names: Mapping
 
 # ---- the pool engine's settings (backend `local` and `kvpool server`) ------------------------------
 
+
+def _tree_bytes(path: str) -> int:
+    """Bytes of the regular files under `path` (symlinks not followed; unreadable entries skipped)."""
+    total, todo = 0, [path]
+    while todo:
+        try:
+            entries = list(os.scandir(todo.pop()))
+        except OSError:
+            continue
+        for e in entries:
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    todo.append(e.path)
+                elif e.is_file(follow_symlinks=False):
+                    total += e.stat(follow_symlinks=False).st_size
+            except OSError:
+                continue
+    return total
+
+
 class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     """What the pool engine is configured with; `local` and `kvpool server` spell the keys
     their own way (the subclasses' `KEYS`), the rules are these."""
@@ -476,7 +496,9 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
         if self.offload_path:
             path = os.path.join(self.offload_path, offload_subdir) if offload_subdir else self.offload_path
             os.makedirs(path, mode=0o700, exist_ok=True)
-            quota = self.offload_quota or int(shutil.disk_usage(path).free * 0.9)
+            # The tier's own files from an earlier run count as free: otherwise every restart
+            # would shrink the automatic quota by what the tier holds and evict it to fit.
+            quota = self.offload_quota or int((shutil.disk_usage(path).free + _tree_bytes(path)) * 0.9)
             disk = DiskTier(path, quota, self.offload_eviction_policy)
         return EngineConfig(
             memory_size=self.memory_size,

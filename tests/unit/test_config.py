@@ -634,3 +634,22 @@ def test_any_value_of_any_key_is_accepted_or_a_config_error(backend, key, value,
         assert exc.key and str(exc).startswith(f"[INVALID_PARAMS -600] {exc.key}=")
     else:
         assert cfg.backend == backend and cfg.kv_role in ("kv_both", "kv_producer", "kv_consumer")
+
+
+def test_automatic_ssd_quota_counts_the_tiers_own_files_as_free(tmp_path, monkeypatch):
+    # A restarted pool must not shrink its automatic quota by what its tier already holds
+    # (and then evict that to fit): the tier's files count as free space.
+    import collections
+    import shutil
+
+    tier = tmp_path / "tier"
+    (tier / "ab").mkdir(parents=True)
+    (tier / "ab" / "obj").write_bytes(b"x" * 3 * MiB)
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(100 * MiB, 10 * MiB, 7 * MiB))
+    disk = LocalSettings(offload_path=str(tier), offload_quota=0).engine_config().disk
+    assert disk is not None and disk.quota_bytes == int(10 * MiB * 0.9)
+    disk.close()
+    disk = LocalSettings(offload_path=str(tier), offload_quota=5 * MiB).engine_config().disk
+    assert disk is not None and disk.quota_bytes == 5 * MiB  # an explicit quota stays as given
+    disk.close()
