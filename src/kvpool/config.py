@@ -708,6 +708,14 @@ def known_keys() -> set[str]:
     return keys
 
 
+def int_arg(text: str) -> int:
+    """argparse `type` for integer flags (proxy, doctor): ASCII digits only (`int()` also takes e.g. fullwidth ones)."""
+    body = text[1:] if text[:1] in "+-" else text
+    if not (body.isascii() and body.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer written in ASCII digits")
+    return int(text)
+
+
 def load_config(extra: Mapping[str, Any] | None, kv_role: str | None = "kv_both") -> KVPoolConfig:
     """Validate `kv_connector_extra_config` into a `KVPoolConfig`; raise `ConfigError` on the first bad value.
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import signal
 import subprocess
 import sys
@@ -37,3 +39,16 @@ def test_kvpool_proxy_serves_with_the_spec_arguments(make_peer, tmp_path):
     # uvicorn shuts down gracefully on SIGTERM and then re-raises it, so -SIGTERM is a clean exit.
     assert proxy.returncode in (0, -signal.SIGTERM), proxy.log()
     assert "Traceback" not in proxy.log(), proxy.log()
+
+
+@pytest.mark.parametrize("flag", ["--port", "--max-retries", "--max-body-bytes"])
+def test_integer_flags_take_ascii_digits_only(flag):
+    import argparse
+
+    from kvpool.proxy.config import add_arguments
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_arguments(parser)
+    with pytest.raises((argparse.ArgumentError, SystemExit)):
+        parser.parse_args([flag, "８０００"])  # fullwidth digits: int() would take them
+    assert getattr(parser.parse_args([flag, "8000"]), flag[2:].replace("-", "_")) == 8000

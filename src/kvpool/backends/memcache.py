@@ -101,7 +101,7 @@ def load_memcache_config(path: str | None = None, env: Mapping[str, str] | None 
     if protocol not in PROTOCOLS:
         raise ConfigError("ock.mmc.local_service.protocol", protocol, f"one of {', '.join(PROTOCOLS)}")
     ws = conf.get("ock.mmc.local_service.world_size", "1")
-    if not ws.isdigit() or int(ws) < 1:
+    if not (ws.isascii() and ws.isdigit()) or int(ws) < 1:
         raise ConfigError("ock.mmc.local_service.world_size", ws,
                           "an integer >= 1: the number of local services, including those added later")
     level = conf.get("ock.mmc.log_level", "error")

@@ -22,7 +22,7 @@ from typing import Any
 
 from kvpool.backends.net import parse_host_port, parse_tcp_url, probe
 from kvpool.backends.registry import doctor_check
-from kvpool.config import KVPoolConfig, LocalSettings, RedisSettings, ServerClientSettings, load_config
+from kvpool.config import KVPoolConfig, LocalSettings, RedisSettings, ServerClientSettings, int_arg, load_config
 from kvpool.errors import ConfigError
 from kvpool.paths import check_socket_dir
 from kvpool.server import peers
@@ -401,9 +401,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the --kv-transfer-config given to vLLM, or @path of a file holding it")
     p.add_argument("--prefix-caching-hash-algo", default="sha256",
                    help="the value given to vLLM (default: vLLM's default, sha256)")
-    p.add_argument("--default-kv-lease-ttl", type=int, default=None, metavar="MS",
+    p.add_argument("--default-kv-lease-ttl", type=int_arg, default=None, metavar="MS",
                    help="mooncake_master's --default_kv_lease_ttl (ms), checked against the Ascend timeouts")
-    p.add_argument("--ranks-per-host", type=int, default=1, metavar="N",
+    p.add_argument("--ranks-per-host", type=int_arg, default=1, metavar="N",
                    help="worker processes (TP x PP ranks) per host sharing its memory and disk (default 1)")
     p.add_argument("--timeout", type=float, default=1.0, metavar="S",
                    help="seconds to wait for a service to answer (default 1)")

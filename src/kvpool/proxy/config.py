@@ -26,6 +26,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 
+from kvpool.config import int_arg
 from kvpool.errors import ConfigError
 
 
@@ -169,7 +170,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = ProxyConfig()
     parser.add_argument("--host", default=d.host,
                         help=f"address to listen on (default {d.host}; 0.0.0.0 listens on every interface)")
-    parser.add_argument("--port", type=int, default=d.port, help=f"port to listen on (default {d.port})")
+    parser.add_argument("--port", type=int_arg, default=d.port, help=f"port to listen on (default {d.port})")
     parser.add_argument("--prefiller-hosts", nargs="*", default=[], metavar="HOST",
                         help="prefill (kv_producer) instances' hosts: one per --prefiller-ports entry, or one for all")
     parser.add_argument("--prefiller-ports", nargs="*", default=[], metavar="PORT",
@@ -178,7 +179,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode (kv_consumer) instances' hosts: one per --decoder-ports entry, or one for all")
     parser.add_argument("--decoder-ports", nargs="*", default=[], metavar="PORT",
                         help="decode instances' OpenAI server ports")
-    parser.add_argument("--max-retries", type=int, default=d.max_retries,
+    parser.add_argument("--max-retries", type=int_arg, default=d.max_retries,
                         help="after a failed attempt (connection error, timeout, 5xx), try another instance "
                              f"up to this many more times (default {d.max_retries})")
     parser.add_argument("--retry-delay", type=float, default=d.retry_delay,
@@ -195,7 +196,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "security", f"The admin routes (GET /instances, POST /instances/add and /instances/remove) are disabled "
         f"unless the environment variable {ADMIN_TOKEN_ENV} holds a token ({ADMIN_TOKEN_MIN_LENGTH}+ characters); "
         "requests to them then send 'Authorization: Bearer <token>'. Instances given by the flags above need none.")
-    security.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+    security.add_argument("--max-body-bytes", type=int_arg, default=d.max_body_bytes,
                         help="largest request body accepted, in bytes; a larger one is answered 413 before "
                              f"it is read (default {d.max_body_bytes}, 16 MiB)")
     security.add_argument("--forward-authorization", default=d.forward_authorization.value,
