@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
-
 import signal
 import subprocess
 import sys
 
 import httpx
+import pytest
 
 from kvpool.testing.launch import ProxyServer
 
