@@ -19,7 +19,7 @@ pytestmark = pytest.mark.vllm
 
 
 def test_chaos_under_load(model_dir, tmp_path):
-    cfg = ChaosConfig(model_dir=model_dir, work_dir=str(tmp_path / "chaos"), duration_s=72, fault_every_s=7,
+    cfg = ChaosConfig(model_dir=model_dir, work_dir=str(tmp_path / "chaos"), duration_s=42, fault_every_s=6,
                       seed=1, log=print)
     result = ChaosRun(cfg).run()
     s = result.summary()
