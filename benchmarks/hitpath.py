@@ -12,8 +12,7 @@ CPU-layout tensors, exactly as `PoolWorker._load` does it, and each stage is tim
   views        building the per-block lists of byte views (`KVLayout.stage_buffers`)
   base class   `Backend.batch_get_into`'s checks, over an adapter that copies nothing
   leases       the engine's batch read with a copy engine that copies nothing: lease, validate,
-               release (one lock acquisition each), and for `server` the two round trips and
-               the checksum check of each copy
+               release (one lock acquisition each), and for `server` the two round trips
   checksum     XXH3 of every block's destination views (`store.buffers.checksum`): what a
                `server` read adds to check its copy against the writer's checksum (`local`
                serves its own process's memory and checks none)
@@ -64,7 +63,7 @@ MiB = 1 << 20
 class _NoCopy(CopyEngine):
     """Copies nothing: what is left of a batch read is its bookkeeping."""
 
-    def scatter_all(self, jobs):  # type: ignore[override]
+    def scatter_all(self, jobs, expect=None):  # type: ignore[override]
         return [None] * len(jobs)
 
 

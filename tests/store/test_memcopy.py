@@ -59,9 +59,9 @@ def test_copies_run_on_several_threads() -> None:
     engine = CopyEngine(2)
     original = engine._run
 
-    def run(jobs_, indices, results):
+    def run(jobs_, sums, indices, results):
         seen.add(threading.current_thread().name)
-        original(jobs_, indices, results)
+        original(jobs_, sums, indices, results)
 
     engine._run = run  # type: ignore[method-assign]
     try:
@@ -139,3 +139,20 @@ def test_copy_helpers_run_on_every_cpu_of_the_process_not_the_callers_one():
         os.sched_setaffinity(0, all_cpus)
         release.set()
         t.join()
+
+
+def test_copies_are_checked_against_their_checksums_on_the_copying_threads() -> None:
+    from kvpool.store.buffers import checksum
+    from kvpool.store.memcopy import CorruptCopy
+
+    jobs, outs, srcs = make_jobs(8, segs=3, seed=7)
+    sums = [checksum([src]) for src, _ in jobs]
+    sums[2] ^= 1  # what the writer committed no longer matches these bytes
+    sums[5] = None  # unchecked
+    engine = CopyEngine(2)
+    try:
+        results = engine.scatter_all(jobs, sums)
+    finally:
+        engine.close()
+    assert isinstance(results[2], CorruptCopy)
+    assert all(r is None for i, r in enumerate(results) if i != 2)

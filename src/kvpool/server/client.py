@@ -46,7 +46,7 @@ from kvpool.server import protocol as P
 from kvpool.server import shm
 from kvpool.store.buffers import as_u8 as _u8
 from kvpool.store.buffers import checksum, gather
-from kvpool.store.memcopy import CopyEngine
+from kvpool.store.memcopy import CopyEngine, CorruptCopy
 
 logger = logging.getLogger(__name__)
 
@@ -127,9 +127,6 @@ def _always() -> AbstractContextManager[bool]:
 
 
 _ALWAYS: BufferGate = _always
-
-# A copy whose bytes do not hash to what their writer committed (another client overwrote them).
-_CORRUPT = ValueError("checksum mismatch")
 
 
 class PoolClient:
@@ -444,20 +441,16 @@ class PoolClient:
             else:
                 give_up(i, INTERNAL, lease_id)
         with buffers() as admitted:
-            errors = copies.scatter_all(jobs) if admitted else None
-            if errors is not None:
-                # What we copied is what the writer committed, or a miss: the arena is writable
-                # by every client of this pool, our destination only by us.
-                for j, ((_, outs), want_sum) in enumerate(zip(jobs, expected)):
-                    if errors[j] is None and want_sum is not None and checksum(outs) != want_sum:
-                        errors[j] = _CORRUPT
-                        self.checksum_failures += 1
+            # What we copied is what the writer committed, or a miss: the arena is writable by
+            # every client of this pool, our destination only by us. Checked by the copying threads.
+            errors = copies.scatter_all(jobs, expected) if admitted else None
         if errors is None:  # the caller stopped waiting: its buffers may hold other KV now
             for i, lease_id in copying:
                 give_up(i, RPC_TIMEOUT, lease_id)
             errors = []
         for (i, lease_id), err in zip(copying, errors):
-            if err is _CORRUPT:
+            if isinstance(err, CorruptCopy):
+                self.checksum_failures += 1
                 give_up(i, CHECKSUM_MISMATCH, lease_id)
             elif err is not None:
                 logger.error("kvpool get: copying out of the arena failed: %r", err)

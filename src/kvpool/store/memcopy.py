@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from kvpool.store.buffers import scatter
+from kvpool.store.buffers import checksum, scatter
 
 # Below this many bytes a batch is copied on the calling thread: handing work to a thread costs
 # tens of microseconds, as much as copying a few hundred KiB.
@@ -29,6 +29,13 @@ MIN_PARALLEL_BYTES = 1 << 20
 # `copy_threads: 0` takes one thread per CPU this process may run on, up to this many: past a few
 # threads a copy is bound by the memory bus, not by the cores.
 MAX_AUTO_THREADS = 4
+
+class CorruptCopy(ValueError):
+    """A copy whose bytes do not hash to the checksum its writer committed."""
+
+    def __init__(self) -> None:
+        super().__init__("checksum mismatch")
+
 
 # One job: a value's bytes and the buffers they are copied into, back to back.
 Job = tuple[np.ndarray, Sequence[np.ndarray]]
@@ -83,17 +90,21 @@ class CopyEngine:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
-    def scatter_all(self, jobs: Sequence[Job]) -> list[BaseException | None]:
+    def scatter_all(self, jobs: Sequence[Job], expect: Sequence[int | None] | None = None
+                    ) -> list[BaseException | None]:
         """Copy every job; per job, None or the exception its copy raised (its buffers may then
-        hold part of the value: the caller reports that key as failed)."""
+        hold part of the value: the caller reports that key as failed). With ``expect``, each
+        job's copy is also checked, on the thread that made it, against that checksum
+        (`buffers.checksum`; None: unchecked): a mismatch is `CorruptCopy`."""
         results: list[BaseException | None] = [None] * len(jobs)
+        sums = list(expect) if expect is not None else [None] * len(jobs)
         groups = self._split(jobs)
         if len(groups) <= 1:
-            self._run(jobs, range(len(jobs)), results)
+            self._run(jobs, sums, range(len(jobs)), results)
             return results
         pool = self._executor()
-        futures = [pool.submit(self._run, jobs, g, results) for g in groups[1:]]
-        self._run(jobs, groups[0], results)
+        futures = [pool.submit(self._run, jobs, sums, g, results) for g in groups[1:]]
+        self._run(jobs, sums, groups[0], results)
         for f in futures:
             f.result()
         return results
@@ -121,11 +132,14 @@ class CopyEngine:
         return [range(a, b) for a, b in zip(edges, edges[1:])]
 
     @staticmethod
-    def _run(jobs: Sequence[Job], indices: range, results: list[BaseException | None]) -> None:
+    def _run(jobs: Sequence[Job], sums: Sequence[int | None], indices: range,
+             results: list[BaseException | None]) -> None:
         for i in indices:
             src, outs = jobs[i]
             try:
                 scatter(src, outs)
+                if sums[i] is not None and checksum(outs) != sums[i]:
+                    results[i] = CorruptCopy()
             except Exception as exc:  # noqa: BLE001 - reported per key by the caller
                 results[i] = exc
 
