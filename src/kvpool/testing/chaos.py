@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 
 from kvpool.testing.launch import ChildProcess, OpenAIServer, PoolServer, ServerError, stream_completion
 
@@ -257,14 +258,8 @@ class Fault:
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolation percentile (q in 0..100); None for no values."""
-    xs = sorted(values)
-    if not xs:
-        return None
-    k = (len(xs) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+    """Linear-interpolation percentile (q in 0..100, numpy's); None for no values."""
+    return float(np.percentile(values, q)) if len(values) else None
 
 
 @dataclasses.dataclass
