@@ -70,12 +70,17 @@ class PoolScheduler:
         dp_rank = vllm_config.parallel_config.data_parallel_rank
         self._client = LookupClient(config.lookup_rpc_port, dp_rank) if config.loads else None
         self._plans: dict[str, _LoadPlan] = {}
+        self._local_blocks: dict[str, int] = {}  # request -> blocks vLLM's prefix cache supplies
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[BlockTask] = []
         self._finished_with_io: list[str] = []
         self._awaiting_free: set[str] = set()
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        # Blocks vLLM's own prefix cache supplies were computed here earlier (and saved then) or
+        # loaded from the pool: offering them to the pool again on every turn of a conversation
+        # would only cost put-if-absent round trips. The last call before allocation counts.
+        self._local_blocks[request.request_id] = num_computed_tokens // self.block_size
         if self._client is None:
             return 0, False
         hashes = request.block_hashes
@@ -92,6 +97,7 @@ class PoolScheduler:
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         state = self._requests.setdefault(request.request_id, _RequestState(request))
+        state.saved_upto = max(state.saved_upto, self._local_blocks.pop(request.request_id, 0))
         plan = self._plans.pop(request.request_id, None)
         if plan is None or num_external_tokens == 0:
             return
@@ -150,6 +156,7 @@ class PoolScheduler:
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         req_id = request.request_id
         self._plans.pop(req_id, None)
+        self._local_blocks.pop(req_id, None)
         state = self._requests.pop(req_id, None)
         if state is None or not state.has_io:
             return False, None

@@ -204,6 +204,25 @@ def test_loaded_blocks_are_not_saved_again(fake_lookup):
     assert tasks(meta.saves) == [("a", req.block_hashes[2:4], [2, 3])]
 
 
+def test_blocks_from_vllms_prefix_cache_are_not_offered_again(fake_lookup):
+    # A conversation's next turn: vLLM's own cache supplies 3 blocks, the pool the 4th.
+    sched = make_scheduler()
+    req = make_request("a", 6 * BS + 1)
+    pool(fake_lookup, req, 4)
+    assert sched.get_num_new_matched_tokens(req, 3 * BS) == (BS, False)
+    sched.update_state_after_alloc(req, kv_blocks(range(7)), BS)
+    meta = sched.build_connector_meta(scheduler_output(new=[(new_req(req, list(range(7)), 4 * BS), 2 * BS + 1)]))
+    assert tasks(meta.loads) == [("a", req.block_hashes[3:4], [3])]
+    assert tasks(meta.saves) == [("a", req.block_hashes[4:6], [4, 5])]
+    # Only a local hit: nothing loaded, and only the computed blocks go to the pool.
+    fake_lookup.pooled.clear()
+    req2 = make_request("b", 4 * BS + 1)
+    assert sched.get_num_new_matched_tokens(req2, 2 * BS) == (0, False)
+    sched.update_state_after_alloc(req2, kv_blocks(range(10, 15)), 0)
+    meta = sched.build_connector_meta(scheduler_output(new=[(new_req(req2, list(range(10, 15)), 2 * BS), 2 * BS + 1)]))
+    assert meta.loads == [] and tasks(meta.saves) == [("b", req2.block_hashes[2:4], [12, 13])]
+
+
 def test_blocks_beyond_a_partial_grant_are_saved_after_compute(fake_lookup):
     sched = make_scheduler()
     req = make_request("a", 4 * BS + 1)

