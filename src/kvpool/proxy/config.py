@@ -227,16 +227,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help=f"round_robin, least_loaded (fewest requests in flight) or prefix_aware (where the "
                               f"prompt's leading blocks went before, within a load bound; else least loaded); "
                               f"default {DEFAULT_MIXED_POLICY}")
-    routing.add_argument("--routing-block-size", type=int_arg, default=d.routing_block_size,
+    routing.add_argument("--routing-block-size", metavar="TOKENS", type=int_arg, default=d.routing_block_size,
                          help="tokens per prefix block of a token-id prompt (default "
                               f"{d.routing_block_size}: vLLM's CPU block size, a multiple of its GPU one)")
-    routing.add_argument("--routing-block-chars", type=int_arg, default=d.routing_block_chars,
+    routing.add_argument("--routing-block-chars", metavar="CHARS", type=int_arg, default=d.routing_block_chars,
                          help=f"characters per prefix block of a text prompt or chat (default {d.routing_block_chars})")
-    routing.add_argument("--routing-load-factor", type=float, default=d.routing_load_factor,
+    routing.add_argument("--routing-load-factor", metavar="FACTOR", type=float, default=d.routing_load_factor,
                          help="prefix_aware's bound: an instance takes a request for a prefix it holds only while its "
                               "requests in flight are below this times its fair share (default "
                               f"{d.routing_load_factor}; >= 1)")
-    routing.add_argument("--routing-capacity-blocks", type=int_arg, default=d.routing_capacity_blocks,
+    routing.add_argument("--routing-capacity-blocks", metavar="BLOCKS", type=int_arg, default=d.routing_capacity_blocks,
                          help="prefix blocks remembered per instance, least recently used first out (default "
                               f"{d.routing_capacity_blocks})")
     parser.add_argument("--max-retries", type=int_arg, default=d.max_retries,
