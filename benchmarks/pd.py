@@ -12,11 +12,13 @@ everywhere), so
   mixed       one PD-mixed instance (`kv_role: kv_both`, its own `kvpool server`), bound to
               cores 0-1; requests go straight to it (pd_mix.sh)
   1p1d        the spec's PD pair on one `kvpool server`: a prefill instance (`kv_producer`,
-              multi_producer.sh) bound to core 0 and a decode instance (`kv_consumer` with
-              `consumer_is_to_load: true`, multi_consumer.sh) bound to core 1, behind
-              `python -m kvpool.proxy` (proxy.sh); requests go to the proxy
-  1p1d-reuse  as 1p1d, plus `producer_is_to_load: true` on the prefill instance (a kvpool
-              extension, off in the spec's config): the prefill reuses pooled prefixes too
+              multi_producer.sh; it loads pooled prefixes, as the spec's producer does) bound to
+              core 0 and a decode instance (`kv_consumer` with `consumer_is_to_load: true`,
+              multi_consumer.sh) bound to core 1, behind `python -m kvpool.proxy` (proxy.sh);
+              requests go to the proxy
+  1p1d-noload as 1p1d with `producer_is_to_load: false` on the prefill instance (kvpool's
+              opt-out): the prefill recomputes every prompt in full, which shows what not
+              loading costs
 
 The proxy, the `kvpool server`s and vLLM's API-server front ends are not pinned: they run on the
 same two cores (1P1D has two front ends and the proxy where mixed has one front end).
@@ -74,11 +76,11 @@ from kvpool.testing.launch import OpenAIServer, PoolServer, ProxyServer, stream_
 from kvpool.testing.model import SPECS, build_model
 
 SECTION = "## PD disaggregation"
-CONFIG_ORDER = ("mixed", "1p1d", "1p1d-reuse")
+CONFIG_ORDER = ("mixed", "1p1d", "1p1d-noload")
 DESCRIPTIONS = {
     "mixed": "PD-mixed, 1 instance (kv_both), cores 0-1, direct",
     "1p1d": "1P1D via proxy: prefill core 0 + decode core 1",
-    "1p1d-reuse": "1P1D via proxy, prefill with producer_is_to_load",
+    "1p1d-noload": "1P1D via proxy, prefill with producer_is_to_load: false",
 }
 SERVED_NAME = "model"
 
@@ -207,7 +209,7 @@ def start_deployment(name: str, model_dir: Path, workdir: Path, args: argparse.N
         if name == "mixed":
             dep.servers["mixed"] = server("mixed", args.mixed_bind, _kv_config("kv_both", sock, rpc_base))
         else:
-            extra = {"producer_is_to_load": True} if name == "1p1d-reuse" else {}
+            extra = {"producer_is_to_load": False} if name == "1p1d-noload" else {}
             dep.servers["prefill"] = server("prefill", args.prefill_bind,
                                             _kv_config("kv_producer", sock, rpc_base + 1, **extra))
             dep.servers["decode"] = server("decode", args.decode_bind,
@@ -347,10 +349,10 @@ def notes(results: dict[str, Any]) -> list[str]:
         f"{dtypes(results)}), block size {BLOCK_SIZE}, vLLM prefix caching off "
         "everywhere (as in `examples/`), so every cached token came from kvpool. \"Prefix reused\" splits "
         f"requests by whether the instance that computes the prompt (mixed, or prefill) loaded at least the "
-        f"prefix's whole blocks ({p['reuse_threshold']} tokens) from the pool; with the spec's prefill config "
-        "(`kv_producer` without `producer_is_to_load`) the prefill node never loads, so it recomputes the "
-        "shared prefix on every request and its cached tokens are 0. `1p1d-reuse` turns that kvpool "
-        "extension on.",
+        f"prefix's whole blocks ({p['reuse_threshold']} tokens) from the pool; the prefill node "
+        "(`kv_producer`) loads pooled prefixes as the spec's does; with `producer_is_to_load: false` "
+        "(`1p1d-noload`) it never loads, so it recomputes the shared prefix on every request and its "
+        "cached tokens are 0.",
         "Decode cached tokens: the decode instance loaded the prompt's whole blocks (all but the last "
         f"partial block of {p['prefix_tokens'] + p['suffix_tokens']} tokens) that the prefill put in the pool.",
         "Outputs = mixed: requests whose generated token ids equal the mixed instance's for the same prompt. "
@@ -359,21 +361,22 @@ def notes(results: dict[str, Any]) -> list[str]:
         "(`tests/vllm/test_pd_examples.py` checks equality one request at a time).",
     ]
     m = cfg.get("mixed", {}).get("summary")
-    s1 = cfg.get("1p1d", {}).get("summary")
-    sr = cfg.get("1p1d-reuse", {}).get("summary")
+    s1 = cfg.get("1p1d-noload", {}).get("summary")
+    sr = cfg.get("1p1d", {}).get("summary")
     if m and s1 and s1["mean_cached_tokens"] == 0 and s1["requests_per_s"]:
-        line = (f"Where `1p1d` loses: its prefill instance recomputes the whole "
-                f"{p['prefix_tokens'] + p['suffix_tokens']}-token prompt of every request on one core (the spec's "
-                f"producer does not load from the pool): at {s1['requests_per_s']:.2f} requests/s that is one "
+        line = (f"Where `1p1d-noload` loses: its prefill instance recomputes the whole "
+                f"{p['prefix_tokens'] + p['suffix_tokens']}-token prompt of every request on one core (with "
+                f"`producer_is_to_load: false` it does not load from the pool): at {s1['requests_per_s']:.2f} "
+                "requests/s that is one "
                 f"prompt every {1000 / s1['requests_per_s']:.0f} ms, so with {p['concurrency']} in flight requests "
                 "queue for the prefill core and TTFT is mostly that queue, while the mixed instance computes only "
                 "what follows the pooled prefix for most requests, on two cores.")
         if sr and sr["requests_per_s"] and sr["requests_per_s"] > s1["requests_per_s"]:
-            line += (" With the prefill reusing the pool too (`1p1d-reuse`) the gap narrows to the costs of the "
+            line += (" With the prefill reusing the pool, as by default (`1p1d`), the gap narrows to the costs of the "
                      "split itself: one core per phase, the second hop through the proxy, and one decode core "
                      "serving every stream (its TPOT).")
         out.append(line)
-    for name in ("1p1d", "1p1d-reuse"):
+    for name in ("1p1d", "1p1d-noload"):
         s = cfg.get(name, {}).get("summary")
         if m and s and m["requests_per_s"] and m["ttft_p50_ms"]:
             out.append(

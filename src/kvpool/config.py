@@ -608,7 +608,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     consumer_is_to_load: Annotated[bool, Meta(description="a kv_consumer looks up and loads from the pool")] = False
     consumer_is_to_put: Annotated[bool, Meta(description="a kv_consumer also saves KV to the pool")] = False
     producer_is_to_load: Annotated[bool, Meta(description=(
-        "a kv_producer also looks up and loads pooled prefixes"))] = False
+        "a kv_producer looks up and loads pooled prefixes (false: it only saves)"))] = True
     save_sync: Annotated[bool, Meta(description=(
         "finish a step's saves before the step returns (default: on for kv_producer)"))] | None = None
     prefill_pp_size: Annotated[int, Meta(ge=1, le=MAX_PP_SIZE, description=(
@@ -660,7 +660,9 @@ class KVPoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     load_async: bool = False
     consumer_is_to_load: bool = False
     consumer_is_to_put: bool = False
-    producer_is_to_load: bool = False
+    # As in the spec's AscendStore, where only the consumer role is gated: prefill nodes reuse
+    # each other's prefixes through the pool unless this is turned off.
+    producer_is_to_load: bool = True
     # Finish a step's saves before the step returns. On by default for producers: in PD
     # disaggregation the proxy sends the decode request the moment the prefill answers, so the
     # prefill's blocks must already be findable then.
@@ -690,8 +692,9 @@ class KVPoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     def loads(self) -> bool:
         """Whether this instance looks up and loads KV from the pool.
 
-        A producer (prefill node) only saves unless `producer_is_to_load` lets it reuse pooled
-        prefixes too; a consumer (decode node) only loads with `consumer_is_to_load`.
+        A producer (prefill node) loads pooled prefixes like `kv_both` unless
+        `producer_is_to_load` is false; a consumer (decode node) only loads with
+        `consumer_is_to_load`.
         """
         if self.kv_role == "kv_both":
             return True

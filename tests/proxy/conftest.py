@@ -45,8 +45,14 @@ class ProxyHandle:
         """POST to an admin route with the test token."""
         return self.client.post(path, json=body, headers=ADMIN_HEADERS)
 
+    def routing(self) -> dict[str, Any]:
+        """GET /routing (mixed mode's routing counters)."""
+        resp = self.client.get("/routing", headers=ADMIN_HEADERS)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
     def instances(self) -> dict[str, dict[str, Any]]:
-        """GET /instances, keyed by "prefill:PORT" / "decode:PORT"."""
+        """GET /instances, keyed by "prefill:PORT" / "decode:PORT" / "mixed:PORT"."""
         snap = self.client.get("/instances", headers=ADMIN_HEADERS).json()
         return {f"{i['type']}:{i['port']}": i for role in snap.values() for i in role}
 
@@ -83,10 +89,12 @@ def make_peer() -> Iterator[Callable[..., Peer]]:
 def start_proxy() -> Iterator[Callable[..., ProxyHandle]]:
     proxies: list[ProxyHandle] = []
 
-    def factory(prefill: list[Peer | int], decode: list[Peer | int], **overrides: Any) -> ProxyHandle:
+    def factory(prefill: list[Peer | int], decode: list[Peer | int], instances: list[Peer | int] = (),
+                **overrides: Any) -> ProxyHandle:
+        """A PD proxy, or with ``instances`` (and no prefill/decode) a PD-mixed one."""
         settings = {**TEST_DEFAULTS, **overrides}
         config = ProxyConfig(host="127.0.0.1", port=0, prefillers=_endpoints(prefill),
-                             decoders=_endpoints(decode), **settings)
+                             decoders=_endpoints(decode), instances=_endpoints(list(instances)), **settings)
         handle = ProxyHandle(config)
         proxies.append(handle)
         return handle

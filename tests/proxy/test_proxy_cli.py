@@ -51,3 +51,20 @@ def test_integer_flags_take_ascii_digits_only(flag):
     with pytest.raises((argparse.ArgumentError, SystemExit)):
         parser.parse_args([flag, "８０００"])  # fullwidth digits: int() would take them
     assert getattr(parser.parse_args([flag, "8000"]), flag[2:].replace("-", "_")) == 8000
+
+
+def test_kvpool_proxy_routes_pd_mixed_instances(make_peer, tmp_path):
+    a, b = make_peer("A", cached_tokens=5), make_peer("B")
+    proxy = ProxyServer([], [], instance_ports=[a.port, b.port], entry=("-m", "kvpool.cli", "proxy"),
+                        extra_args=["--log-level", "warning", "--routing-policy", "round_robin"],
+                        log_path=tmp_path / "proxy.log", startup_timeout_s=20)
+    with proxy:
+        with httpx.Client(base_url=f"http://127.0.0.1:{proxy.port}", trust_env=False, timeout=10) as client:
+            for _ in range(2):
+                resp = client.post("/v1/completions", json={"model": "m", "prompt": "Hello", "max_tokens": 3})
+                assert resp.status_code == 200, resp.text
+            assert client.get("/healthcheck").json()["healthy_mixed_instances"] == 2
+        assert [len(a.completions()), len(b.completions())] == [1, 1]
+        assert a.completions()[0].body == {"model": "m", "prompt": "Hello", "max_tokens": 3}
+    assert proxy.returncode in (0, -signal.SIGTERM), proxy.log()
+    assert "Traceback" not in proxy.log(), proxy.log()

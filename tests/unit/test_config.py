@@ -103,7 +103,7 @@ def test_defaults():
     assert (cfg.kv_role, cfg.backend, cfg.lookup_rpc_port) == ("kv_both", "local", 0)
     assert cfg.load_async is False
     assert cfg.consumer_is_to_load is False and cfg.consumer_is_to_put is False
-    assert cfg.producer_is_to_load is False
+    assert cfg.producer_is_to_load is True  # as the spec's AscendStore: only the consumer is gated
     assert cfg.prefill_pp_size is None and cfg.prefill_pp_layer_partition is None
     assert cfg.discard_partial_chunks is True
     assert cfg.inject_load_failure_every == 0
@@ -557,14 +557,16 @@ def test_kv_both_saves_and_loads_whatever_the_consumer_flags(to_load, to_put):
 
 @pytest.mark.parametrize("to_load", [False, True])
 @pytest.mark.parametrize("to_put", [False, True])
-def test_kv_producer_saves_and_ignores_the_consumer_flags(to_load, to_put):
+def test_kv_producer_saves_and_loads_and_ignores_the_consumer_flags(to_load, to_put):
     cfg = load_config({"consumer_is_to_load": to_load, "consumer_is_to_put": to_put}, "kv_producer")
-    assert (cfg.saves, cfg.loads) == (True, False)
+    assert (cfg.saves, cfg.loads) == (True, True)
 
 
-def test_kv_producer_loads_only_with_producer_is_to_load():
+def test_kv_producer_loads_unless_producer_is_to_load_is_false():
+    assert load_config({}, "kv_producer").loads is True
     assert load_config({"producer_is_to_load": "true"}, "kv_producer").loads is True
-    assert load_config({"producer_is_to_load": "false"}, "kv_producer").loads is False
+    opt_out = load_config({"producer_is_to_load": "false"}, "kv_producer")
+    assert (opt_out.saves, opt_out.loads) == (True, False)
 
 
 @pytest.mark.parametrize(
@@ -577,9 +579,12 @@ def test_kv_consumer_follows_its_flags(to_load, to_put, saves, loads):
     assert (cfg.saves, cfg.loads) == (saves, loads)
 
 
-def test_kv_consumer_ignores_producer_is_to_load():
-    cfg = load_config({"producer_is_to_load": True}, "kv_consumer")
+@pytest.mark.parametrize("producer_is_to_load", [False, True])
+def test_kv_consumer_and_kv_both_ignore_producer_is_to_load(producer_is_to_load):
+    cfg = load_config({"producer_is_to_load": producer_is_to_load}, "kv_consumer")
     assert (cfg.saves, cfg.loads) == (False, False)
+    cfg = load_config({"producer_is_to_load": producer_is_to_load}, "kv_both")
+    assert (cfg.saves, cfg.loads) == (True, True)
 
 
 # ---------------------------------------------------------------------------------------------

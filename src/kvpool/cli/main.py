@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     statsview.add_arguments(sub.add_parser("stats", help="show a running server's usage, hit rate and clients"))
     from kvpool.proxy import config as proxy_config  # stdlib only; the web stack loads on use
 
-    proxy_config.add_arguments(sub.add_parser("proxy", help="run the PD-disaggregation proxy (prefill, then decode)"))
+    proxy_config.add_arguments(sub.add_parser("proxy", help="run the proxy: PD disaggregation (prefill, then decode) or routing of PD-mixed instances"))
     from kvpool.cli import doctor  # stdlib + kvpool config only
 
     doctor.add_arguments(sub.add_parser("doctor", help="check a deployment's config, files and services before vLLM starts"))

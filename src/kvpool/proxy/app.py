@@ -2,21 +2,24 @@
 
 Routes:
 
-- ``POST /v1/completions``, ``POST /v1/chat/completions``: prefill, then decode (``forward.py``)
-- ``GET /v1/models``: from a decode instance
+- ``POST /v1/completions``, ``POST /v1/chat/completions``: prefill, then decode; in PD-mixed
+  mode once, to the instance the routing policy picks (``forward.py``)
+- ``GET /v1/models``: from a decode instance (mixed mode: a mixed one)
 - ``GET /healthcheck``: instance counts; 200 while at least one prefill and one decode
-  instance is healthy, else 503
+  instance is healthy (mixed mode: one mixed instance), else 503
 
 Admin routes (they need ``Authorization: Bearer <token>``, the token being the value of
 ``KVPOOL_PROXY_ADMIN_TOKEN`` in the proxy's environment; without that variable they answer 403
 and say how to enable them; a missing or wrong token is a 401):
 
 - ``GET /instances``: every instance with its health and load
-- ``POST /instances/add``, ``POST /instances/remove``: ``{"type": "prefill"|"decode",
+- ``GET /routing``: mixed mode's routing decisions and their outcomes (``route.py``); 404 in
+  PD mode
+- ``POST /instances/add``, ``POST /instances/remove``: ``{"type": "prefill"|"decode"|"mixed",
   "host": H, "port": P}``, or vLLM-Ascend's ``{"type": ..., "instances": ["H:P", ...]}``.
   An added instance is probed at once and joins the rotation when ``GET /health`` answers 200
   (at once, or at a later probe: it may still be starting). A removed one gets no new
-  requests; those in flight on it finish.
+  requests; those in flight on it finish. A type the proxy's mode does not serve is a 400.
 
 Every request body is read under ``--max-body-bytes`` and parsed strictly (``intake.py``).
 """
@@ -50,6 +53,7 @@ from kvpool.proxy.forward import Forwarder, error_response
 from kvpool.proxy.health import HealthChecker
 from kvpool.proxy.intake import BadRequest, completion_body, parse_json, read_body
 from kvpool.proxy.registry import Registry, Role
+from kvpool.proxy.route import MixedRouter
 
 logger = logging.getLogger("kvpool.proxy")
 
@@ -59,13 +63,15 @@ class ProxyState:
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.registry = Registry(config.prefillers, config.decoders)  # command line: not added at runtime
+        # Command line: not added at runtime.
+        self.registry = Registry(config.prefillers, config.decoders, config.instances, mixed=config.mixed)
+        self.router = MixedRouter(self.registry, config) if config.mixed else None
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(config.timeout, connect=config.connect_timeout),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
             trust_env=False,  # never send 127.0.0.1 traffic through an http_proxy
         )
-        self.forwarder = Forwarder(self.registry, self.client, config)
+        self.forwarder = Forwarder(self.registry, self.client, config, self.router)
         self.health = HealthChecker(self.registry, self.client, config.health_interval,
                                     timeout=min(5.0, config.timeout, config.connect_timeout + 1.0))
 
@@ -186,7 +192,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
         except BadRequest as exc:
             return error_response(exc.status, exc.message, "invalid_request_error")
         headers = {k.lower(): v for k, v in request.headers.items()}
-        return await _until_disconnect(request, state.forwarder.completion(path, body, headers))
+        forward = state.forwarder.mixed if config.mixed else state.forwarder.completion
+        return await _until_disconnect(request, forward(path, body, headers))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -199,13 +206,14 @@ def create_app(config: ProxyConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         headers = {k.lower(): v for k, v in request.headers.items()}
-        return await state.forwarder.get(Role.DECODE, "/v1/models", headers)
+        return await state.forwarder.get(Role.MIXED if config.mixed else Role.DECODE, "/v1/models", headers)
 
     @app.get("/healthcheck")
     async def healthcheck() -> Response:
         counts = state.registry.counts()
-        ok = counts["healthy_prefill_instances"] > 0 and counts["healthy_decode_instances"] > 0
-        in_flight = sum(i.in_flight for i in state.registry.instances(Role.DECODE))
+        ok = all(counts[f"healthy_{role.value}_instances"] > 0 for role in state.registry.roles)
+        serving = Role.MIXED if config.mixed else Role.DECODE
+        in_flight = sum(i.in_flight for i in state.registry.instances(serving))
         return JSONResponse({"status": "ok" if ok else "unavailable", **counts, "requests_in_flight": in_flight},
                             status_code=200 if ok else 503)
 
@@ -214,12 +222,25 @@ def create_app(config: ProxyConfig) -> FastAPI:
         denied = admin_denied(config, request)
         return denied or JSONResponse(state.registry.snapshot())
 
+    @app.get("/routing")
+    async def routing(request: Request) -> Response:
+        denied = admin_denied(config, request)
+        if denied is not None:
+            return denied
+        if state.router is None:
+            return error_response(404, "no routing policy: this proxy runs in PD mode (least-loaded prefill, then "
+                                  "decode); routing counters are kept for PD-mixed instances (--instance-*)",
+                                  "not_found")
+        return JSONResponse(state.router.snapshot())
+
     async def _instances_body(request: Request) -> tuple[Role, list[Endpoint]] | Response:
         denied = admin_denied(config, request)
         if denied is not None:
             return denied
         try:
-            return _parse_instances(parse_json(await read_body(request, config.max_body_bytes)))
+            role, eps = _parse_instances(parse_json(await read_body(request, config.max_body_bytes)))
+            state.registry.check_role(role)
+            return role, eps
         except BadRequest as exc:
             return error_response(exc.status, exc.message, "invalid_request_error")
         except ValueError as exc:
@@ -260,15 +281,19 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
 def serve(config: ProxyConfig) -> None:
     """Run the proxy until interrupted."""
-    if not config.prefillers or not config.decoders:
+    if config.mixed:
+        logger.info("kvpool proxy on http://%s:%d: PD-mixed instances %s, routing %s", config.host, config.port,
+                    [e.key for e in config.instances], config.routing_policy)
+    elif not config.prefillers or not config.decoders:
         how = ("POST /instances/add" if config.admin_token is not None
                else f"POST /instances/add, which needs {ADMIN_TOKEN_ENV} set")
         logger.warning("no %s instances given: requests fail with 503 until some are added with %s",
                        "prefill" if not config.prefillers else "decode", how)
     logger.info("admin routes (/instances*): %s", "enabled, bearer token required" if config.admin_token
                 else f"disabled ({ADMIN_TOKEN_ENV} is not set)")
-    logger.info("kvpool proxy on http://%s:%d: prefill %s, decode %s", config.host, config.port,
-                [e.key for e in config.prefillers], [e.key for e in config.decoders])
+    if not config.mixed:
+        logger.info("kvpool proxy on http://%s:%d: prefill %s, decode %s", config.host, config.port,
+                    [e.key for e in config.prefillers], [e.key for e in config.decoders])
     uvicorn.run(create_app(config), host=config.host, port=config.port,
                 log_level=config.log_level.lower(), timeout_graceful_shutdown=5)
 
@@ -289,6 +314,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvpool proxy",
-                                     description="PD-disaggregation proxy: prefill instances, then decode instances")
+                                     description="PD-disaggregation proxy (prefill instances, then decode instances) "
+                                     "or router of PD-mixed instances")
     add_arguments(parser)
     return run(parser.parse_args(argv))

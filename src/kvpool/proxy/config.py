@@ -5,6 +5,11 @@ spec's "启动代理服务器" step): ``--prefiller-hosts H1 H2 --prefiller-port
 i-th host with the i-th port. One host with several ports means that host for every port
 (``--prefiller-hosts localhost --prefiller-ports 8100 8101``). Any other mismatch is an error.
 
+Two modes, exclusive: PD disaggregation (``--prefiller-*`` and ``--decoder-*``: every request
+goes to a prefill instance, then a decode instance, each the least loaded of its role) or
+PD-mixed (``--instance-hosts/--instance-ports``: every request goes once, as it came, to one
+instance that ``--routing-policy`` picks; see docs/proxy.md).
+
 Instance hosts, given here or to ``POST /instances/add``, are a host name or an IP literal and
 nothing else (no scheme, path, user info or whitespace); ports are whole numbers 1..65535.
 
@@ -53,6 +58,13 @@ ADMIN_TOKEN_ENV = "KVPOOL_PROXY_ADMIN_TOKEN"
 ADMIN_TOKEN_MIN_LENGTH = 16
 
 
+# The routing policy of PD-mixed mode when none is given: send a request where its prefix most
+# likely is already cached (a conversation's turns stick to one instance), within a load bound.
+DEFAULT_MIXED_POLICY = "prefix_aware"
+# What PD mode does (it always did): the least-loaded instance of each role.
+PD_POLICY = "least_loaded"
+
+
 class ForwardAuth(str, enum.Enum):
     """To which instances the client's ``Authorization`` header is passed on."""
 
@@ -67,6 +79,23 @@ class ProxyConfig:
     port: int = 8000
     prefillers: tuple[Endpoint, ...] = ()
     decoders: tuple[Endpoint, ...] = ()
+    # PD-mixed instances (kv_both): given, the proxy runs in mixed mode (no prefillers or
+    # decoders then): each request goes once, as it came, to the instance the policy picks.
+    instances: tuple[Endpoint, ...] = ()
+    # Mixed mode's routing policy (kvpool.routing.POLICIES); PD mode is always least_loaded.
+    routing_policy: str = DEFAULT_MIXED_POLICY
+    # Tokens per block of a token-id prompt's prefix chain. 128 is vLLM's block size on CPU
+    # (the examples and tests here); on GPU vLLM's 16 divides it, so a predicted match is a
+    # whole number of the instance's blocks, rounded down to 128 tokens.
+    routing_block_size: int = 128
+    # Characters per block of a text prompt's (or chat's) chain: about 128 tokens of text.
+    routing_block_chars: int = 512
+    # The load bound of prefix_aware (kvpool.routing): an instance takes a request for a
+    # prefix it holds only while below load_factor x its fair share of the requests in flight.
+    routing_load_factor: float = 1.25
+    # Chain hashes remembered per instance (least recently used first out), an estimate of an
+    # instance's own prefix cache; 100,000 blocks of 128 tokens is 12.8M tokens.
+    routing_capacity_blocks: int = 100_000
     # A request that fails on one instance (connection error, timeout, 5xx) is tried on
     # another up to this many more times; 0 = one attempt only.
     max_retries: int = 3
@@ -86,6 +115,11 @@ class ProxyConfig:
     forward_authorization: ForwardAuth = ForwardAuth.NONE
     # The admin routes' bearer token; None disables them. Not in repr: it must not reach a log.
     admin_token: str | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def mixed(self) -> bool:
+        """PD-mixed mode (``--instance-*``) rather than PD disaggregation."""
+        return bool(self.instances)
 
 
 def _port(key: str, value: object) -> int:
@@ -179,6 +213,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode (kv_consumer) instances' hosts: one per --decoder-ports entry, or one for all")
     parser.add_argument("--decoder-ports", nargs="*", default=[], metavar="PORT",
                         help="decode instances' OpenAI server ports")
+    parser.add_argument("--instance-hosts", nargs="*", default=[], metavar="HOST",
+                        help="PD-mixed (kv_both) instances' hosts: one per --instance-ports entry, or one for all; "
+                             "not with --prefiller-*/--decoder-* (each request goes once to one instance)")
+    parser.add_argument("--instance-ports", nargs="*", default=[], metavar="PORT",
+                        help="PD-mixed instances' OpenAI server ports")
+    routing = parser.add_argument_group(
+        "routing (PD-mixed instances)", "Which --instance-* instance serves a request; PD mode always takes the "
+        "least-loaded instance of each role. See docs/proxy.md.")
+    # Checked in config_from_args against kvpool.routing.POLICIES (that module needs numpy,
+    # which `kvpool --help` should not load).
+    routing.add_argument("--routing-policy", default=None, metavar="POLICY",
+                         help=f"round_robin, least_loaded (fewest requests in flight) or prefix_aware (where the "
+                              f"prompt's leading blocks went before, within a load bound; else least loaded); "
+                              f"default {DEFAULT_MIXED_POLICY}")
+    routing.add_argument("--routing-block-size", metavar="TOKENS", type=int_arg, default=d.routing_block_size,
+                         help="tokens per prefix block of a token-id prompt (default "
+                              f"{d.routing_block_size}: vLLM's CPU block size, a multiple of its GPU one)")
+    routing.add_argument("--routing-block-chars", metavar="CHARS", type=int_arg, default=d.routing_block_chars,
+                         help=f"characters per prefix block of a text prompt or chat (default {d.routing_block_chars})")
+    routing.add_argument("--routing-load-factor", metavar="FACTOR", type=float, default=d.routing_load_factor,
+                         help="prefix_aware's bound: an instance takes a request for a prefix it holds only while its "
+                              "requests in flight are below this times its fair share (default "
+                              f"{d.routing_load_factor}; >= 1)")
+    routing.add_argument("--routing-capacity-blocks", metavar="BLOCKS", type=int_arg, default=d.routing_capacity_blocks,
+                         help="prefix blocks remembered per instance, least recently used first out (default "
+                              f"{d.routing_capacity_blocks})")
     parser.add_argument("--max-retries", type=int_arg, default=d.max_retries,
                         help="after a failed attempt (connection error, timeout, 5xx), try another instance "
                              f"up to this many more times (default {d.max_retries})")
@@ -225,11 +285,40 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
             raise ConfigError("--" + name.replace("_", "-"), value, "expected a number of seconds > 0")
     if args.max_body_bytes < 1024:
         raise ConfigError("--max-body-bytes", args.max_body_bytes, "expected a number of bytes >= 1024")
+    prefillers = endpoints("prefiller", args.prefiller_hosts, args.prefiller_ports)
+    decoders = endpoints("decoder", args.decoder_hosts, args.decoder_ports)
+    instances = endpoints("instance", args.instance_hosts, args.instance_ports)
+    if instances and (prefillers or decoders):
+        raise ConfigError("--instance-hosts/--instance-ports", f"{len(instances)} instance(s) with "
+                          f"{len(prefillers)} prefiller(s) and {len(decoders)} decoder(s)",
+                          "PD-mixed instances or prefill/decode instances, not both: give --instance-* alone "
+                          "(mixed), or --prefiller-* with --decoder-* (PD disaggregation), and run one proxy each")
+    from kvpool.routing import POLICIES
+
+    policy = args.routing_policy
+    if policy is not None and policy not in POLICIES:
+        raise ConfigError("--routing-policy", policy, f"one of {', '.join(POLICIES)}")
+    if not instances and policy not in (None, PD_POLICY):
+        raise ConfigError("--routing-policy", policy, f"{PD_POLICY} or nothing without --instance-*: PD mode always "
+                          "picks the least-loaded instance of each role; the policies route PD-mixed instances")
+    for flag, value, low in (("--routing-block-size", args.routing_block_size, 1),
+                             ("--routing-block-chars", args.routing_block_chars, 1),
+                             ("--routing-capacity-blocks", args.routing_capacity_blocks, 1)):
+        if value < low:
+            raise ConfigError(flag, value, f"expected a whole number >= {low}")
+    if not (math.isfinite(args.routing_load_factor) and args.routing_load_factor >= 1):
+        raise ConfigError("--routing-load-factor", args.routing_load_factor, "expected a number >= 1, e.g. 1.25")
     return ProxyConfig(
         host=_host("--host", args.host),
         port=args.port,
-        prefillers=endpoints("prefiller", args.prefiller_hosts, args.prefiller_ports),
-        decoders=endpoints("decoder", args.decoder_hosts, args.decoder_ports),
+        prefillers=prefillers,
+        decoders=decoders,
+        instances=instances,
+        routing_policy=(policy or DEFAULT_MIXED_POLICY) if instances else PD_POLICY,
+        routing_block_size=args.routing_block_size,
+        routing_block_chars=args.routing_block_chars,
+        routing_load_factor=args.routing_load_factor,
+        routing_capacity_blocks=args.routing_capacity_blocks,
         max_retries=args.max_retries,
         retry_delay=args.retry_delay,
         health_interval=args.health_interval,

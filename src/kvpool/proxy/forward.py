@@ -1,4 +1,12 @@
-"""Sending one client request through a prefill instance and then a decode instance.
+"""Sending one client request through a prefill instance and then a decode instance, or (in
+PD-mixed mode) once to the PD-mixed instance the routing policy picks.
+
+Mixed request: the client's body as it came, to one instance, and its answer or stream back
+as it came (the bytes unchanged); the answer's ``usage`` is read on the way (in a stream, from
+the events that carry one) to count the routing decision's outcome (``route.py``). Response
+headers ``x-kvpool-instance`` (the instance), ``x-kvpool-route`` (why it was chosen: a reason
+of ``kvpool.routing.REASONS``) and ``x-kvpool-route-matched-blocks`` (the leading blocks it was
+expected to hold). Retries, health and client disconnects as for the decode leg below.
 
 Prefill request: the client's body with ``max_tokens=1`` (and ``max_completion_tokens=1`` if
 the body has it), ``stream=false``, ``n=1``, no ``stream_options``/``min_tokens``, and
@@ -54,7 +62,9 @@ from starlette.types import Receive, Scope, Send
 
 from kvpool.proxy.config import ForwardAuth, ProxyConfig
 from kvpool.proxy.intake import BadRequest, parse_json
+from kvpool.proxy.prefix import request_chain
 from kvpool.proxy.registry import Instance, Lease, Registry, Role
+from kvpool.proxy.route import MixedRouter, Routed
 
 logger = logging.getLogger("kvpool.proxy")
 
@@ -72,6 +82,9 @@ PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
 HEADER_PREFILLER = "x-kvpool-prefiller"
 HEADER_DECODER = "x-kvpool-decoder"
 HEADER_PREFILL_CACHED = "x-kvpool-prefill-cached-tokens"
+HEADER_INSTANCE = "x-kvpool-instance"
+HEADER_ROUTE = "x-kvpool-route"
+HEADER_ROUTE_MATCHED = "x-kvpool-route-matched-blocks"
 
 
 def error_response(status: int, message: str, kind: str = "proxy_error") -> JSONResponse:
@@ -182,10 +195,13 @@ class SSEUsageRewriter:
     """Rewrites the ``usage`` of SSE events as they pass; everything else goes through unchanged.
 
     Each complete event is emitted as soon as its end arrives, so the stream keeps its pace.
+    With ``prefill_cached`` None nothing is rewritten: the events pass byte for byte and only
+    ``on_usage`` sees each usage record.
     """
 
-    def __init__(self, prefill_cached: int) -> None:
+    def __init__(self, prefill_cached: int | None, on_usage: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.prefill_cached = prefill_cached
+        self.on_usage = on_usage
         self._buf = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -214,7 +230,9 @@ class SSEUsageRewriter:
                 data = json.loads(line[5:].strip())
             except (ValueError, RecursionError):  # not ours to fix: passed on as it came
                 return event
-            if not merge_usage(data, self.prefill_cached):
+            if self.on_usage is not None and isinstance(data, dict) and isinstance(data.get("usage"), dict):
+                self.on_usage(data["usage"])
+            if self.prefill_cached is None or not merge_usage(data, self.prefill_cached):
                 return event
             lines[i] = b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
             return b"\n".join(lines)
@@ -293,14 +311,18 @@ class UpstreamStream(Response):
 # ---------------------------------------------------------------------------- forwarding
 
 class Forwarder:
-    def __init__(self, registry: Registry, client: httpx.AsyncClient, config: ProxyConfig) -> None:
+    def __init__(self, registry: Registry, client: httpx.AsyncClient, config: ProxyConfig,
+                 router: MixedRouter | None = None) -> None:
         self.registry = registry
         self.client = client
         self.config = config
+        self.router = router  # mixed mode only
 
     async def _attempts(self, role: Role, send: Callable[[Instance], Awaitable[httpx.Response]],
-                        tokens: int) -> tuple[Instance, httpx.Response, Lease]:
-        """Send to the least-loaded instance of ``role``, retrying elsewhere on failure.
+                        tokens: int, choose: Callable[[list[Instance]], Instance] | None = None,
+                        ) -> tuple[Instance, httpx.Response, Lease]:
+        """Send to the least-loaded instance of ``role`` (or the one ``choose`` takes of the
+        candidates), retrying elsewhere on failure.
 
         Returns an answer below 500 with the lease still held; the caller releases it (and
         closes the answer, if it is a stream).
@@ -308,7 +330,7 @@ class Forwarder:
         tried: list[Instance] = []
         failure: UpstreamFailed | None = None
         for attempt in range(self.config.max_retries + 1):
-            inst = self.registry.pick(role, exclude=tried)
+            inst = self.registry.pick(role, exclude=tried, choose=choose)
             if inst is None:
                 if failure is not None:  # a retry, and no healthy instance left that it has not tried
                     logger.warning("%s: no other healthy %s instance to retry on", failure.message, role.value)
@@ -436,6 +458,71 @@ class Forwarder:
         return UpstreamStream(dresp, on_close=dlease.release,
                               on_error=lambda reason: self.registry.mark_down(dinst, reason),
                               rewriter=rewriter, headers=out_headers)
+
+    async def mixed(self, path: str, body: dict[str, Any], incoming: Mapping[str, str]) -> Response:
+        """One request to the PD-mixed instance the routing policy picks, sent and answered as is."""
+        assert self.router is not None, "mixed() needs the proxy's router (mixed mode)"
+        router = self.router
+        request_id = incoming.get("x-request-id") or uuid.uuid4().hex
+        kind, chain = request_chain(body, self.config.routing_block_size, self.config.routing_block_chars)
+        stream = bool(body.get("stream"))
+        routed: dict[int, Routed] = {}  # id(instance) -> its decision, for this request's attempts
+
+        def choose(candidates: list[Instance]) -> Instance:
+            r = router.choose(candidates, chain, kind)
+            routed[id(r.instance)] = r
+            return r.instance
+
+        async def send(inst: Instance) -> httpx.Response:
+            req = self.client.build_request("POST", inst.base_url + path, json=body,
+                                            headers=self._headers(incoming, request_id, inst))
+            return await self.client.send(req, stream=stream)
+
+        try:
+            inst, resp, lease = await self._attempts(Role.MIXED, send, prompt_tokens(body) + output_tokens(body),
+                                                     choose)
+        except UpstreamFailed as exc:
+            for r in routed.values():
+                router.settle(r, answered=False)
+            return exc.response()
+        decision = routed[id(inst)]
+        for r in routed.values():  # the attempts that failed before this one
+            if r is not decision:
+                router.settle(r, answered=False)
+        out_headers = {"x-request-id": request_id, HEADER_INSTANCE: inst.key, HEADER_ROUTE: decision.decision.reason,
+                       HEADER_ROUTE_MATCHED: str(decision.decision.matched_blocks)}
+        ok = resp.status_code == 200
+        if not stream or not ok:
+            try:
+                if stream:
+                    await resp.aread()
+            except httpx.HTTPError as exc:
+                router.settle(decision, answered=False)
+                return error_response(502, f"mixed instance {inst.key}: {type(exc).__name__}", "bad_gateway")
+            finally:
+                if stream:
+                    await resp.aclose()
+                lease.release()
+            usage = None
+            if ok:
+                try:
+                    data = parse_json(resp.content, f"mixed instance {inst.key}'s answer")
+                except BadRequest:
+                    data = None  # passed on as it came; the outcome is not known
+                usage = data.get("usage") if isinstance(data, dict) else None
+            router.settle(decision, answered=ok, usage=usage)
+            return passthrough(resp, out_headers)
+
+        seen: list[dict[str, Any]] = []
+
+        def on_close() -> None:
+            lease.release()
+            router.settle(decision, answered=True, usage=seen[-1] if seen else None)
+
+        ctype = resp.headers.get("content-type", "")
+        watcher = SSEUsageRewriter(None, on_usage=seen.append) if ctype.startswith("text/event-stream") else None
+        return UpstreamStream(resp, on_close=on_close, on_error=lambda reason: self.registry.mark_down(inst, reason),
+                              rewriter=watcher, headers=out_headers)
 
     async def get(self, role: Role, path: str, incoming: Mapping[str, str]) -> Response:
         """A GET (``/v1/models``) answered by one instance of ``role``, with retries."""

@@ -1,4 +1,4 @@
-"""The proxy's instances: their load, their health, and least-loaded selection.
+"""The proxy's instances: their load, their health, and which of them a request may go to.
 
 No I/O and no locks: the proxy is one asyncio event loop and every method here runs to
 completion without awaiting, so the state is consistent between any two awaits.
@@ -11,7 +11,8 @@ Selection (:meth:`Registry.pick`) among the instances of one role:
    attempt only, when no instance is healthy, any of them (a last resort, so a request is
    not refused just because the health probe has not yet seen an instance come back);
 2. the least loaded wins: fewest requests in flight, then fewest estimated tokens in flight,
-   then the one picked least recently (round-robin among equals).
+   then the one picked least recently (round-robin among equals). PD-mixed instances are
+   chosen among the same candidates by the routing policy instead (``choose``).
 
 An instance that fails a request is marked down (out of rotation) until the background
 health probe (``health.py``) or a later successful request sees it healthy.
@@ -24,7 +25,7 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from kvpool.proxy.config import Endpoint
@@ -35,14 +36,16 @@ logger = logging.getLogger("kvpool.proxy")
 class Role(str, enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
+    MIXED = "mixed"  # a PD-mixed (kv_both) instance: serves the whole request
 
     @classmethod
     def parse(cls, value: object) -> Role:
         aliases = {"prefill": cls.PREFILL, "prefiller": cls.PREFILL, "p": cls.PREFILL,
-                   "decode": cls.DECODE, "decoder": cls.DECODE, "d": cls.DECODE}
+                   "decode": cls.DECODE, "decoder": cls.DECODE, "d": cls.DECODE,
+                   "mixed": cls.MIXED, "instance": cls.MIXED, "m": cls.MIXED}
         role = aliases.get(str(value).strip().lower()) if isinstance(value, str) else None
         if role is None:
-            raise ValueError(f'"type" must be "prefill" or "decode", not {value!r}')
+            raise ValueError(f'"type" must be "prefill", "decode" or "mixed", not {value!r}')
         return role
 
 
@@ -103,27 +106,57 @@ class Lease:
             self.instance.token_load -= self.tokens
 
 
+# Told when an instance may have lost its local prefix cache: "removed", or "up" after being
+# down (it may have restarted empty). The router forgets what it recorded for it.
+Listener = Callable[[Instance, str], None]
+
+
+PD_ROLES = (Role.PREFILL, Role.DECODE)
+MIXED_ROLES = (Role.MIXED,)
+
+
 class Registry:
-    def __init__(self, prefillers: Collection[Endpoint] = (), decoders: Collection[Endpoint] = ()) -> None:
-        self._instances: dict[Role, dict[str, Instance]] = {Role.PREFILL: {}, Role.DECODE: {}}
+    """The instances of one proxy: prefill and decode ones (PD mode) or PD-mixed ones (mixed
+    mode, when ``instances`` are given), never both."""
+
+    def __init__(self, prefillers: Collection[Endpoint] = (), decoders: Collection[Endpoint] = (),
+                 instances: Collection[Endpoint] = (), mixed: bool | None = None) -> None:
+        self.roles = MIXED_ROLES if (bool(instances) if mixed is None else mixed) else PD_ROLES
+        self._instances: dict[Role, dict[str, Instance]] = {role: {} for role in Role}
         self._seq = itertools.count(1)
+        self.listeners: list[Listener] = []
         for ep in prefillers:
             self.add(Role.PREFILL, ep)
         for ep in decoders:
             self.add(Role.DECODE, ep)
+        for ep in instances:
+            self.add(Role.MIXED, ep)
+
+    def _tell(self, inst: Instance, event: str) -> None:
+        for listener in self.listeners:
+            listener(inst, event)
 
     def instances(self, role: Role) -> list[Instance]:
         return list(self._instances[role].values())
 
     def all(self) -> list[Instance]:
-        return self.instances(Role.PREFILL) + self.instances(Role.DECODE)
+        return [i for role in self.roles for i in self.instances(role)]
 
     def get(self, role: Role, endpoint: Endpoint) -> Instance | None:
         return self._instances[role].get(endpoint.key)
 
+    def check_role(self, role: Role) -> None:
+        """:class:`ValueError`, saying what to send instead, if this proxy's mode has no ``role``."""
+        if role not in self.roles:
+            mode = "PD-mixed (--instance-*)" if self.roles == MIXED_ROLES else "PD (--prefiller-*/--decoder-*)"
+            raise ValueError(f'this proxy runs in {mode} mode and takes "type": '
+                             f'{" or ".join(repr(r.value) for r in self.roles)}, not {role.value!r}')
+
     def add(self, role: Role, endpoint: Endpoint, healthy: bool = True,
             added_at_runtime: bool = False) -> Instance | None:
-        """Add an instance; None if it is already there."""
+        """Add an instance; None if it is already there. :class:`ValueError` for a role this
+        proxy's mode does not serve."""
+        self.check_role(role)
         if endpoint.key in self._instances[role]:
             return None
         inst = Instance(role, endpoint, healthy=healthy, added_at_runtime=added_at_runtime)
@@ -139,21 +172,34 @@ class Registry:
         inst = self._instances[role].pop(endpoint.key, None)
         if inst is not None:
             logger.info("removed %s instance %s", role.value, endpoint.key)
+            self._tell(inst, "removed")
         return inst
 
-    def pick(self, role: Role, exclude: Collection[Instance] = ()) -> Instance | None:
-        """The least-loaded instance of ``role`` not in ``exclude`` (see the module docstring).
-
-        None if there is none: no instance at all, or (``exclude`` given: a retry) no healthy
-        instance this request has not tried.
-        """
+    def candidates(self, role: Role, exclude: Collection[Instance] = ()) -> list[Instance]:
+        """The instances of ``role`` a request may go to now (rule 1 of the module docstring)."""
         pool = self.instances(role)
         candidates = [i for i in pool if i.healthy and i not in exclude]
         if not candidates and not exclude:
             candidates = pool
+        return candidates
+
+    def pick(self, role: Role, exclude: Collection[Instance] = (),
+             choose: Callable[[list[Instance]], Instance] | None = None) -> Instance | None:
+        """The least-loaded instance of ``role`` not in ``exclude`` (see the module docstring),
+        or the one ``choose`` takes of those candidates.
+
+        None if there is none: no instance at all, or (``exclude`` given: a retry) no healthy
+        instance this request has not tried.
+        """
+        candidates = self.candidates(role, exclude)
         if not candidates:
             return None
-        best = min(candidates, key=lambda i: (i.in_flight, i.token_load, i.last_pick))
+        if choose is not None:
+            best = choose(candidates)
+            if best not in candidates:  # a policy must never send a request where it may not go
+                raise RuntimeError(f"the routing policy chose {best!r}, not one of the candidates")
+        else:
+            best = min(candidates, key=lambda i: (i.in_flight, i.token_load, i.last_pick))
         best.last_pick = next(self._seq)
         return best
 
@@ -173,14 +219,15 @@ class Registry:
             instance.healthy = True
             instance.down_since = None
             logger.info("%s instance %s back in rotation", instance.role.value, instance.key)
+            self._tell(instance, "up")
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        for role in Role:
+        for role in self.roles:
             pool = self.instances(role)
             out[f"{role.value}_instances"] = len(pool)
             out[f"healthy_{role.value}_instances"] = sum(i.healthy for i in pool)
         return out
 
     def snapshot(self) -> dict[str, list[dict[str, Any]]]:
-        return {f"{role.value}_instances": [i.to_dict() for i in self.instances(role)] for role in Role}
+        return {f"{role.value}_instances": [i.to_dict() for i in self.instances(role)] for role in self.roles}

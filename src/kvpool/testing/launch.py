@@ -267,6 +267,8 @@ class Completion:
     finish_reason: str | None
     # The usage record as sent: `kvpool proxy` adds `prompt_tokens_details.decode_cached_tokens`.
     usage: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The response headers (lower-case names): `kvpool proxy` says there which instance served.
+    headers: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def stream_completion(client: httpx.Client, model: str, prompt: str | list[int], max_tokens: int = 32,
@@ -294,6 +296,7 @@ def stream_completion(client: httpx.Client, model: str, prompt: str | list[int],
     ttft: float | None = None
     t0 = time.perf_counter()
     with client.stream("POST", "/v1/completions", json=body) as resp:
+        headers = {k.lower(): v for k, v in resp.headers.items()}
         if resp.status_code != 200:
             resp.read()
             raise ServerError(f"{where} answered {resp.status_code}: {resp.text[:2000]}")
@@ -329,6 +332,7 @@ def stream_completion(client: httpx.Client, model: str, prompt: str | list[int],
         cached_tokens=int(details.get("cached_tokens") or 0),
         finish_reason=finish_reason,
         usage=usage,
+        headers=headers,
     )
 
 
@@ -539,7 +543,8 @@ class PoolServer(ChildProcess):
 
 class ProxyServer(ChildProcess):
     """`python -m kvpool.proxy` (the PD load balancer) in its own process group, in front of
-    prefill and decode instances on `backend_host`; ready once `/healthcheck` answers 200.
+    prefill and decode instances on `backend_host` (or, with `instance_ports` and no prefill or
+    decode ports, PD-mixed instances); ready once `/healthcheck` answers 200.
     `entry` is what follows the interpreter (`("-m", "kvpool.cli", "proxy")`: the subcommand)."""
 
     name = "kvpool proxy"
@@ -549,12 +554,17 @@ class ProxyServer(ChildProcess):
                  port: int | None = None, backend_host: str = "127.0.0.1", extra_args: Sequence[str] = (),
                  entry: Sequence[str] = ("-m", "kvpool.proxy"), env: Mapping[str, str] | None = None,
                  log_path: str | os.PathLike[str] | None = None, startup_timeout_s: float = 60.0,
-                 stop_grace_s: float = 15.0, python: str = sys.executable) -> None:
+                 stop_grace_s: float = 15.0, python: str = sys.executable,
+                 instance_ports: Sequence[int] = ()) -> None:
         self.host = host
         self.port = port or free_port()
-        args = [python, *entry, "--host", host, "--port", str(self.port),
-                "--prefiller-hosts", backend_host, "--prefiller-ports", *map(str, prefill_ports),
-                "--decoder-hosts", backend_host, "--decoder-ports", *map(str, decode_ports), *extra_args]
+        args = [python, *entry, "--host", host, "--port", str(self.port)]
+        if instance_ports:
+            args += ["--instance-hosts", backend_host, "--instance-ports", *map(str, instance_ports)]
+        if prefill_ports or decode_ports or not instance_ports:
+            args += ["--prefiller-hosts", backend_host, "--prefiller-ports", *map(str, prefill_ports),
+                     "--decoder-hosts", backend_host, "--decoder-ports", *map(str, decode_ports)]
+        args += list(extra_args)
         super().__init__(args, env=env, log_path=log_path, startup_timeout_s=startup_timeout_s,
                          stop_grace_s=stop_grace_s)
 

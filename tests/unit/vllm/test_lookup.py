@@ -194,8 +194,10 @@ def test_a_block_is_a_hit_only_when_every_tp_shard_has_it(make_worker, closing):
 
 
 def test_only_rank_zero_of_a_loading_instance_serves_lookups(make_worker, rpc_dir):
-    make_worker({"lookup_rpc_port": 13}, role="kv_producer")  # never loads: no server
+    make_worker({"lookup_rpc_port": 13, "producer_is_to_load": False}, role="kv_producer")  # never loads: no server
     assert not os.path.exists(lookup_socket_path(13))
+    make_worker({"lookup_rpc_port": 16}, role="kv_producer")  # loads by default, as kv_both
+    assert os.path.exists(lookup_socket_path(16))
     make_worker({"backend": "server", "lookup_rpc_port": 14}, tp=(1, 2), backend=DictBackend(shared=True))
     assert not os.path.exists(lookup_socket_path(14))
     make_worker({"lookup_rpc_port": 15})

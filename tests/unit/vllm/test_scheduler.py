@@ -337,8 +337,9 @@ def test_a_plan_dropped_by_finish_is_not_loaded(fake_lookup):
 
 @pytest.mark.parametrize(("role", "extra", "loads", "saves"), [
     ("kv_both", {}, True, True),
-    ("kv_producer", {}, False, True),
+    ("kv_producer", {}, True, True),  # as the spec's AscendStore: a prefill node reuses pooled prefixes
     ("kv_producer", {"producer_is_to_load": True}, True, True),
+    ("kv_producer", {"producer_is_to_load": False}, False, True),  # the opt-out
     ("kv_consumer", {}, False, False),
     ("kv_consumer", {"consumer_is_to_load": True}, True, False),
     ("kv_consumer", {"consumer_is_to_put": True}, False, True),

@@ -1,0 +1,103 @@
+"""Prefix-aware routing on real vLLM: `kvpool proxy --instance-*` in front of two PD-mixed
+instances (`kv_both`, vLLM's prefix cache on, one shared `kvpool server`).
+
+Two conversations, two turns each, through the proxy with `--routing-policy prefix_aware`:
+the first turns go to the two idle instances (least loaded), each second turn goes where its
+first went (its prefix chain matches there) and hits (cached tokens = the first turn's whole
+blocks). The answers' token ids equal vLLM's own (the shared reference engine: the first turn
+cold, the second a prefix-cache hit of the same length). Only token ids are compared: the
+OpenAI servers and the reference engine do not run the same serving loop (README.md,
+exactness rule). The proxy's `GET /routing` counters must tell the same story.
+"""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+
+from harness import BLOCK, tokens, whole
+from kvpool.testing.launch import OpenAIServer, PoolServer, ProxyServer, stream_completion
+
+pytestmark = pytest.mark.vllm
+
+TOKEN = "routing-test-admin-token-0123456789"
+MAX_TOKENS = 8
+# 300 prompt tokens + 8 generated: 2 whole blocks either way, so the instance's own prefix cache
+# (prompt and decode blocks) and the pool (prompt blocks) both hold exactly whole(first turn).
+FIRST = [tokens(300, seed=9101), tokens(300, seed=9102)]
+FOLLOW_UP = [tokens(100, seed=9111), tokens(100, seed=9112)]
+
+
+@pytest.fixture(scope="module")
+def mixed_deployment(model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("routing")
+    sock = str(tmp / "pool.sock")
+    pool = PoolServer(sock, memory_size="512MB", log_path=tmp / "pool.log")
+    servers = [
+        OpenAIServer(model_dir, served_model_name="model", block_size=BLOCK, prefix_caching=True, dtype="float32",
+                     max_num_batched_tokens=512, log_path=tmp / f"mixed{i}.log", startup_timeout_s=600,
+                     env={"VLLM_RPC_BASE_PATH": str(tmp)},
+                     kv_transfer_config={
+                         "kv_connector": "KVPoolConnector", "kv_role": "kv_both",
+                         "kv_load_failure_policy": "recompute",
+                         "kv_connector_extra_config": {"backend": "server", "server_socket": sock,
+                                                       "lookup_rpc_port": 9120 + i}})
+        for i in range(2)]
+    proxy = ProxyServer([], [], instance_ports=[s.port for s in servers], log_path=tmp / "proxy.log",
+                        extra_args=["--routing-policy", "prefix_aware", "--log-level", "warning"],
+                        env={**os.environ, "KVPOOL_PROXY_ADMIN_TOKEN": TOKEN})
+    started = []
+    try:
+        pool.start()
+        started.append(pool)
+        for s in servers:  # start-ups overlap
+            s.start(wait=False)
+            started.append(s)
+        for s in servers:
+            s.wait_ready()
+        proxy.start()
+        started.append(proxy)
+        yield proxy, servers
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+def test_a_conversation_sticks_to_its_instance_and_hits_like_vllms_own_prefix_cache(mixed_deployment, reference):
+    proxy, servers = mixed_deployment
+    keys = {f"127.0.0.1:{s.port}" for s in servers}
+    with httpx.Client(base_url=proxy.base_url, timeout=300, trust_env=False) as client:
+        def ask(prompt):
+            return stream_completion(client, "model", prompt, MAX_TOKENS, ignore_eos=True)
+
+        first = [ask(p) for p in FIRST]
+        second_prompts = [FIRST[c] + first[c].token_ids + FOLLOW_UP[c] for c in range(2)]
+        second = [ask(p) for p in second_prompts]
+        stats = client.get("/routing", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+
+    # Where they went: two idle instances for the first turns, then each conversation's own.
+    homes = [c.headers["x-kvpool-instance"] for c in first]
+    assert set(homes) == keys, homes
+    assert [c.headers["x-kvpool-instance"] for c in second] == homes
+    assert [c.headers["x-kvpool-route"] for c in first] == ["least_loaded", "least_loaded"]
+    assert [c.headers["x-kvpool-route"] for c in second] == ["prefix_match", "prefix_match"]
+    assert [int(c.headers["x-kvpool-route-matched-blocks"]) for c in second] == [len(p) // BLOCK for p in FIRST]
+
+    # What they computed: vLLM alone, the first turn cold and the second a prefix-cache hit.
+    for c in range(2):
+        ref_first, ref_second = reference.generate([FIRST[c], second_prompts[c]], max_tokens=MAX_TOKENS)
+        assert first[c].cached_tokens == 0 and first[c].token_ids == ref_first["token_ids"]
+        assert ref_second["num_cached_tokens"] == whole(FIRST[c])
+        assert second[c].cached_tokens == whole(FIRST[c]) > 0, second[c].usage
+        assert second[c].token_ids == ref_second["token_ids"]
+
+    # The proxy's counters: 4 decisions, all reported, both predicted hits came true.
+    total = stats["total"]
+    assert (total["decisions"], total["answered"], total["reported"]) == (4, 4, 4)
+    assert (total["hits"], total["predicted_hits"], total["predicted_and_hit"]) == (2, 2, 2)
+    assert total["predicted_tokens"] == total["cached_tokens_of_token_prompts"] == sum(whole(p) for p in FIRST)
+    assert stats["by_reason"]["prefix_match"]["predicted_and_hit"] == 2
+    assert {k: v["decisions"] for k, v in stats["by_instance"].items()} == dict.fromkeys(keys, 2)
+
