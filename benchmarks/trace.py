@@ -61,6 +61,7 @@ from common import (
     unwind_on_sigterm, vllm_server, wait_quiet, write_json,
 )
 
+from kvpool.proxy.config import ADMIN_TOKEN_ENV
 from kvpool.testing.launch import OpenAIServer, PoolServer, ProxyServer, stream_completion
 from kvpool.testing.model import SPECS, build_model
 from kvpool.testing.services import MooncakeMaster
@@ -74,6 +75,7 @@ DESCRIPTIONS = {
     "mooncake": "+ MooncakeStoreConnector, round robin",
 }
 TRACES = {"conversation": "conversation_trace.jsonl", "synthetic": "synthetic_trace.jsonl"}
+ADMIN_TOKEN = "kvpool-trace-benchmark"  # the proxy's admin routes, for its routing counters
 MODEL = "bench"
 SERVED_NAME = "bench"
 
@@ -149,6 +151,14 @@ class Deployment:
 
     def urls(self) -> list[str]:
         return [self.proxy.base_url] if self.proxy else [s.base_url for s in self.servers]
+
+    def routing(self) -> dict[str, Any] | None:
+        """The proxy's routing counters (`GET /routing`), when there is a proxy."""
+        if self.proxy is None:
+            return None
+        r = httpx.get(f"{self.proxy.base_url}/routing", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+                      timeout=10, trust_env=False)
+        return r.json() if r.status_code == 200 else {"status": r.status_code, "body": r.text[:500]}
 
     def pool_evictions(self) -> int | None:
         if self.pool is not None:
@@ -235,8 +245,14 @@ def start_deployment(name: str, model_dir: Path, workdir: Path, args: argparse.N
         if errors:
             raise errors[0]
         if name == "routed":
-            dep.proxy = ProxyServer.mixed([s.port for s in dep.servers], policy="prefix_aware",
-                                          block_size=BLOCK_SIZE, log_path=logs / f"{name}-proxy.log").start()
+            dep.proxy = ProxyServer([], [], instance_ports=[s.port for s in dep.servers],
+                                    extra_args=["--routing-policy", "prefix_aware",
+                                                "--routing-block-size", str(BLOCK_SIZE),
+                                                # What it remembers per instance: about what that
+                                                # instance's own cache holds.
+                                                "--routing-capacity-blocks", str(args.local_blocks)],
+                                    env={**os.environ, ADMIN_TOKEN_ENV: ADMIN_TOKEN},
+                                    log_path=logs / f"{name}-proxy.log").start()
     except BaseException:
         dep.stop()
         raise
@@ -348,7 +364,7 @@ def run_trace(trace: str, model_dir: Path, workdir: Path, args: argparse.Namespa
             samples, wall = replay(dep, schedule, args)
             ours, others = cpu_split(before, cpu_snapshot())
             summary = summarize(samples, wall, bound_tokens)
-            summary.update(pool_evictions=dep.pool_evictions(), startup_s=dep.startup_s,
+            summary.update(pool_evictions=dep.pool_evictions(), routing=dep.routing(), startup_s=dep.startup_s,
                            cpu_ours=round(ours, 3), cpu_others=round(others, 3), **quiet)
             entry["configs"][name] = {"description": DESCRIPTIONS[name], "summary": summary, "samples": samples}
             log(f"{trace}/{name}: hit {fmt(summary['hit_rate'], 3)} ({fmt(summary['of_bound'], 2)} of bound), "

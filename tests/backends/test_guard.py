@@ -139,6 +139,20 @@ def test_probes_back_off_while_the_store_stays_frozen():
     g.close()
 
 
+def test_a_hung_probe_is_a_probe_not_a_callers_timeout():
+    # Nobody waits for a probe: however long a store stays frozen, `timeouts` counts only the
+    # callers that waited out a deadline (the engine's stalls), not the breaker's background probes.
+    release = threading.Event()
+    g = Guard("t", FAST, lambda: release.wait(10))
+    g.failed("x"), g.failed("x"), g.failed("x")
+    time.sleep(FAST.cooldown_s * 2)
+    assert g.allows() is False  # the cooldown is over: a probe starts, the caller is answered at once
+    wait_for(lambda: g.counters["probes"] == 1 and not g._probing, 10)
+    assert g.state == OPEN and g.counters["timeouts"] == 0
+    release.set()
+    g.close()
+
+
 def test_a_timed_out_get_never_writes_the_callers_buffer_later(store):
     store.answer.clear()
     dest = np.zeros(1024, np.uint8)

@@ -117,8 +117,11 @@ class Guard:
                 threading.Thread(target=self._run_probe, name=f"kvpool-{self.name}-probe", daemon=True).start()
         return False
 
-    def call(self, fn: Callable[[], T], timeout_s: float) -> T:
+    def call(self, fn: Callable[[], T], timeout_s: float, *, _probe: bool = False) -> T:
         """`fn()` on a guard thread; its result, its exception, or `Timeout` after `timeout_s`.
+
+        `timeouts` counts the callers that waited out a deadline; the breaker's own probes (run
+        in the background, nobody waits for them) are counted as `probes` only.
 
         A call that raises a store error counts towards opening the breaker; use `succeeded`
         and `failed` for answers that are failures without an exception.
@@ -152,7 +155,7 @@ class Guard:
                 c.cond.wait(left)
             finished, error, result = c.finished, c.error, c.result
         if not finished:
-            self._timed_out(timeout_s)
+            self._timed_out(timeout_s, count=not _probe)
             raise Timeout(f"no answer within {timeout_s:g} s")
         if error is not None:
             raise error
@@ -229,9 +232,9 @@ class Guard:
             with self._lock:
                 self._busy -= 1
 
-    def _timed_out(self, timeout_s: float) -> None:
+    def _timed_out(self, timeout_s: float, count: bool = True) -> None:
         with self._lock:
-            self.counters["timeouts"] += 1
+            self.counters["timeouts"] += count
             self._open_locked(f"a call got no answer within {timeout_s:g} s")
 
     def _open_locked(self, why: str) -> None:
@@ -248,7 +251,7 @@ class Guard:
         self.counters["probes"] += 1
         ok = False
         try:
-            self.call(self._probe, self.settings.lookup_timeout_s)
+            self.call(self._probe, self.settings.lookup_timeout_s, _probe=True)
             ok = True
         except Exception as exc:  # noqa: BLE001 - a probe's failure only keeps the breaker open
             logger.debug("kvpool %s: probe failed: %s", self.name, exc)
