@@ -215,6 +215,14 @@ def _parse_file(key: str, value: Any) -> str:
     return value
 
 
+def _parse_output_file(key: str, value: Any) -> str:
+    expected = "an absolute path of a file to write, in an existing directory, e.g. /var/log/kvpool/hashes.jsonl"
+    value = _path_text(key, value, expected)
+    if not os.path.isabs(value) or not os.path.isdir(os.path.dirname(value)) or os.path.isdir(value):
+        raise ConfigError(key, value, expected)
+    return value
+
+
 def _parse_dir(key: str, value: Any) -> str:
     try:
         _path_text(key, value, "a non-empty absolute directory path, e.g. /mnt/nvme/kvpool")
@@ -265,7 +273,7 @@ def _parse_octal(key: str, value: Any) -> int:
 
 
 # String kinds: parsers for str fields that need more than "is a string".
-_STR_KINDS = {"file": _parse_file, "dir": _parse_dir, "socket": parse_socket_path, "redis_url": _parse_redis_url}
+_STR_KINDS = {"file": _parse_file, "output_file": _parse_output_file, "dir": _parse_dir, "socket": parse_socket_path, "redis_url": _parse_redis_url}
 
 # ---- the schema machinery --------------------------------------------------------------------
 
@@ -645,6 +653,9 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     stats_log_interval_s: Annotated[float, Meta(ge=0.01, le=DAY_S, extra={"kind": "seconds", "zero": (
         "at every stats collection")}, description=(
         "log kvpool's counters at most this often"))] = 10.0
+    block_hash_log: Annotated[str, Meta(extra={"kind": "output_file"}, description=(
+        "append one line per finished request (arrival, lengths, the prompt's block hashes; no "
+        "tokens) to this file, in the trace format `kvpool plan` reads (default: off)"))] | None = None
 
 
 # Accepted for compatibility with the reference connector's configs: old name -> key.
@@ -680,6 +691,7 @@ class KVPoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     breaker_cooldown_s: float = 1.0
     inject_load_failure_every: int = 0
     stats_log_interval_s: float = 10.0
+    block_hash_log: str | None = None
     # The chosen backend's own keys (its `BackendSettings` subclass).
     backend_settings: BackendSettings = msgspec.field(default_factory=LocalSettings)
 
@@ -789,6 +801,7 @@ def load_config(extra: Mapping[str, Any] | None, kv_role: str | None = "kv_both"
         breaker_cooldown_s=common.breaker_cooldown_s,
         inject_load_failure_every=common.inject_load_failure_every,
         stats_log_interval_s=common.stats_log_interval_s,
+        block_hash_log=common.block_hash_log,
         backend_settings=chosen,
     )
 

@@ -142,6 +142,7 @@ def full_extra(ssd: str) -> dict:
         "breaker_cooldown_s": "0.25",
         "inject_load_failure_every": "3",
         "stats_log_interval_s": "5",
+        "block_hash_log": ssd + ".hashes.jsonl",
         "local_cpu_size": "4GB",
         "eviction_high_watermark_ratio": "0.8",
         "eviction_ratio": "0.25",
@@ -197,6 +198,7 @@ def test_every_key_parses_from_strings(tmp_path):
         breaker_cooldown_s=0.25,
         inject_load_failure_every=3,
         stats_log_interval_s=5.0,
+        block_hash_log=ssd + ".hashes.jsonl",
         backend_settings=LocalSettings(
             memory_size=4 * GiB,
             eviction_high_watermark_ratio=0.8,
@@ -230,7 +232,7 @@ def test_native_json_types_parse_the_same(tmp_path):
         "default_kv_lease_ttl_ms": 5000, "ssd_offload_path": ssd, "ssd_quota": 10 * GiB,
         "ssd_eviction_policy": "fifo", "server_socket": "/tmp/kvpool-test.sock", "allowed_gid": 1234,
         "redis_url": "redis://10.0.0.5:6380/2", "redis_ttl_s": 3600, "redis_chunk_size": 32 << 20,
-        "redis_timeout_s": 2.5, **backend_files(ssd),
+        "redis_timeout_s": 2.5, "block_hash_log": ssd + ".hashes.jsonl", **backend_files(ssd),
     }
     assert load_config(native, "kv_consumer") == load_config(full_extra(ssd), "kv_consumer")
 

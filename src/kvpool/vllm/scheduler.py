@@ -16,6 +16,7 @@ import os
 
 from kvpool.config import KVPoolConfig
 from kvpool.errors import ConfigError
+from kvpool.vllm.hashlog import BlockHashLog
 from kvpool.vllm.lookup import LookupClient
 from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
 
@@ -69,6 +70,7 @@ class PoolScheduler:
         check_hash_seed(vllm_config.cache_config.prefix_caching_hash_algo)
         dp_rank = vllm_config.parallel_config.data_parallel_rank
         self._client = LookupClient(config.lookup_rpc_port, dp_rank) if config.loads else None
+        self._hash_log = BlockHashLog(config.block_hash_log, self.block_size) if config.block_hash_log else None
         self._plans: dict[str, _LoadPlan] = {}
         self._local_blocks: dict[str, int] = {}  # request -> blocks vLLM's prefix cache supplies
         self._requests: dict[str, _RequestState] = {}
@@ -155,6 +157,9 @@ class PoolScheduler:
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         req_id = request.request_id
+        if self._hash_log is not None:
+            self._hash_log.record(request.arrival_time, request.num_prompt_tokens, request.num_output_tokens,
+                                  request.block_hashes)
         self._plans.pop(req_id, None)
         self._local_blocks.pop(req_id, None)
         state = self._requests.pop(req_id, None)
@@ -174,3 +179,5 @@ class PoolScheduler:
     def shutdown(self) -> None:
         if self._client is not None:
             self._client.close()
+        if self._hash_log is not None:
+            self._hash_log.close()

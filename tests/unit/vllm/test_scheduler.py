@@ -405,3 +405,38 @@ def test_group_block_size_must_match_the_cache_block_size(fake_lookup):
     with pytest.raises(ConfigError) as exc:
         make_scheduler(cache_block_size=2 * BS)
     assert exc.value.key == "block_size"
+
+
+# ---- the block-hash log --------------------------------------------------------------------------
+
+
+def test_block_hash_log_writes_a_trace_line_per_finished_request(fake_lookup, tmp_path):
+    import json
+    import stat
+
+    from kvpool.vllm.hashlog import block_id
+
+    path = tmp_path / "hashes.jsonl"
+    sched = make_scheduler({"block_hash_log": str(path)})
+    a = make_request("a", 3 * BS + 1)
+    b = make_request("b", 2 * BS)  # shares its two blocks with a (same leading tokens)
+    for req in (a, b):
+        sched.get_num_new_matched_tokens(req, 0)
+        sched.update_state_after_alloc(req, kv_blocks(range(4)), 0)
+    a.append_output_token_ids(list(range(900, 900 + 2 * BS)))  # output blocks are never logged
+    sched.request_finished(a, [])
+    sched.request_finished(b, [])
+    sched.shutdown()
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [len(x["hash_ids"]) for x in lines] == [3, 2]
+    assert lines[0]["hash_ids"][:2] == lines[1]["hash_ids"] == [block_id(h) for h in b.block_hashes]
+    assert (lines[0]["input_length"], lines[0]["output_length"], lines[0]["block_size"]) == (3 * BS + 1, 2 * BS, BS)
+    assert lines[0]["timestamp"] == int(a.arrival_time * 1000)
+    assert all(0 <= i < 2**63 for x in lines for i in x["hash_ids"])
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize("value", ["relative/hashes.jsonl", "/no/such/dir/hashes.jsonl", "/tmp"])
+def test_block_hash_log_path_must_be_a_writable_file_path(value):
+    with pytest.raises(ConfigError, match="block_hash_log"):
+        load_config({"block_hash_log": value})
