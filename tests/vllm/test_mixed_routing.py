@@ -8,6 +8,12 @@ blocks). The answers' token ids equal vLLM's own (the shared reference engine: t
 cold, the second a prefix-cache hit of the same length). Only token ids are compared: the
 OpenAI servers and the reference engine do not run the same serving loop (README.md,
 exactness rule). The proxy's `GET /routing` counters must tell the same story.
+
+The same two instances then serve as a PD pair behind a second proxy (`--prefiller-*` the
+first, `--decoder-*` the second): the decode instance loads the prompt's whole blocks from the
+pool, which the prefill instance computed, and its answer must equal, tokens and top-5 logprobs
+bit for bit, the prefill instance's own prefix-cache hit of the same prompt (same flags, same
+split: the whole blocks cached, the rest computed).
 """
 
 from __future__ import annotations
@@ -101,3 +107,20 @@ def test_a_conversation_sticks_to_its_instance_and_hits_like_vllms_own_prefix_ca
     assert stats["by_reason"]["prefix_match"]["predicted_and_hit"] == 2
     assert {k: v["decisions"] for k, v in stats["by_instance"].items()} == dict.fromkeys(keys, 2)
 
+
+
+def test_pd_through_the_proxy_equals_vllms_own_prefix_cache_hit_bit_for_bit(mixed_deployment, tmp_path):
+    _, (prefill, decode) = mixed_deployment
+    prompt = tokens(700, seed=9201)  # 5 whole blocks, then 60 tokens every run computes
+    body = {"model": "model", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "logprobs": 5}
+    with ProxyServer([prefill.port], [decode.port], log_path=tmp_path / "pd-proxy.log",
+                     extra_args=["--log-level", "warning"]) as pd:
+        through = httpx.post(f"{pd.base_url}/v1/completions", json=body, timeout=300, trust_env=False).json()
+    # vLLM alone: the prefill instance computed the prompt itself; asked again, its own cache serves it.
+    alone = httpx.post(f"{prefill.base_url}/v1/completions", json=body, timeout=300, trust_env=False).json()
+    details = through["usage"]["prompt_tokens_details"]
+    assert details["decode_cached_tokens"] == whole(prompt), through["usage"]
+    assert alone["usage"]["prompt_tokens_details"]["cached_tokens"] == whole(prompt), alone["usage"]
+    assert through["choices"][0]["logprobs"] == alone["choices"][0]["logprobs"]
+    assert through["choices"][0]["text"] == alone["choices"][0]["text"]
