@@ -62,7 +62,7 @@ def write_json(path: str, doc: dict[str, Any]) -> None:
 
 def plot(path: str, points: Sequence[Point], title: str) -> None:
     """Hit rate against memory capacity (one line per SSD size), or in cluster mode against
-    instances (one line per policy and pool size)."""
+    instances (per policy and pool size: all tiers, without the SSD, the local cache alone)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display, and no GUI toolkit to import
@@ -80,6 +80,9 @@ def plot(path: str, points: Sequence[Point], title: str) -> None:
             label = policy + (f" mem {_size(memory)} ssd {_size(ssd)}" if multi else "")
             line, = ax.plot(xs, [100 * (1 - q.counts.rates()["recomputed"]) for q in pts], marker="o",
                             label=f"{label}: all tiers")
+            if any(q.ssd_bytes for q in pts):
+                ax.plot(xs, [100 * (q.counts.rates()["local"] + q.counts.rates()["memory"]) for q in pts],
+                        marker=".", linestyle=":", color=line.get_color(), label=f"{label}: local + pool memory")
             ax.plot(xs, [100 * q.counts.rates()["local"] for q in pts], marker=".", linestyle="--",
                     color=line.get_color(), label=f"{label}: local cache only")
         ax.set_xlabel("instances")
