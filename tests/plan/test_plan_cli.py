@@ -82,6 +82,8 @@ def test_bad_flag_values_are_named(trace: Path, capsys: pytest.CaptureFixture[st
     assert main(["plan", str(trace), "--kv-bytes-per-token", "1KB", "--instances", "2",
                  "--policies", "random"]) == 2
     assert "--policies='random'" in capsys.readouterr().err
+    assert main(["plan", str(trace), "--kv-bytes-per-token", "1KB", "--sweep-instances"]) == 2
+    assert "--sweep-instances=True" in capsys.readouterr().err
 
 
 def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,7 +17,7 @@ from kvpool.store.quota import POLICIES as SSD_POLICIES
 from kvpool.plan import report
 from kvpool.plan.cluster import TRAFFIC, ServiceModel
 from kvpool.plan.sweep import ClusterSpec, PoolSpec, run_plan
-from kvpool.plan.trace import DEFAULT_BLOCK_SIZE, read_trace
+from kvpool.plan.trace import DEFAULT_BLOCK_SIZE, Trace, read_trace
 
 DEFAULT_MEMORY = "5%,10%,20%,40%,70%,100%"
 DEFAULT_CLUSTER_MEMORY = "20%"
@@ -113,7 +113,7 @@ def build(args: argparse.Namespace) -> tuple[dict, list]:
         raise ConfigError("--sweep-instances", True, "--instances N as well: the sweep runs 1..N instances")
     trace = read_trace(args.trace, args.block_size)
     if args.limit:
-        trace = type(trace)(trace.requests[: args.limit], trace.block_size)
+        trace = Trace(trace.requests[: args.limit], trace.block_size)
     block_bytes = per_token * args.block_size
     working_set = trace.unique_blocks * block_bytes
     memory_text = args.memory or (DEFAULT_CLUSTER_MEMORY if args.instances else DEFAULT_MEMORY)
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     trace, settings = built["trace"], built["settings"]
     print(f"{args.trace}: {len(trace.requests)} requests, {trace.block_refs} block references, "
           f"{trace.unique_blocks} unique blocks of {settings['block_bytes']} bytes "
-          f"(working set {report._size(settings['working_set_bytes'])})")
+          f"(working set {report.size_text(settings['working_set_bytes'])})")
     print(report.table(points))
     if args.json:
         report.write_json(args.json, report.document(trace, args.trace, settings, points))

@@ -12,7 +12,8 @@ from kvpool.plan.replay import TIERS, Point
 from kvpool.plan.trace import Trace
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
+    """Bytes for a table or a label: "2TB", "1.12TB", "0"."""
     if n == 0:
         return "0"
     for unit, scale in (("TB", 1 << 40), ("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
@@ -33,7 +34,7 @@ def table(points: Sequence[Point]) -> str:
     rows = [head]
     for p in points:
         rates = p.counts.rates()
-        row = [_size(p.memory_bytes), str(p.extra.get("capacity_blocks", "")), _size(p.ssd_bytes)]
+        row = [size_text(p.memory_bytes), str(p.extra.get("capacity_blocks", "")), size_text(p.ssd_bytes)]
         if cluster:
             row += [p.policy or "", str(p.instances)]
         row += [f"{rates[t] * 100:.1f}%" for t in TIERS if cluster or t != "local"]
@@ -77,7 +78,7 @@ def plot(path: str, points: Sequence[Point], title: str) -> None:
         for (policy, memory, ssd), pts in groups.items():
             pts.sort(key=lambda q: q.instances or 0)
             xs = [q.instances for q in pts]
-            label = policy + (f" mem {_size(memory)} ssd {_size(ssd)}" if multi else "")
+            label = policy + (f" mem {size_text(memory)} ssd {size_text(ssd)}" if multi else "")
             line, = ax.plot(xs, [100 * (1 - q.counts.rates()["recomputed"]) for q in pts], marker="o",
                             label=f"{label}: all tiers")
             if any(q.ssd_bytes for q in pts):
@@ -95,7 +96,7 @@ def plot(path: str, points: Sequence[Point], title: str) -> None:
                 ax.plot(xs, [100 * q.counts.rates()["memory"] for q in pts], marker="o", label="memory tier")
             else:
                 ax.plot(xs, [100 * (q.counts.rates()["memory"] + q.counts.rates()["ssd"]) for q in pts],
-                        marker="o", label=f"memory + SSD {_size(ssd)}")
+                        marker="o", label=f"memory + SSD {size_text(ssd)}")
         ax.set_xlabel("pool memory (GiB)")
     ax.set_ylabel("block hit rate (%)")
     ax.set_title(title)
