@@ -25,7 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     from kvpool.cli import doctor  # stdlib + kvpool config only
 
     doctor.add_arguments(sub.add_parser("doctor", help="check a deployment's config, files and services before vLLM starts"))
+    from kvpool.plan import command as plan  # numpy + msgspec; matplotlib loads only to plot
+
+    plan.add_arguments(sub.add_parser("plan", help="capacity planner: replay a trace, hit rate against pool size"))
     args = parser.parse_args(argv)
+    if args.cmd == "plan":
+        return plan.run(args)
     if args.cmd == "doctor":
         return doctor.run(args)
     if args.cmd == "server":

@@ -34,7 +34,6 @@ outside it (an unlinked file stays readable through an open descriptor).
 
 from __future__ import annotations
 
-import collections
 import errno
 import fcntl
 import hashlib
@@ -45,14 +44,14 @@ import struct
 import threading
 import zlib
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal, NoReturn
+from typing import Any, NoReturn
 
 from kvpool.errors import ConfigError, ErrorCode, StoreError
 from kvpool.paths import validate_offload_path
+from kvpool.store.quota import POLICIES, DiskPolicy, QuotaIndex
 
 logger = logging.getLogger(__name__)
 
-DiskPolicy = Literal["none", "fifo", "lru"]
 # Anything exporting the buffer protocol (bytes, memoryview, numpy array); Python
 # 3.11 has no static type for that (collections.abc.Buffer arrived in 3.12).
 Buffer = Any
@@ -62,7 +61,6 @@ VERSION = 1
 _HEADER = struct.Struct("<4sHHIQI")
 HEADER_SIZE = _HEADER.size
 _TMP_MARK = ".tmp."
-_POLICIES = ("none", "fifo", "lru")
 LOCK_NAME = ".kvpool.lock"
 FILE_MODE = 0o600
 DIR_MODE = 0o700
@@ -112,7 +110,8 @@ class DiskTier:
     ``policy``: ``none`` rejects a write that would pass the quota
     (NO_AVAILABLE_HANDLE); ``fifo`` evicts the oldest-written files; ``lru`` the
     least recently read (recency is in-memory only: after a restart the order
-    starts from file modification times, i.e. write order).
+    starts from file modification times, i.e. write order). The quota and the
+    eviction order are ``quota.QuotaIndex``'s, shared with ``kvpool plan``.
 
     One DiskTier per directory: two processes sharing a path would each keep
     their own index and quota.
@@ -120,7 +119,7 @@ class DiskTier:
 
     def __init__(self, path: str, quota_bytes: int, policy: DiskPolicy = "none") -> None:
         validate_offload_path(path)
-        if policy not in _POLICIES:
+        if policy not in POLICIES:
             raise ConfigError(key="ssd_eviction_policy", value=policy, expected="one of none, fifo, lru")
         if not isinstance(quota_bytes, int) or quota_bytes <= 0:
             raise ConfigError(
@@ -128,16 +127,12 @@ class DiskTier:
             )
         self.path = os.path.normpath(path)
         self._lock_fd: int | None = _lock_dir(self.path)
-        self.quota_bytes = quota_bytes
         self.policy: DiskPolicy = policy
         self._lock = threading.Lock()
-        # key -> file size; order is eviction order (oldest/least recent first).
-        self._index: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self._inflight: dict[str, int] = {}  # key -> reserved bytes while its file is written
-        self._used = 0
+        # key -> file size, in eviction order, plus the writes in flight.
+        self._order = QuotaIndex(quota_bytes, policy)
         self._tmp_counter = itertools.count()
         self.checksum_failures = 0
-        self.evictions = 0
         self.full_disk_events = 0  # writes that met a full disk below the quota (ENOSPC)
         self.removed_at_scan = 0
         self._scan()
@@ -154,14 +149,22 @@ class DiskTier:
         self.close()
 
     @property
+    def quota_bytes(self) -> int:
+        return self._order.quota_bytes
+
+    @property
+    def evictions(self) -> int:
+        return self._order.evictions
+
+    @property
     def used_bytes(self) -> int:
         with self._lock:
-            return self._used
+            return self._order.used
 
     @property
     def count(self) -> int:
         with self._lock:
-            return len(self._index)
+            return len(self._order)
 
     @staticmethod
     def entry_size(key: str, payload_len: int) -> int:
@@ -171,12 +174,12 @@ class DiskTier:
     def contains(self, key: str) -> bool:
         """Index lookup only (no I/O); a corrupt file is still 'contained' until read."""
         with self._lock:
-            return key in self._index
+            return key in self._order
 
     def keys(self) -> list[str]:
         """Stored keys in eviction order (first = next victim)."""
         with self._lock:
-            return list(self._index)
+            return self._order.keys()
 
     def put(self, key: str, data: Buffer | Sequence[Buffer]) -> ErrorCode:
         """Store ``data`` (one buffer or a list written back-to-back) under ``key``.
@@ -195,17 +198,12 @@ class DiskTier:
             )
             return ErrorCode.NO_AVAILABLE_HANDLE
         with self._lock:
-            if key in self._index or key in self._inflight:
+            if self._order.has(key):
                 return ErrorCode.OK
-            if self._used + size > self.quota_bytes:
-                if self.policy == "none":
-                    return ErrorCode.NO_AVAILABLE_HANDLE
-                self._evict_locked(self._used + size - self.quota_bytes)
-                if self._used + size > self.quota_bytes:
-                    # Only in-flight writes are left to blame; they cannot be evicted.
-                    return ErrorCode.NO_AVAILABLE_HANDLE
-            self._inflight[key] = size
-            self._used += size
+            fits, victims = self._order.reserve(key, size)
+            self._unlink_victims_locked(victims)
+            if not fits:
+                return ErrorCode.NO_AVAILABLE_HANDLE
 
         final = self._file_path(key)
         for attempt in (1, 2):
@@ -216,12 +214,10 @@ class DiskTier:
                     continue  # the disk filled up under the quota: evicted to make room, try again
                 logger.warning("disk tier: writing key=%r to %s failed: %s", key, final, exc)
                 with self._lock:
-                    if self._inflight.pop(key, None) is not None:
-                        self._used -= size
+                    self._order.cancel(key)
                 return ErrorCode.INTERNAL_ERROR
             with self._lock:
-                del self._inflight[key]
-                self._index[key] = size
+                self._order.settle(key)
             return ErrorCode.OK
         raise AssertionError("unreachable")
 
@@ -256,16 +252,16 @@ class DiskTier:
         on, and evict room for one more object of ``size`` bytes. False with policy ``none``."""
         with self._lock:
             self.full_disk_events += 1
-            held = self._used - size  # this write's reservation is still counted
-            self.quota_bytes = max(size, held)
+            held = self._order.used - size  # this write's reservation is still counted
+            self._order.quota_bytes = max(size, held)
             if self.policy == "none":
                 return False
             logger.warning("disk tier: %s is full below its quota; quota lowered to %d bytes (what the "
                            "tier holds), evicting to make room", self.path, self.quota_bytes)
             # The disk had no room for `size` more bytes: free that much of our own.
-            before = self._used
-            self._evict_locked(size)
-            return before - self._used >= size
+            before = self._order.used
+            self._unlink_victims_locked(self._order.evict(size))
+            return before - self._order.used >= size
 
     def get(self, key: str) -> bytes:
         """Return the payload of ``key``.
@@ -275,10 +271,9 @@ class DiskTier:
         become valid, and leaving it would fail every later read too).
         """
         with self._lock:
-            if key not in self._index:
+            if key not in self._order:
                 raise StoreError(ErrorCode.OBJECT_NOT_FOUND, f"key={key!r} is not on the disk tier")
-            if self.policy == "lru":
-                self._index.move_to_end(key)
+            self._order.touch(key)
         file_path = self._file_path(key)
         try:
             with open(file_path, "rb") as f:
@@ -302,7 +297,7 @@ class DiskTier:
     def remove(self, key: str) -> ErrorCode:
         """Delete ``key``'s file; OBJECT_NOT_FOUND if it is not stored."""
         with self._lock:
-            if key not in self._index:
+            if key not in self._order:
                 return ErrorCode.OBJECT_NOT_FOUND
             self._drop_locked(key, unlink=True)
             return ErrorCode.OK
@@ -348,23 +343,15 @@ class DiskTier:
         )
 
     def _drop_locked(self, key: str, unlink: bool) -> None:
-        size = self._index.pop(key, None)
-        if size is None:
-            return
-        self._used -= size
-        if unlink:
+        if self._order.discard(key) and unlink:
+            self._unlink_victims_locked([key])
+
+    def _unlink_victims_locked(self, victims: list[str]) -> None:
+        for victim in victims:
             try:
-                os.unlink(self._file_path(key))
+                os.unlink(self._file_path(victim))
             except FileNotFoundError:
                 pass
-
-    def _evict_locked(self, need: int) -> None:
-        freed = 0
-        while freed < need and self._index:
-            victim = next(iter(self._index))
-            freed += self._index[victim]
-            self._drop_locked(victim, unlink=True)
-            self.evictions += 1
 
     def _scan(self) -> None:
         """Rebuild the index from files a previous process left, reading headers only.
@@ -397,15 +384,14 @@ class DiskTier:
                 found.append((st.st_mtime, key, st.st_size))
         found.sort()
         for _, key, size in found:
-            self._index[key] = size
-            self._used += size
-        if self._used > self.quota_bytes:
+            self._order.load(key, size)
+        if self._order.used > self.quota_bytes:
             # The quota shrank since the previous run; honour it now rather than never.
             logger.warning(
                 "disk tier: %d bytes on disk exceed quota %d at start-up; evicting oldest",
-                self._used, self.quota_bytes,
+                self._order.used, self.quota_bytes,
             )
-            self._evict_locked(self._used - self.quota_bytes)
+            self._unlink_victims_locked(self._order.evict(self._order.used - self.quota_bytes))
 
     @staticmethod
     def _read_header(file_path: str, name: str) -> tuple[str | None, str]:

@@ -1,0 +1,79 @@
+"""One shared pool (memory tier + SSD tier) replayed without bytes, through the engine's own code.
+
+Memory is a real ``PoolEngine`` on a scaled arena (``scale.py``), driven only by its public
+calls: ``exists`` to look up, ``acquire`` + ``release`` to load a memory hit (which refreshes
+its LRU position, as a real read does), ``allocate`` + ``commit`` to store a block (nothing is
+written into the arena; the engine never looks at the bytes). The SSD tier is the disk tier's
+own quota and eviction order (``store.quota.QuotaIndex``, which ``DiskTier`` runs on), fed as
+the engine feeds it with ``disk_write_through`` (the default): every stored block is written to
+SSD as well, an SSD read refreshes its ``lru`` position, and an SSD hit is promoted into memory
+(allocate + commit, possibly evicting colder blocks there; with write-through they are on SSD
+already). Files are not written: the SSD tier's decisions depend only on sizes and order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvpool.store import Allocation, DiskTier, PoolEngine
+from kvpool.store.quota import DiskPolicy, QuotaIndex
+
+from kvpool.plan.scale import ScaledMemory
+
+_CLIENT = "plan"
+
+
+def _frozen_clock() -> float:
+    # Every lease the replay takes is released at once, so time never has to pass.
+    return 0.0
+
+
+class PoolModel:
+    """The shared pool of one replay. ``serve`` is one request's pool traffic."""
+
+    def __init__(self, memory: ScaledMemory, block_bytes: int, ssd_bytes: int = 0,
+                 ssd_policy: DiskPolicy = "lru") -> None:
+        self.memory = memory
+        self.engine = PoolEngine(memory.config, clock=_frozen_clock)
+        self._size = memory.object_size
+        self._ssd = QuotaIndex(ssd_bytes, ssd_policy) if ssd_bytes > 0 else None
+        self._block_bytes = block_bytes
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def serve(self, keys: Sequence[str], start: int = 0) -> tuple[int, int]:
+        """Look up ``keys[start:]`` (the blocks an instance does not hold), load their leading
+        run of hits, then store every block after it. Returns (memory hits, SSD hits)."""
+        eng, ssd = self.engine, self._ssd
+        tail = keys[start:]
+        found = eng.exists(tail)
+        mem_hits = ssd_hits = 0
+        i = 0
+        for key, in_memory in zip(tail, found):
+            if in_memory:
+                lease = eng.acquire(_CLIENT, key)
+                if not isinstance(lease, int):  # an ErrorCode is an int: evicted by a promotion just now
+                    eng.release(lease)
+                    mem_hits += 1
+                    i += 1
+                    continue
+            if ssd is not None and key in ssd:
+                ssd.touch(key)
+                self._store(key)  # the promotion
+                ssd_hits += 1
+                i += 1
+                continue
+            break
+        for key in tail[i:]:
+            self._store(key)
+            if ssd is not None and not ssd.has(key):
+                fits, _ = ssd.reserve(key, DiskTier.entry_size(key, self._block_bytes))
+                if fits:
+                    ssd.settle(key)
+        return mem_hits, ssd_hits
+
+    def _store(self, key: str) -> None:
+        got = self.engine.allocate(_CLIENT, key, self._size)
+        if isinstance(got, Allocation):
+            self.engine.commit(got.handle)

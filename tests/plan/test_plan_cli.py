@@ -1,0 +1,95 @@
+"""`kvpool plan` end to end on a small trace file: table, JSON, PNG, and errors that say where."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpool.cli.main import main
+
+LINES = [
+    {"timestamp": 0, "input_length": 1024, "output_length": 10, "hash_ids": [1, 2]},
+    {"timestamp": 100, "input_length": 1500, "output_length": 10, "hash_ids": [1, 2, 3]},
+    {"timestamp": 200, "input_length": 600, "output_length": 10, "hash_ids": [4, 5]},
+    {"timestamp": 300, "input_length": 1536, "output_length": 10, "hash_ids": [1, 2, 6]},
+]
+
+
+@pytest.fixture
+def trace(tmp_path: Path) -> Path:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in LINES))
+    return path
+
+
+def test_plan_writes_table_json_and_png(trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json, out_png = tmp_path / "plan.json", tmp_path / "plan.png"
+    rc = main(["plan", str(trace), "--kv-bytes-per-token", "1KB", "--memory", "1MB,100%", "--ssd", "0,2MB",
+               "--jobs", "1", "--json", str(out_json), "--plot", str(out_png)])
+    assert rc == 0
+    doc = json.loads(out_json.read_text())
+    assert doc["trace"]["block_refs"] == 10 and doc["trace"]["unique_blocks"] == 6
+    assert doc["settings"]["block_bytes"] == 512 * 1024
+    assert [(p["memory_bytes"], p["ssd_bytes"]) for p in doc["points"]] == \
+        [(1 << 20, 0), (1 << 20, 2 << 20), (6 * 512 * 1024, 0), (6 * 512 * 1024, 2 << 20)]
+    # A 2-block memory tier at the 0.9 high watermark evicts before its second put: it holds one
+    # block, and [1,2] leaves only 2 behind, so [1,2,3] misses at 1. Its 2MB SSD tier (3 files)
+    # has 1 and 2 for [1,2,3], and 4, 5 push them out before [1,2,6].
+    # The whole working set in memory: every repeated block hits (2 + 2 of 10).
+    assert [p["memory"] for p in doc["points"]] == [0, 0, 4, 4]
+    assert [p["ssd"] for p in doc["points"]] == [0, 2, 0, 0]
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = capsys.readouterr().out
+    assert "mem%" in table and "40.0%" in table
+
+
+def test_plan_cluster_sweep(trace: Path, tmp_path: Path) -> None:
+    out_json, out_png = tmp_path / "c.json", tmp_path / "c.png"
+    rc = main(["plan", str(trace), "--kv-bytes-per-token", "1KB", "--memory", "4MB", "--instances", "2",
+               "--local-cache", "1MB", "--sweep-instances", "--policies", "round_robin,prefix_aware",
+               "--jobs", "2", "--json", str(out_json), "--plot", str(out_png)])
+    assert rc == 0
+    points = json.loads(out_json.read_text())["points"]
+    assert [(p["policy"], p["instances"]) for p in points] == \
+        [("round_robin", 1), ("round_robin", 2), ("prefix_aware", 1), ("prefix_aware", 2)]
+    for p in points:
+        assert p["blocks"] == 10 * p["instances"]  # replicated traffic: one trace per instance
+        assert p["local"] + p["memory"] + p["ssd"] + p["recomputed"] == p["blocks"]
+        assert sum(p["served"]) == 4 * p["instances"]
+    assert out_png.stat().st_size > 0
+
+
+@pytest.mark.parametrize(("bad", "where"), [
+    ('{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, -2]}', "trace.jsonl:3 hash_ids"),
+    ('{"timestamp": 0, "input_length": "many", "output_length": 1, "hash_ids": [1]}', "trace.jsonl:3 input_length"),
+    ("not json", "trace.jsonl:3"),
+])
+def test_bad_trace_line_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: str, where: str) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text(json.dumps(LINES[0]) + "\n" + json.dumps(LINES[1]) + "\n" + bad + "\n")
+    assert main(["plan", str(path), "--kv-bytes-per-token", "1KB", "--jobs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert where in err and "fix line 3" in err
+
+
+def test_bad_flag_values_are_named(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(trace), "--kv-bytes-per-token", "lots"]) == 2
+    assert "--kv-bytes-per-token='lots'" in capsys.readouterr().err
+    assert main(["plan", str(trace), "--kv-bytes-per-token", "1KB", "--memory", "4GB,x"]) == 2
+    assert "--memory='x'" in capsys.readouterr().err
+    assert main(["plan", str(trace), "--kv-bytes-per-token", "1KB", "--instances", "2",
+                 "--policies", "random"]) == 2
+    assert "--policies='random'" in capsys.readouterr().err
+    assert main(["plan", str(trace), "--kv-bytes-per-token", "1KB", "--sweep-instances"]) == 2
+    assert "--sweep-instances=True" in capsys.readouterr().err
+
+
+def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--kv-bytes-per-token", "--memory", "--ssd", "--instances", "--sweep-instances", "--json", "--plot"):
+        assert flag in out

@@ -1,0 +1,188 @@
+"""The planner against hit rates computed by hand on small traces, and its scaling argument
+checked against an engine running at the real sizes."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from kvpool.errors import ConfigError
+from kvpool.plan.cluster import ServiceModel, replay_cluster, workload
+from kvpool.plan.pool import PoolModel
+from kvpool.plan.replay import replay_pool, request_keys
+from kvpool.plan.scale import ScaledMemory, scale_memory
+from kvpool.plan.trace import parse_lines
+from kvpool.store import EngineConfig
+from kvpool.store.disk import HEADER_SIZE
+from kvpool.store.quota import QuotaIndex
+
+BLOCK = 4  # tokens per block in the hand-written traces
+BLOCK_BYTES = 64  # one alignment unit: R = 64, nothing rounds
+
+
+def _trace(*requests: list[int], gap_ms: int = 1000):
+    lines = [json.dumps({"timestamp": i * gap_ms, "input_length": BLOCK * len(ids), "output_length": 1,
+                         "hash_ids": ids}) for i, ids in enumerate(requests)]
+    return parse_lines(lines, BLOCK)
+
+
+def _lru_pool(blocks: int, ssd_entries: int = 0, policy: str = "lru") -> PoolModel:
+    """A pool whose memory tier is a plain LRU of ``blocks`` blocks: at a high watermark of 1 it
+    evicts only when full, and then max(1, ceil(0.01 * count)) = 1 object, the least recent."""
+    scaled = scale_memory(blocks * BLOCK_BYTES, BLOCK_BYTES, high_watermark=1.0, eviction_ratio=0.01)
+    assert scaled.capacity_objects == blocks
+    entry = HEADER_SIZE + 1 + BLOCK_BYTES  # one-character keys
+    return PoolModel(scaled, BLOCK_BYTES, ssd_entries * entry, policy)  # type: ignore[arg-type]
+
+
+TRACE = ([1, 2, 3], [1, 2, 4], [1, 3], [1, 2, 4])
+
+
+def test_memory_only_lru_by_hand() -> None:
+    # memory LRU of 3 (oldest first):
+    # [1,2,3]: 3 misses                       -> 1 2 3
+    # [1,2,4]: 1, 2 hit; 4 evicts 3           -> 1 2 4
+    # [1,3]:   1 hit; 3 evicts 2              -> 4 1 3
+    # [1,2,4]: 1 hit; 2 evicts 4, then 4 (found at lookup, gone by its turn: after the first
+    #          miss it is stored again anyway) evicts 3                    -> 1 2 4
+    pool = _lru_pool(3)
+    counts, _ = replay_pool(request_keys(_trace(*TRACE)), pool)
+    assert (counts.blocks, counts.memory, counts.ssd, counts.recomputed) == (11, 4, 0, 7)
+    assert pool.engine.stats()["object_count"] == 3
+
+
+def test_memory_and_ssd_by_hand() -> None:
+    # memory LRU of 2, SSD of 3 entries (lru), every stored block written through to SSD:
+    # [1,2,3]: misses; memory 2 3; SSD 1 2 3
+    # [1,2,4]: 1 from SSD (promoted, evicts 2: memory 3 1); 2 was in memory at lookup but is
+    #          gone, so from SSD too (memory 1 2); SSD order 3 1 2; 4 misses: memory 2 4, SSD 1 2 4
+    # [1,3]:   1 from SSD (memory 4 1, SSD 2 4 1); 3 misses: memory 1 3, SSD 4 1 3
+    # [1,2,4]: 1 from memory; 2 misses (SSD evicted it): memory 2 4, SSD 3 2 4
+    pool = _lru_pool(2, ssd_entries=3)
+    counts, _ = replay_pool(request_keys(_trace(*TRACE)), pool)
+    assert (counts.blocks, counts.memory, counts.ssd, counts.recomputed) == (11, 1, 3, 7)
+
+
+def test_ssd_fifo_keeps_write_order() -> None:
+    # As above, but under fifo a read does not save a block:
+    # [1,2,3]: memory 2 3; SSD 1 2 3
+    # [1,2,4]: 1 and 2 from SSD as before (memory 1 2), SSD order stays 1 2 3; 4 misses:
+    #          memory 2 4, SSD evicts 1 (lru evicted 3, read least recently) -> 2 3 4
+    # [1,3]:   1 is nowhere: 2 misses; memory 1 3, SSD 3 4 1 (3 already there)
+    # [1,2,4]: 1 from memory; 2 misses
+    pool = _lru_pool(2, ssd_entries=3, policy="fifo")
+    counts, _ = replay_pool(request_keys(_trace(*TRACE)), pool)
+    assert (counts.memory, counts.ssd, counts.recomputed) == (1, 2, 8)
+
+
+def _cluster(policy: str, pool_blocks: int):
+    # Two instances, local caches of 4 blocks, requests 1 s apart with (almost) no service time,
+    # so every instance is idle at each arrival.
+    work = workload(_trace([1, 2], [3, 4], [3, 4, 6], [1, 2, 5]))
+    pool = _lru_pool(pool_blocks)
+    counts, _, served = replay_cluster(work, pool, 2, policy, local_blocks=4,
+                                       service=ServiceModel(1e12, 0.0))
+    return counts, served
+
+
+def test_cluster_round_robin_vs_prefix_aware_by_hand() -> None:
+    # round_robin: [1,2]->0, [3,4]->1, [3,4,6]->0, [1,2,5]->1: no instance holds what it gets.
+    #   With a 1-block pool nothing survives there either: 0 hits of 10.
+    #   With a 10-block pool the pool has 3,4 and then 1,2: 4 memory hits.
+    # prefix_aware: [1,2]->0, [3,4]->1 (least loaded, rotating), [3,4,6]->1 and [1,2,5]->0 by
+    #   their prefixes: 2 + 2 local hits, and the pool is asked only for 6 and 5 (misses).
+    counts, served = _cluster("round_robin", 1)
+    assert (counts.blocks, counts.local, counts.memory, counts.recomputed, served) == (10, 0, 0, 10, [2, 2])
+    counts, _ = _cluster("round_robin", 10)
+    assert (counts.local, counts.memory, counts.recomputed) == (0, 4, 6)
+    for pool_blocks in (1, 10):
+        counts, served = _cluster("prefix_aware", pool_blocks)
+        assert (counts.local, counts.memory, counts.recomputed, served) == (4, 0, 6, [2, 2])
+
+
+def test_replicated_workload_copies_share_nothing() -> None:
+    trace = _trace([1, 2], [1, 2])
+    work = workload(trace, copies=2)
+    assert len(work.requests) == 4
+    assert sorted(map(tuple, work.keys)) == [("1", "2"), ("1", "2"), ("1/1", "1/2"), ("1/1", "1/2")]
+    assert [r.timestamp for r in work.requests] == [0, 0, 1000, 1000]
+    by_key = {tuple(k): c for k, c in zip(work.keys, work.chains)}
+    assert by_key[("1", "2")] != by_key[("1/1", "1/2")]
+    counts, _ = replay_pool(work.keys, _lru_pool(8))
+    assert (counts.memory, counts.recomputed) == (4, 4)
+
+
+def _real_size_pool(memory: int, block_bytes: int, high: float, ratio: float) -> PoolModel:
+    """The same pool at its real sizes: objects of block_bytes rounded up, the whole arena."""
+    cfg = EngineConfig(memory_size=memory, eviction_high_watermark_ratio=high, eviction_ratio=ratio,
+                       reap_interval_s=0)
+    r = -(-block_bytes // 64) * 64
+    real = ScaledMemory(memory, r, 0, 0, r // 64, cfg)
+    return PoolModel(real, block_bytes)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_scaled_engine_decides_as_the_real_sized_one(seed: int) -> None:
+    rng = random.Random(seed)
+    block_bytes = rng.choice([1000, 4096, 5000, 64 * 37 + 5])
+    memory = rng.randrange(5, 60) * block_bytes + rng.randrange(0, block_bytes)
+    high, ratio = rng.choice([0.9, 0.75, 1.0]), rng.choice([0.1, 0.3, 0.05])
+    # Requests sharing prefixes of a few roots, so there is reuse and eviction both.
+    reqs = []
+    for _ in range(300):
+        root = rng.randrange(12)
+        reqs.append([root * 1000 + i for i in range(rng.randrange(1, 12))])
+    keys = request_keys(_trace(*reqs))
+    scaled = scale_memory(memory, block_bytes, high_watermark=high, eviction_ratio=ratio)
+    a = PoolModel(scaled, block_bytes)
+    b = _real_size_pool(memory, block_bytes, high, ratio)
+    for req in keys:
+        assert a.serve(req) == b.serve(req)
+    assert a.engine.stats()["evictions"] == b.engine.stats()["evictions"] > 0
+    assert a.engine._debug_snapshot()["lru"] == b.engine._debug_snapshot()["lru"]
+
+
+def test_quota_index_is_the_disk_tiers_policy() -> None:
+    q = QuotaIndex(30, "lru")
+    for key in "abc":
+        assert q.reserve(key, 10) == (True, [])
+        q.settle(key)
+    q.touch("a")
+    assert q.reserve("d", 10) == (True, ["b"])
+    q.settle("d")
+    assert q.keys() == ["c", "a", "d"] and q.used == 30 and q.evictions == 1
+    none = QuotaIndex(10, "none")
+    assert none.reserve("x", 10) == (True, [])
+    assert none.reserve("y", 1) == (False, [])
+    with pytest.raises(ConfigError, match="ssd_eviction_policy"):
+        QuotaIndex(10, "random")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("line", "field"), [
+    ('{"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [1, "x"]}', "hash_ids"),
+    ('{"timestamp": -5, "input_length": 8, "output_length": 1, "hash_ids": [1, 2]}', "timestamp"),
+    ('{"timestamp": 0, "input_length": 8, "output_length": 1}', "hash_ids"),
+    ('{"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [1, 2, 3]}', "hash_ids"),
+])
+def test_bad_line_names_line_and_field(line: str, field: str) -> None:
+    good = '{"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [1, 2]}'
+    with pytest.raises(ConfigError) as info:
+        parse_lines([good, line], BLOCK, source="t.jsonl")
+    assert info.value.key == f"t.jsonl:2 {field}"
+    assert "line 2" in info.value.expected
+
+
+def test_malformed_json_names_the_line() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_lines(['{"timestamp": 0,', ""], BLOCK, source="t.jsonl")
+    assert info.value.key == "t.jsonl:1"
+
+
+def test_trace_is_replayed_in_arrival_order() -> None:
+    lines = [json.dumps({"timestamp": t, "input_length": 4, "output_length": 0, "hash_ids": [t]})
+             for t in (5, 1, 5, 0)]
+    trace = parse_lines(lines, BLOCK)
+    assert [r.timestamp for r in trace.requests] == [0, 1, 5, 5]
+    assert trace.block_refs == 4 and trace.unique_blocks == 3
