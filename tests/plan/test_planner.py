@@ -13,7 +13,7 @@ from kvpool.plan.cluster import ServiceModel, replay_cluster, workload
 from kvpool.plan.pool import PoolModel
 from kvpool.plan.replay import replay_pool, request_keys
 from kvpool.plan.scale import ScaledMemory, scale_memory
-from kvpool.plan.trace import parse_lines
+from kvpool.tracefile import parse_lines, read_trace
 from kvpool.store import EngineConfig
 from kvpool.store.disk import HEADER_SIZE
 from kvpool.store.quota import QuotaIndex
@@ -186,3 +186,23 @@ def test_trace_is_replayed_in_arrival_order() -> None:
     trace = parse_lines(lines, BLOCK)
     assert [r.timestamp for r in trace.requests] == [0, 1, 5, 5]
     assert trace.block_refs == 4 and trace.unique_blocks == 3
+
+
+def test_the_connectors_block_hash_log_is_a_trace(tmp_path):
+    # What `block_hash_log` writes: epoch-ms arrivals, whole blocks only, the block size per line.
+    from kvpool.tracefile import BlockHashLog
+
+    path = tmp_path / "log.jsonl"
+    log = BlockHashLog(str(path), block_size=16)
+    log.record(1_700_000_000.0, 16 * 3 + 5, 4, [b"a" * 32, b"b" * 32, b"c" * 32, b"d" * 32])
+    log.record(1_700_000_000.5, 16 * 2, 4, [b"a" * 32, b"b" * 32])
+    log.close()
+    trace = read_trace(str(path), None)
+    assert trace.block_size == 16
+    assert [r.timestamp for r in trace.requests] == [0, 500]
+    assert [len(r.hash_ids) for r in trace.requests] == [3, 2]
+    assert trace.requests[0].hash_ids[:2] == trace.requests[1].hash_ids
+    with pytest.raises(ConfigError, match="block_size"):
+        parse_lines(['{"timestamp": 0, "input_length": 32, "output_length": 1, "hash_ids": [1, 2], "block_size": 16}',
+                     '{"timestamp": 1, "input_length": 32, "output_length": 1, "hash_ids": [1], "block_size": 32}'],
+                    None)

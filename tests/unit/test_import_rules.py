@@ -1,8 +1,8 @@
 """The layering rule, enforced: every import inside kvpool goes down the layers, never up.
 
     errors, paths            what everything may use
-    keys, store, routing     pool keys; the engine (allocator, index, leases, eviction, disk tier);
-                             request routing policies (pure)
+    keys, store, routing,    pool keys; the engine (allocator, index, leases, eviction, disk tier);
+    tracefile                request routing policies (pure); the request-trace format
     config                   the schemas and their parser
     server                   `kvpool server`: daemon, wire format, shared memory, client, metrics
     backends                 registry, base class, one adapter per store
@@ -25,7 +25,7 @@ import kvpool
 SRC = Path(kvpool.__file__).parent
 LAYERS = [
     {"errors", "paths"},
-    {"keys", "store", "routing"},
+    {"keys", "store", "routing", "tracefile"},
     {"config"},
     {"server"},
     {"backends"},

@@ -34,7 +34,7 @@ from kvpool.routing import POLICIES, Router, id_chain
 
 from kvpool.plan.pool import PoolModel
 from kvpool.plan.replay import HitCounts, request_keys
-from kvpool.plan.trace import Trace, TraceRequest
+from kvpool.tracefile import Trace, TraceRequest
 
 Traffic = Literal["split", "replicate"]
 TRAFFIC: tuple[Traffic, ...] = ("split", "replicate")

@@ -17,7 +17,7 @@ from kvpool.store.quota import POLICIES as SSD_POLICIES
 from kvpool.plan import report
 from kvpool.plan.cluster import TRAFFIC, ServiceModel
 from kvpool.plan.sweep import ClusterSpec, PoolSpec, run_plan
-from kvpool.plan.trace import DEFAULT_BLOCK_SIZE, Trace, read_trace
+from kvpool.tracefile import DEFAULT_BLOCK_SIZE, Trace, read_trace
 
 DEFAULT_MEMORY = "5%,10%,20%,40%,70%,100%"
 DEFAULT_CLUSTER_MEMORY = "20%"
@@ -32,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="request trace, one JSON line per request (docs/plan.md: the format)")
     p.add_argument("--kv-bytes-per-token", required=True,
                    help='KV bytes one token takes in the pool, all layers, e.g. "160KB" (binary units)')
-    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
-                   help=f"tokens per hash id in the trace (default {DEFAULT_BLOCK_SIZE})")
+    p.add_argument("--block-size", type=int, default=None,
+                   help=f"tokens per hash id in the trace (default: what its lines say, else {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--memory", default=None,
                    help="comma-separated pool memory sizes to try, e.g. \"64GB,128GB\"; N%% is that share of "
                         f"the trace's working set (unique blocks); default {_escaped(DEFAULT_MEMORY)} "
@@ -101,7 +101,8 @@ def build(args: argparse.Namespace) -> tuple[dict, list]:
     """Validate the flags, read the trace and run the plan: (settings, points)."""
     per_token = parse_size("--kv-bytes-per-token", args.kv_bytes_per_token)
     _positive("--kv-bytes-per-token", per_token, 'a positive byte count, e.g. "160KB"')
-    _positive("--block-size", args.block_size, "a positive int of tokens, e.g. 512")
+    if args.block_size is not None:
+        _positive("--block-size", args.block_size, "a positive int of tokens, e.g. 512")
     for flag, value in (("--high-watermark", args.high_watermark), ("--eviction-ratio", args.eviction_ratio)):
         if not 0 < value <= 1:
             raise ConfigError(flag, value, "a ratio in (0, 1], e.g. 0.9 / 0.1")
@@ -114,7 +115,7 @@ def build(args: argparse.Namespace) -> tuple[dict, list]:
     trace = read_trace(args.trace, args.block_size)
     if args.limit:
         trace = Trace(trace.requests[: args.limit], trace.block_size)
-    block_bytes = per_token * args.block_size
+    block_bytes = per_token * trace.block_size
     working_set = trace.unique_blocks * block_bytes
     memory_text = args.memory or (DEFAULT_CLUSTER_MEMORY if args.instances else DEFAULT_MEMORY)
     memories = _sizes("--memory", memory_text, working_set)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvpool.plan.pool import PoolModel
-from kvpool.plan.trace import Trace
+from kvpool.tracefile import Trace
 
 TIERS = ("local", "memory", "ssd", "recomputed")
 

@@ -9,7 +9,7 @@ from typing import Any
 from kvpool.config import human_size
 
 from kvpool.plan.replay import TIERS, Point
-from kvpool.plan.trace import Trace
+from kvpool.tracefile import Trace
 
 
 def size_text(n: int) -> str:

@@ -17,7 +17,7 @@ from kvpool.plan.cluster import ServiceModel, Traffic, Workload, replay_cluster,
 from kvpool.plan.pool import PoolModel
 from kvpool.plan.replay import Point, replay_pool, request_keys
 from kvpool.plan.scale import scale_memory
-from kvpool.plan.trace import Trace
+from kvpool.tracefile import Trace
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import os
 
 from kvpool.config import KVPoolConfig
 from kvpool.errors import ConfigError
-from kvpool.vllm.hashlog import BlockHashLog
+from kvpool.tracefile import BlockHashLog
 from kvpool.vllm.lookup import LookupClient
 from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
 

@@ -414,7 +414,7 @@ def test_block_hash_log_writes_a_trace_line_per_finished_request(fake_lookup, tm
     import json
     import stat
 
-    from kvpool.vllm.hashlog import block_id
+    from kvpool.tracefile import block_id
 
     path = tmp_path / "hashes.jsonl"
     sched = make_scheduler({"block_hash_log": str(path)})
