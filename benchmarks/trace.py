@@ -330,12 +330,14 @@ def run_trace(trace: str, model_dir: Path, workdir: Path, args: argparse.Namespa
                 for i, r in enumerate(slice_)]
     prompt_tokens = sum(len(p) for _, p in schedule)
     bound_tokens = sum(bound_blocks) * args.block_tokens
-    # The slice as replayed, in the trace format (block ids as hash ids): `kvpool plan` input.
+    # The slice as replayed, in the trace format with its block size (the ids cover whole blocks
+    # only, as the connector's block_hash_log writes them): `kvpool plan`'s input.
     slice_path = RESULTS_DIR / f"trace-{trace}-slice{'-quick' if args.quick else ''}.jsonl"
     with slice_path.open("w") as f:
-        for r in slice_:
-            f.write(json.dumps({"timestamp": r["timestamp"] - t0, "input_length": r["input_length"],
-                                "output_length": r["output_length"], "hash_ids": r["hash_ids"][: args.max_blocks]}) + "\n")
+        for r, (_, prompt) in zip(slice_, schedule):
+            f.write(json.dumps({"timestamp": r["timestamp"] - t0, "input_length": len(prompt),
+                                "output_length": args.max_tokens, "hash_ids": r["hash_ids"][: args.max_blocks],
+                                "block_size": args.block_tokens}) + "\n")
     entry: dict[str, Any] = {
         "sampling": {"conversations": args.conversations, "requests": len(slice_), "skipped_shared_ids": skipped,
                      "of_trace_requests": len(reqs), "trace_span_s": round(span_ms / 1000, 1),

@@ -20,7 +20,11 @@ Policies (``POLICIES`` is the list; everything else derives from it):
 ``prefix_aware``
     the candidate whose seen chains cover the longest leading run of this request's chain,
     among those within the load bound; no match (or no candidate within the bound has one)
-    falls back to ``least_loaded``. The bound is that of consistent hashing with bounded
+    falls back to ``least_loaded``. A match counts when it reaches the end of a request the instance served
+    (a conversation's next turn: the instance also holds the answer, which no request showed
+    the router), or else covers at least ``min_match`` (0.3) of the request's chain: a system
+    prompt every request starts with matches everywhere it has been, and following it would
+    pile every new conversation onto one instance. The bound is that of consistent hashing with bounded
     loads: a candidate may take the request only while its load is below
     ``ceil(load_factor * (total_load + 1) / candidates)``, so one hot prefix can never pin one
     instance while the others sit idle (with ``load_factor`` 1.25 and two instances, the
@@ -109,17 +113,22 @@ class Router:
     Not thread-safe: the proxy runs on one event loop and calls it between awaits.
     """
 
-    def __init__(self, policy: str, capacity_blocks: int = 100_000, load_factor: float = 1.25) -> None:
+    def __init__(self, policy: str, capacity_blocks: int = 100_000, load_factor: float = 1.25,
+                 min_match: float = 0.3) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r} is invalid: expected one of {', '.join(POLICIES)}")
         if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or capacity_blocks <= 0:
             raise ValueError(f"capacity_blocks={capacity_blocks!r} is invalid: expected a positive int")
         if not isinstance(load_factor, (int, float)) or isinstance(load_factor, bool) or load_factor < 1:
             raise ValueError(f"load_factor={load_factor!r} is invalid: expected a number >= 1, e.g. 1.25")
+        if not isinstance(min_match, (int, float)) or isinstance(min_match, bool) or not 0 <= min_match <= 1:
+            raise ValueError(f"min_match={min_match!r} is invalid: expected a share in [0, 1], e.g. 0.5")
         self.policy = policy
+        self.min_match = float(min_match)
         self.capacity_blocks = capacity_blocks
         self.load_factor = float(load_factor)
-        self._seen: dict[Hashable, collections.OrderedDict[int, None]] = {}
+        # instance -> chain hash -> whether a recorded request ended there; least recent first.
+        self._seen: dict[Hashable, collections.OrderedDict[int, bool]] = {}
         self._last_chosen: dict[Hashable, int] = {}
         self._turn = itertools.count(1)
         self._rr = 0
@@ -169,7 +178,7 @@ class Router:
         best_i, best_n, capped_n = -1, 0, 0
         for i, inst in enumerate(candidates):
             n = self.matched(inst, chain)
-            if n == 0:
+            if n == 0 or (n < self.min_match * len(chain) and not self._seen[inst][chain[n - 1]]):
                 continue
             if loads[i] >= bound:
                 capped_n = max(capped_n, n)
@@ -184,8 +193,9 @@ class Router:
         if not chain:
             return
         seen = self._seen.setdefault(instance, collections.OrderedDict())
+        last = chain[-1]
         for h in chain:
-            seen[h] = None
+            seen[h] = seen.get(h, False) or h == last
             seen.move_to_end(h)
         while len(seen) > self.capacity_blocks:
             seen.popitem(last=False)

@@ -44,6 +44,23 @@ def test_prefix_aware_follows_the_prefix_and_falls_back_to_least_loaded():
     assert other.reason == "least_loaded"
 
 
+def test_a_short_shared_prefix_does_not_pin_new_conversations():
+    # Every request starts with the same system block: new conversations must still spread.
+    r = Router("prefix_aware")
+    homes = [r.choose(["a", "b"], [0, 0], id_chain([0, 100 + c, 200 + c, 300 + c])).instance for c in range(4)]
+    assert sorted(homes) == ["a", "a", "b", "b"]
+    # A conversation's next turn matches most of its chain and goes home.
+    d = r.choose(["a", "b"], [0, 0], id_chain([0, 101, 201, 301, 401]))
+    assert (d.instance, d.reason, d.matched_blocks) == (homes[1], "prefix_match", 4)
+    # So does one with a long answer and question after it: it extends a request served there.
+    d = r.choose(["a", "b"], [0, 0], id_chain([0, 102, 202, 302] + list(range(500, 520))))
+    assert (d.instance, d.reason, d.matched_blocks) == (homes[2], "prefix_match", 4)
+    # With min_match 0 any match counts, the shared block included.
+    r0 = Router("prefix_aware", min_match=0)
+    first = r0.choose(["a", "b"], [0, 0], id_chain([0, 1])).instance
+    assert r0.choose(["a", "b"], [0, 0], id_chain([0, 7, 8, 9])).instance == first
+
+
 def test_longest_match_wins():
     r = Router("prefix_aware")
     r.choose(["a"], [0], id_chain([1, 2]))
@@ -91,7 +108,8 @@ def test_choice_is_always_an_offered_candidate(policy):
 
 
 @pytest.mark.parametrize("kwargs", [{"policy": "random"}, {"policy": "prefix_aware", "capacity_blocks": 0},
-                                    {"policy": "prefix_aware", "load_factor": 0.5}])
+                                    {"policy": "prefix_aware", "load_factor": 0.5},
+                                    {"policy": "prefix_aware", "min_match": 1.5}])
 def test_bad_settings_are_refused_by_name(kwargs):
     with pytest.raises(ValueError, match=next(k for k in kwargs if k != "policy") if len(kwargs) > 1 else "policy"):
         Router(**kwargs)
