@@ -34,7 +34,10 @@ prefixes):
 
 Per configuration: token hit rate (cached prompt tokens / prompt tokens, from each response's
 usage record) against the slice's own upper bound (an infinite cache shared by everyone),
-TTFT p50/p90/mean, requests per second, tokens computed, and pool evictions. Writes
+TTFT p50/p90/mean, requests per second, tokens computed, and pool evictions. Then `kvpool plan`
+replays the same slice in cluster mode with the same capacities (two instances of
+`--local-blocks`, one pool of `--pool-size`; round_robin for `kvpool`, prefix_aware for
+`routed`), and its predicted hit rate is set against the measured one. Writes
 `benchmarks/results/trace.json` (`trace-quick.json`), `trace.png`, and on a full run the
 "Trace replay" section of docs/benchmarks.md.
 """
@@ -47,6 +50,8 @@ import concurrent.futures as cf
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -379,6 +384,43 @@ def run_trace(trace: str, model_dir: Path, workdir: Path, args: argparse.Namespa
         finally:
             if dep is not None:
                 dep.stop()
+    whole = sum(len(r["hash_ids"][: args.max_blocks]) for r in slice_) * args.block_tokens
+    plan = plan_prediction(slice_path, args, speedup, workdir)
+    plan["measured_block_hit_rate"] = {n: block_hit_rate(c["summary"], whole)
+                                       for n, c in entry["configs"].items() if "summary" in c}
+    entry["plan"] = plan
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner's prediction for the same slice
+
+
+KV_BYTES_PER_TOKEN = 12 * 1024  # the bench model in bf16: 12 layers x 2 x 4 KV heads x 64 x 2 bytes
+PLAN_POLICIES = {"kvpool": "round_robin", "routed": "prefix_aware"}
+
+
+def plan_prediction(slice_path: Path, args: argparse.Namespace, speedup: float, workdir: Path) -> dict[str, Any]:
+    """`kvpool plan` in cluster mode on the replayed slice, with the replay's capacities: two
+    instances of `--local-blocks` blocks each, one pool of `--pool-size`; its service-time model
+    at this machine's speed in the trace's own (uncompressed) time."""
+    out = workdir / f"plan-{slice_path.stem}.json"
+    cmd = [sys.executable, "-m", "kvpool.cli", "plan", str(slice_path),
+           "--kv-bytes-per-token", str(KV_BYTES_PER_TOKEN), "--memory", args.pool_size,
+           "--instances", "2", "--local-cache", str(args.local_blocks * args.block_tokens * KV_BYTES_PER_TOKEN),
+           "--policies", ",".join(PLAN_POLICIES.values()), "--traffic", "split", "--object-overhead", "1KB",
+           "--prefill-tokens-per-s", str(round(args.plan_prefill_tokens_per_s / speedup, 3)),
+           "--decode-ms-per-token", str(round(args.plan_decode_ms_per_token * speedup, 3)), "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        return {"failed": (proc.stderr or proc.stdout)[-2000:], "command": cmd}
+    points = json.loads(out.read_text())["points"]
+    return {"command": cmd, "hit_rate": {p["policy"]: round(1 - p["rates"]["recomputed"], 4) for p in points},
+            "rates": {p["policy"]: p["rates"] for p in points}}
+
+
+def block_hit_rate(summary: dict[str, Any], whole_block_tokens: int) -> float | None:
+    """Cached tokens as a share of the prompts' whole-block tokens (what the planner counts)."""
+    return round(summary["cached_tokens"] / whole_block_tokens, 4) if whole_block_tokens else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,6 +450,13 @@ def targets(entry: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
             s["kvpool"]["hit_rate"] >= s["mooncake"]["hit_rate"])
         add("kvpool TTFT p50 <= Mooncake's", f"{s['kvpool']['ttft_p50_ms']:.0f} vs {s['mooncake']['ttft_p50_ms']:.0f} ms",
             s["kvpool"]["ttft_p50_ms"] <= s["mooncake"]["ttft_p50_ms"])
+    plan = entry.get("plan") or {}
+    for name, policy in PLAN_POLICIES.items():
+        predicted = (plan.get("hit_rate") or {}).get(policy)
+        measured = (plan.get("measured_block_hit_rate") or {}).get(name)
+        if predicted is not None and measured is not None:
+            add(f"kvpool plan ({policy}) within 5 points of the measured {name} hit rate",
+                f"{predicted:.3f} predicted vs {measured:.3f} measured", abs(predicted - measured) <= 0.05)
     return out
 
 
@@ -468,6 +517,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="each instance's own KV cache in blocks (--num-gpu-blocks-override): its prefix cache "
                          "and the running requests share it, as an accelerator's memory does")
     ap.add_argument("--pool-size", default="8GB", help="the shared pool (kvpool server --memory-size; Mooncake: in total)")
+    ap.add_argument("--plan-prefill-tokens-per-s", type=float, default=1500.0,
+                    help="the planner's service-time model: one instance's prefill speed here (one core)")
+    ap.add_argument("--plan-decode-ms-per-token", type=float, default=30.0,
+                    help="the planner's service-time model: decode time per token here")
     ap.add_argument("--max-model-len", type=int, help="default: what the longest prompt needs")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--request-timeout-s", type=float, default=600.0)
