@@ -65,9 +65,10 @@ logger = logging.getLogger("kvpool.server")
 # A connection may hold this many unreleased read leases; past it the oldest are released
 # (a client that never releases must not grow the server without bound).
 _MAX_LEASES_PER_CONN = 1 << 16
-# Heap bytes an object costs the server besides its key (index entries, its record, its lookup
-# lease): measured at ~1.1 KiB with tracemalloc. Charged to the memory budget with the key's
-# bytes, so a flood of tiny objects with long keys fills the pool instead of the server's heap.
+# Heap bytes an object costs the server besides its key, charged to the memory budget with the
+# key's bytes, so a flood of tiny objects with long keys fills the pool instead of the server's
+# heap. An object alone takes ~170 B (benchmarks/scale.py measures it); while it carries a lookup
+# lease its lease tables take ~0.6 KiB more, which is what the rest of this charge covers.
 _OBJECT_OVERHEAD_BYTES = 1024
 
 

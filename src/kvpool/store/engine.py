@@ -234,43 +234,56 @@ _NO_LEASES: dict[int, tuple[str, float]] = {}  # read-only stand-in for an objec
 
 
 _U64 = (1 << 64) - 1
+_U48 = (1 << 48) - 1
+_SIZE_AT, _SUM_AT, _HAS_SUM_AT, _GEN_AT = 48, 96, 160, 161
 
 
 class _Object:
     """A committed object. ``__slots__``, a lazily made lease table and packed fields keep it
-    near 100 bytes: at millions of objects the metadata, not the values, runs out first.
+    near 150 bytes with its index entry: at millions of objects the metadata, not the values,
+    runs out first.
 
     ``prev``/``next`` link it into the engine's evictable list (committed objects that are
     neither leased with pinning nor pinned by the disk writer, oldest use first); both are
-    None while it is held. ``_stamp`` packs the generation and the optional 64-bit checksum
-    into one int, ``_flags`` the disk writer's pins and ``on_disk``."""
+    None while it is held. ``_packed`` holds offset and size (48 bits each), the optional
+    64-bit checksum and the generation in one int (one int object instead of four);
+    ``_flags`` the disk writer's pins and ``on_disk``."""
 
-    __slots__ = ("key", "offset", "size", "_stamp", "lease_state", "_flags", "prev", "next")
+    __slots__ = ("key", "_packed", "lease_state", "_flags", "prev", "next")
 
     def __init__(self, key: str, offset: int, size: int, generation: int) -> None:
+        if not (0 <= offset <= _U48 and 0 <= size <= _U48):
+            raise StoreError(ErrorCode.INVALID_PARAMS,
+                             f"key={key!r}: offset {offset} / size {size} past 2**48 bytes; use a smaller pool")
         self.key = key
-        self.offset = offset
-        self.size = size
-        self._stamp = generation << 65
+        self._packed = (generation << _GEN_AT) | (size << _SIZE_AT) | offset
         self.lease_state: _Leases | None = None
         self._flags = 0
         self.prev: _Object | None = None
         self.next: _Object | None = None
 
     @property
+    def offset(self) -> int:
+        return self._packed & _U48
+
+    @property
+    def size(self) -> int:
+        return (self._packed >> _SIZE_AT) & _U48
+
+    @property
     def generation(self) -> int:
-        return self._stamp >> 65
+        return self._packed >> _GEN_AT
 
     @property
     def checksum(self) -> int | None:
         """The writer's checksum; kept in the server's memory, out of every client's reach."""
-        stamp = self._stamp
-        return stamp & _U64 if (stamp >> 64) & 1 else None
+        packed = self._packed
+        return (packed >> _SUM_AT) & _U64 if (packed >> _HAS_SUM_AT) & 1 else None
 
     @checksum.setter
     def checksum(self, value: int | None) -> None:
-        base = (self._stamp >> 65) << 65
-        self._stamp = base if value is None else base | (1 << 64) | (value & _U64)
+        packed = self._packed & ~(((1 << 65) - 1) << _SUM_AT)
+        self._packed = packed if value is None else packed | (((value & _U64) | (1 << 64)) << _SUM_AT)
 
     @property
     def pins(self) -> int:
@@ -397,7 +410,7 @@ class PoolEngine:
         # The evictable list: committed objects nobody holds, least recently used first, linked
         # through the objects themselves (a sentinel closes the ring). Eviction takes victims
         # from its head and never meets a held object; its bytes are kept as a running total.
-        self._evictable = _Object("", -1, 0, 0)
+        self._evictable = _Object("", 0, 0, 0)
         self._evictable.prev = self._evictable.next = self._evictable
         self._evictable_count = 0
         self._evictable_bytes = 0
