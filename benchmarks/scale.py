@@ -400,6 +400,7 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
         ax.grid(True, alpha=0.3)
         ax.legend()
     left.set_yscale("log")
+    right.set_ylim(bottom=0)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
