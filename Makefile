@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/hitpath.py
 	$(BIN)/python benchmarks/ttft.py
 	$(BIN)/python benchmarks/chaos.py
+	$(BIN)/python benchmarks/scale.py
 
 clean:
 	rm -rf $(VENV) .cache

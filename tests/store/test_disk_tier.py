@@ -245,3 +245,77 @@ def test_a_full_disk_with_policy_none_fails_the_write_and_keeps_the_files(make_d
     assert disk.put("k2", bytes(100)) is ErrorCode.INTERNAL_ERROR
     assert disk.keys() == ["k0", "k1"] and disk.used_bytes == quota_for(2)
     assert disk.put("k3", bytes(100)) is ErrorCode.NO_AVAILABLE_HANDLE  # the lowered quota says no first
+
+
+# ---- restart index ----------------------------------------------------------------------------
+
+
+def test_clean_restart_takes_the_index_and_keeps_the_order(make_disk, ssd_dir) -> None:
+    disk = make_disk(policy="lru")
+    for i in range(5):
+        disk.put(f"k{i}", bytes([i]) * 40)
+    disk.get("k0")  # most recently read: last in eviction order
+    disk.close()
+    assert os.path.exists(os.path.join(ssd_dir, ".kvpool.index"))
+    again = DiskTier(ssd_dir, disk.quota_bytes, "lru")
+    assert again.loaded_index
+    assert again.keys() == ["k1", "k2", "k3", "k4", "k0"]
+    assert again.used_bytes == 5 * DiskTier.entry_size("k0", 40)
+    assert again.get("k3") == bytes([3]) * 40
+    # Taken means consumed: a crash from now on must not leave it to the next start.
+    assert not os.path.exists(os.path.join(ssd_dir, ".kvpool.index"))
+    again.__del__()  # no close: like a crash
+    third = DiskTier(ssd_dir, disk.quota_bytes, "lru")
+    assert not third.loaded_index and sorted(third.keys()) == [f"k{i}" for i in range(5)]
+
+
+def test_a_file_changed_in_place_after_close_is_a_miss_never_wrong_bytes(make_disk, ssd_dir) -> None:
+    disk = make_disk()
+    disk.put("a", b"x" * 100)
+    disk.put("b", b"y" * 100)
+    disk.close()
+    with open(file_of(disk, "a"), "r+b") as f:  # same length, other bytes: no directory change
+        f.seek(-10, os.SEEK_END)
+        f.write(b"z" * 10)
+    os.truncate(file_of(disk, "b"), 50)
+    again = DiskTier(ssd_dir, disk.quota_bytes)
+    assert again.loaded_index and again.contains("a")
+    for key in ("a", "b"):
+        with pytest.raises(StoreError) as err:
+            again.get(key)
+        assert err.value.code is ErrorCode.CHECKSUM_MISMATCH
+    assert not again.contains("a") and again.used_bytes == 0
+
+
+@pytest.mark.parametrize("change", ["add", "remove", "corrupt-index"])
+def test_a_changed_directory_or_index_falls_back_to_the_scan(make_disk, ssd_dir, change: str) -> None:
+    disk = make_disk()
+    for i in range(3):
+        disk.put(f"k{i}", bytes(30))
+    disk.close()
+    index = os.path.join(ssd_dir, ".kvpool.index")
+    if change == "add":  # another writer's file, under a name this tier would use
+        stray = file_of(disk, "stray")
+        os.makedirs(os.path.dirname(stray), exist_ok=True)
+        open(stray, "wb").write(b"not a kvpool file")
+    elif change == "remove":
+        os.unlink(file_of(disk, "k1"))
+    else:
+        blob = bytearray(open(index, "rb").read())
+        blob[-20] ^= 0xFF
+        open(index, "wb").write(bytes(blob))
+    again = DiskTier(ssd_dir, disk.quota_bytes)
+    assert not again.loaded_index
+    expected = ["k0", "k2"] if change == "remove" else ["k0", "k1", "k2"]
+    assert sorted(again.keys()) == expected
+    assert again.used_bytes == len(expected) * DiskTier.entry_size("k0", 30)
+
+
+def test_a_directory_changed_while_open_writes_no_index(make_disk, ssd_dir) -> None:
+    disk = make_disk()
+    disk.put("k", bytes(30))
+    os.unlink(file_of(disk, "k"))  # behind the tier's back
+    disk.close()
+    assert not os.path.exists(os.path.join(ssd_dir, ".kvpool.index"))
+    again = DiskTier(ssd_dir, disk.quota_bytes)
+    assert not again.loaded_index and again.keys() == []

@@ -73,7 +73,8 @@ def test_allocator_never_overlaps_and_coalesces_fully(capacity: int, alignment: 
 KEYS = [f"key{i}" for i in range(12)]
 # Puts and reads are over-represented and the arena (1024 bytes) is small next to
 # 12 keys of up to 400 bytes, so most sequences reach the watermark and evict.
-OPS = ["put"] * 4 + ["get"] * 3 + ["hold", "release", "remove", "alloc", "commit", "abort", "tick", "reap"]
+OPS = ["put"] * 4 + ["get"] * 3 + ["hold", "release", "remove", "alloc", "commit", "abort", "tick", "reap",
+                                     "lookup"]
 engine_ops = st.lists(
     st.tuples(st.sampled_from(OPS), st.integers(0, len(KEYS) - 1)), min_size=10, max_size=80
 )
@@ -84,6 +85,9 @@ MEMORY = 1024
 def check_engine(engine: PoolEngine, sizes: dict[str, int], held: list[Lease], clock: FakeClock) -> None:
     snap = engine._debug_snapshot()
     assert snap["used"] <= snap["capacity"]
+    # The evictable list is exactly the committed objects nobody pins, least recently used first
+    # (checked under the engine lock: the disk writer pins and unpins concurrently).
+    engine._debug_check_evictable()
     end = 0
     for offset, length in snap["live_ranges"]:
         assert offset >= end, "live ranges overlap"
@@ -111,6 +115,8 @@ def check_engine(engine: PoolEngine, sizes: dict[str, int], held: list[Lease], c
 
 
 def run_engine_ops(engine: PoolEngine, clock: FakeClock, sizes: dict[str, int], ops, stored: set[str]) -> None:
+    engine._debug_track_lru()
+    looked_up: dict[str, float] = {}
     held: list[Lease] = []
     pending: list[Allocation] = []
     for op, index in ops:
@@ -139,7 +145,8 @@ def run_engine_ops(engine: PoolEngine, clock: FakeClock, sizes: dict[str, int], 
                 stored.discard(key)
             assert rc in (ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND, ErrorCode.OBJECT_HAS_LEASE)
             if rc is ErrorCode.OBJECT_HAS_LEASE:
-                assert any(l.key == key and clock.now <= l.expires_at for l in held)
+                assert any(l.key == key and clock.now <= l.expires_at for l in held) \
+                    or looked_up.get(key, -1.0) >= clock.now
         elif op == "alloc":
             result = engine.allocate("c", key, sizes[key])
             if isinstance(result, Allocation):
@@ -156,6 +163,11 @@ def run_engine_ops(engine: PoolEngine, clock: FakeClock, sizes: dict[str, int], 
             engine.ping("c")
         elif op == "reap":
             engine.reap()
+        elif op == "lookup":
+            pair = [key, KEYS[(index + 1) % len(KEYS)]]
+            for k, found in zip(pair, engine.exists(pair, "scheduler", lease=True)):
+                if found:
+                    looked_up[k] = clock.now + 1.0  # a lookup lease of default_kv_lease_ttl_ms
         check_engine(engine, sizes, held, clock)
     for alloc in pending:
         engine.abort(alloc.handle)

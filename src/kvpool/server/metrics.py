@@ -21,7 +21,7 @@ COUNTERS = frozenset({
     "allocation_failures", "lease_expired", "disk_write_errors", "reclaimed_allocations",
     "reaped_clients", "disk_evictions", "checksum_failures", "lookup_keys", "lookup_hits",
     "connections", "protocol_errors", "corrupt_objects", "disk_full_events", "refused_peers", "quota_refusals", "unpinned_leases",
-    "hold_limit_hits", "lease_ops", "refused_connections", "evicted_handshakes", "handshake_timeouts",
+    "hold_limit_hits", "lease_ops", "evict_steps", "refused_connections", "evicted_handshakes", "handshake_timeouts",
 })
 
 HELP = {
@@ -43,6 +43,9 @@ HELP = {
     "unpinned_leases": "Leases granted without pinning: past the client's pool share or hold time",
     "hold_limit_hits": "Objects a client process pinned for client_max_hold_s, then had to let go",
     "lease_ops": "Steps of lease bookkeeping (adds, drops, expiry-heap pops)",
+    "evict_steps": "Objects eviction looked at (one per victim: held objects are never in its list)",
+    "evictable_objects": "Objects in the memory tier that nobody holds (eviction candidates)",
+    "evictable_bytes": "Arena bytes of the evictable objects",
     "refused_connections": "Handshakes refused at max_connections or max_connections_per_client",
     "evicted_handshakes": "Connections closed before their Hello to admit newer ones (max_handshakes)",
     "pending_handshakes": "Connections that have not said Hello yet",

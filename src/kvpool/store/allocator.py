@@ -31,10 +31,15 @@ class OffsetAllocator:
     ``capacity`` is the given capacity rounded down to ``alignment``: a tail
     smaller than one unit could never satisfy a request, so it is not managed.
 
+    ``track_live=False`` keeps no per-range table (the pool engine, which knows every range it
+    holds, passes the size to ``free``): at millions of objects that table would cost more than
+    the rest of an object's metadata. ``size_of`` and ``live_ranges`` then know nothing, and a
+    ``free`` is checked only against its free neighbours (an overlap is refused).
+
     Not thread-safe: the pool engine serialises calls under its single lock.
     """
 
-    def __init__(self, capacity: int, alignment: int = 64) -> None:
+    def __init__(self, capacity: int, alignment: int = 64, track_live: bool = True) -> None:
         if not isinstance(alignment, int) or alignment <= 0:
             raise StoreError(
                 ErrorCode.INVALID_PARAMS,
@@ -50,7 +55,7 @@ class OffsetAllocator:
         # Parallel lists rather than a list of tuples so bisect works on starts directly.
         self._free_starts: list[int] = [0] if self._capacity else []
         self._free_lengths: list[int] = [self._capacity] if self._capacity else []
-        self._live: dict[int, int] = {}
+        self._live: dict[int, int] | None = {} if track_live else None
         self._used = 0
 
     @property
@@ -92,23 +97,38 @@ class OffsetAllocator:
                 # still below the next range's start.
                 self._free_starts[i] = offset + need
                 self._free_lengths[i] = length - need
-            self._live[offset] = need
+            if self._live is not None:
+                self._live[offset] = need
             self._used += need
             return offset
         return None
 
-    def free(self, offset: int) -> None:
-        """Return a live range to the free list, merging it with touching free neighbours."""
-        need = self._live.pop(offset, None)
+    def free(self, offset: int, size: int | None = None) -> None:
+        """Return a live range to the free list, merging it with touching free neighbours.
+
+        ``size`` (the size given to ``allocate``) is required with ``track_live=False``."""
+        if self._live is not None:
+            need = self._live.pop(offset, None)
+        else:
+            need = None if size is None else self.reserved_size(size)
         if need is None:
             raise StoreError(
                 ErrorCode.INVALID_PARAMS,
                 f"offset={offset!r} is not a live allocation (double free or never "
                 f"allocated): free each offset returned by allocate() exactly once",
             )
-        self._used -= need
         starts, lengths = self._free_starts, self._free_lengths
         i = bisect.bisect_left(starts, offset)
+        if (i > 0 and starts[i - 1] + lengths[i - 1] > offset) or (i < len(starts) and offset + need > starts[i]) \
+                or offset < 0 or offset + need > self._capacity:
+            if self._live is not None:
+                self._live[offset] = need
+            raise StoreError(
+                ErrorCode.INVALID_PARAMS,
+                f"free(offset={offset!r}, {need} bytes) overlaps free space (double free or wrong size): "
+                f"free each range returned by allocate() exactly once, with its size",
+            )
+        self._used -= need
         merge_prev = i > 0 and starts[i - 1] + lengths[i - 1] == offset
         merge_next = i < len(starts) and offset + need == starts[i]
         if merge_prev and merge_next:
@@ -125,8 +145,8 @@ class OffsetAllocator:
             lengths.insert(i, need)
 
     def size_of(self, offset: int) -> int | None:
-        """Reserved size of the live range at ``offset``, or None if it is not live."""
-        return self._live.get(offset)
+        """Reserved size of the live range at ``offset``, or None if it is not live (or untracked)."""
+        return self._live.get(offset) if self._live is not None else None
 
     def largest_free(self) -> int:
         """Length of the largest contiguous free range (0 when full)."""
@@ -137,5 +157,5 @@ class OffsetAllocator:
         return list(zip(self._free_starts, self._free_lengths))
 
     def live_ranges(self) -> list[tuple[int, int]]:
-        """Live ranges as ``(offset, reserved length)``, sorted by offset."""
-        return sorted(self._live.items())
+        """Live ranges as ``(offset, reserved length)``, sorted by offset (empty when untracked)."""
+        return sorted(self._live.items()) if self._live is not None else []

@@ -28,6 +28,13 @@ else (``validate_offload_path``); the tier creates its shard directories 0700 an
 exclusive ``flock`` on ``.kvpool.lock`` in the directory for its lifetime, so two servers or
 engines never share one directory (each would keep its own index and quota).
 
+Restart: ``close`` writes an index of every stored key and file size (``.kvpool.index``,
+crc32-sealed) together with the modification times of the shard directories; the next open
+takes it only if the seal holds and no shard directory changed since (any file created,
+renamed or removed in a shard changes its directory's mtime), and deletes it before serving,
+so a process that dies without ``close`` leaves none behind. Otherwise the tier rebuilds the
+index by reading every file's header. The index only lists what should be there: ``get``
+still checks every file's length, key and crc32, so a stale or forged entry reads as a miss.
 Thread-safe: one internal lock guards the index; file reads and writes happen
 outside it (an unlinked file stays readable through an open descriptor).
 """
@@ -104,6 +111,13 @@ def _as_bytes_views(data: Buffer | Sequence[Buffer]) -> list[memoryview]:
     return views
 
 
+INDEX_NAME = ".kvpool.index"
+_INDEX_MAGIC = b"KVPI"
+_INDEX_HEAD = struct.Struct("<4sHHQI")  # magic, version, reserved, entries, shards
+_INDEX_SHARD = struct.Struct("<2sq")  # shard name, st_mtime_ns
+_INDEX_ENTRY = struct.Struct("<IQ")  # key length, file size
+
+
 class DiskTier:
     """Byte-quota'd store of immutable objects, one file each, surviving restarts.
 
@@ -135,18 +149,33 @@ class DiskTier:
         self.checksum_failures = 0
         self.full_disk_events = 0  # writes that met a full disk below the quota (ENOSPC)
         self.removed_at_scan = 0
-        self._scan()
+        self._shard_seen: dict[str, int] = {}
+        self.loaded_index = self._load_index()  # whether the restart skipped the full scan
+        if not self.loaded_index:
+            self._scan()
+        # Shard directory mtimes as this tier's own changes left them: a shard whose mtime
+        # differs at close was changed by someone else, and the restart index is not written.
+        self._shard_seen = self._shard_times()
 
     # ---- public API -------------------------------------------------------
 
     def close(self) -> None:
-        """Release the directory's lock (another tier may then open it). Idempotent."""
+        """Write the restart index and release the directory's lock (another tier may then
+        open it). Idempotent."""
+        fd, self._lock_fd = getattr(self, "_lock_fd", None), None
+        if fd is not None:
+            try:
+                self._save_index()
+            except OSError as exc:  # only costs the next start a full scan
+                logger.warning("disk tier: could not write %s: %s", os.path.join(self.path, INDEX_NAME), exc)
+            os.close(fd)
+
+    def __del__(self) -> None:
+        # Not closed: treated like a crash (no restart index; the next open scans the files).
         fd, self._lock_fd = getattr(self, "_lock_fd", None), None
         if fd is not None:
             os.close(fd)
 
-    def __del__(self) -> None:
-        self.close()
 
     @property
     def quota_bytes(self) -> int:
@@ -239,6 +268,7 @@ class DiskTier:
                     f.write(v)
             with self._lock:
                 os.replace(tmp, final)
+                self._saw_shard_locked(os.path.dirname(final))
         except OSError:
             try:
                 os.unlink(tmp)
@@ -348,10 +378,104 @@ class DiskTier:
 
     def _unlink_victims_locked(self, victims: list[str]) -> None:
         for victim in victims:
+            file_path = self._file_path(victim)
             try:
-                os.unlink(self._file_path(victim))
+                os.unlink(file_path)
             except FileNotFoundError:
                 pass
+            self._saw_shard_locked(os.path.dirname(file_path))
+
+    def _shard_times(self) -> dict[str, int]:
+        hexdigits = set("0123456789abcdef")
+        return {
+            shard.name: shard.stat(follow_symlinks=False).st_mtime_ns
+            for shard in os.scandir(self.path)
+            if shard.is_dir(follow_symlinks=False) and len(shard.name) == 2 and set(shard.name) <= hexdigits
+        }
+
+    def _saw_shard_locked(self, shard_path: str) -> None:
+        try:
+            self._shard_seen[os.path.basename(shard_path)] = os.stat(shard_path).st_mtime_ns
+        except OSError:
+            pass
+
+    def _save_index(self) -> None:
+        """Write the restart index (see the module docstring); nothing while a write is in flight
+        or when a shard was changed by someone else."""
+        with self._lock:
+            if self._order.writing:
+                return
+            entries = self._order.items()
+            times = self._shard_times()
+            if times != self._shard_seen:
+                logger.info("disk tier: %s was changed behind this tier; the next start scans its files",
+                            self.path)
+                return
+        parts = [_INDEX_HEAD.pack(_INDEX_MAGIC, VERSION, 0, len(entries), len(times))]
+        parts.extend(_INDEX_SHARD.pack(name.encode(), ns) for name, ns in sorted(times.items()))
+        for key, size in entries:
+            key_bytes = key.encode("utf-8")
+            parts.append(_INDEX_ENTRY.pack(len(key_bytes), size))
+            parts.append(key_bytes)
+        body = b"".join(parts)
+        final = os.path.join(self.path, INDEX_NAME)
+        tmp = f"{final}{_TMP_MARK}{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+        with open(fd, "wb") as f:
+            f.write(body)
+            f.write(struct.pack("<I", zlib.crc32(body)))
+        os.replace(tmp, final)
+
+    def _load_index(self) -> bool:
+        """Take the index the previous close wrote, if it is intact and no shard changed since;
+        delete it either way. False: the caller must scan."""
+        final = os.path.join(self.path, INDEX_NAME)
+        try:
+            fd = os.open(final, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            with open(fd, "rb") as f:
+                blob = f.read()
+        finally:
+            self._unlink_quietly(final)  # a crash from here on must not leave a stale index behind
+        try:
+            return self._parse_index(blob)
+        except (struct.error, UnicodeDecodeError, ValueError) as exc:
+            logger.warning("disk tier: ignoring %s (%s); scanning the files instead", final, exc)
+            self._order.clear()
+            return False
+
+    def _parse_index(self, blob: bytes) -> bool:
+        body, seal = blob[:-4], blob[-4:]
+        if len(blob) < _INDEX_HEAD.size + 4 or struct.unpack("<I", seal)[0] != zlib.crc32(body):
+            raise ValueError("its checksum does not match")
+        magic, version, _, count, shards = _INDEX_HEAD.unpack_from(body, 0)
+        if magic != _INDEX_MAGIC or version != VERSION:
+            raise ValueError(f"bad magic/version {magic!r}/{version}")
+        pos = _INDEX_HEAD.size
+        recorded = {}
+        for _ in range(shards):
+            name, ns = _INDEX_SHARD.unpack_from(body, pos)
+            recorded[name.decode()] = ns
+            pos += _INDEX_SHARD.size
+        if recorded != self._shard_times():
+            logger.info("disk tier: %s changed since its index was written; scanning the files", self.path)
+            return False
+        order, sizes = self._order, {}
+        unpack = _INDEX_ENTRY.unpack_from
+        step = _INDEX_ENTRY.size
+        for _ in range(count):
+            key_len, size = unpack(body, pos)
+            pos += step
+            key = body[pos : pos + key_len].decode("utf-8")
+            pos += key_len
+            order.load(key, sizes.setdefault(size, size))  # one int object per distinct size
+        if pos != len(body) or len(order) != count:
+            raise ValueError("its entries do not add up")
+        if order.used > self.quota_bytes:
+            self._unlink_victims_locked(order.evict(order.used - self.quota_bytes))
+        return True
 
     def _scan(self) -> None:
         """Rebuild the index from files a previous process left, reading headers only.

@@ -40,7 +40,6 @@ disk tier never calls back into the engine.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import heapq
 import itertools
@@ -50,7 +49,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -215,25 +214,122 @@ class ReapReport:
     allocations: int
 
 
-@dataclass
+class _Leases:
+    """An object's lease tables, made on its first lease (most objects are never leased, and
+    two empty dicts per object would cost more than the rest of its metadata)."""
+
+    __slots__ = ("table", "lookup", "pinning")
+
+    def __init__(self) -> None:
+        # lease id -> (client id, expires_at); lookup leases have ids too, just unreturned.
+        self.table: dict[int, tuple[str, float]] = {}
+        # client id -> its lookup lease id in ``table``. A repeated lookup extends that lease
+        # instead of adding one: a hot prefix looked up many times per TTL would otherwise pile
+        # up thousands of never-released leases per object, each scanned by later lookups.
+        self.lookup: dict[str, int] = {}
+        self.pinning = 0  # leases in ``table`` that keep it from eviction (the rest only verify)
+
+
+_NO_LEASES: dict[int, tuple[str, float]] = {}  # read-only stand-in for an object never leased
+
+
+_U64 = (1 << 64) - 1
+_U48 = (1 << 48) - 1
+_SIZE_AT, _SUM_AT, _HAS_SUM_AT, _GEN_AT = 48, 96, 160, 161
+
+
 class _Object:
+    """A committed object. ``__slots__``, a lazily made lease table and packed fields keep it
+    near 150 bytes with its index entry: at millions of objects the metadata, not the values,
+    runs out first.
+
+    ``prev``/``next`` link it into the engine's evictable list (committed objects that are
+    neither leased with pinning nor pinned by the disk writer, oldest use first); both are
+    None while it is held. ``_packed`` holds offset and size (48 bits each), the optional
+    64-bit checksum and the generation in one int (one int object instead of four);
+    ``_flags`` the disk writer's pins and ``on_disk``."""
+
+    __slots__ = ("key", "_packed", "lease_state", "_flags", "prev", "next")
+
+    def __init__(self, key: str, offset: int, size: int, generation: int) -> None:
+        if not (0 <= offset <= _U48 and 0 <= size <= _U48):
+            raise StoreError(ErrorCode.INVALID_PARAMS,
+                             f"key={key!r}: offset {offset} / size {size} past 2**48 bytes; use a smaller pool")
+        self.key = key
+        self._packed = (generation << _GEN_AT) | (size << _SIZE_AT) | offset
+        self.lease_state: _Leases | None = None
+        self._flags = 0
+        self.prev: _Object | None = None
+        self.next: _Object | None = None
+
+    @property
+    def offset(self) -> int:
+        return self._packed & _U48
+
+    @property
+    def size(self) -> int:
+        return (self._packed >> _SIZE_AT) & _U48
+
+    @property
+    def generation(self) -> int:
+        return self._packed >> _GEN_AT
+
+    @property
+    def checksum(self) -> int | None:
+        """The writer's checksum; kept in the server's memory, out of every client's reach."""
+        packed = self._packed
+        return (packed >> _SUM_AT) & _U64 if (packed >> _HAS_SUM_AT) & 1 else None
+
+    @checksum.setter
+    def checksum(self, value: int | None) -> None:
+        packed = self._packed & ~(((1 << 65) - 1) << _SUM_AT)
+        self._packed = packed if value is None else packed | (((value & _U64) | (1 << 64)) << _SUM_AT)
+
+    @property
+    def pins(self) -> int:
+        """The disk writer's internal leases; they never expire."""
+        return self._flags >> 1
+
+    @pins.setter
+    def pins(self, value: int) -> None:
+        self._flags = (value << 1) | (self._flags & 1)
+
+    @property
+    def on_disk(self) -> bool:
+        return bool(self._flags & 1)
+
+    @on_disk.setter
+    def on_disk(self, value: bool) -> None:
+        self._flags = (self._flags & ~1) | int(value)
+
+    @property
+    def leases(self) -> dict[int, tuple[str, float]]:
+        state = self.lease_state
+        return state.table if state is not None else _NO_LEASES
+
+    @property
+    def pinning(self) -> int:
+        state = self.lease_state
+        return state.pinning if state is not None else 0
+
+
+@dataclass(frozen=True)
+class ObjectView:
+    """A copy of one object's metadata (``_debug_snapshot``, for tests)."""
+
     key: str
     offset: int
     size: int
     generation: int
-    # lease id -> (client id, expires_at); lookup leases have ids too, just unreturned.
-    leases: dict[int, tuple[str, float]] = field(default_factory=dict)
-    pins: int = 0  # the disk writer's internal leases; they never expire
-    on_disk: bool = False
-    pinning: int = 0  # leases in ``leases`` that keep it from eviction (the rest only verify)
-    # client id -> its lookup lease id in ``leases``. A repeated lookup extends that lease
-    # instead of adding one: a hot prefix looked up many times per TTL would otherwise pile up
-    # thousands of never-released leases per object, each scanned by later lookups and reaps.
-    lookup_leases: dict[str, int] = field(default_factory=dict)
-    checksum: int | None = None  # kept in the server's memory, out of every client's reach
+    leases: dict[int, tuple[str, float]]
+    pins: int
+    on_disk: bool
+    pinning: int
+    lookup_leases: dict[str, int]
+    checksum: int | None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     handle: int
     key: str
@@ -246,7 +342,7 @@ class _Pending:
     owner: str = ""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Hold:
     """One owner's leases on one object: counted once against its share however many there are."""
 
@@ -256,7 +352,7 @@ class _Hold:
     cooldown_until: float = 0.0  # after hitting the hold limit: no new lease before this
 
 
-@dataclass
+@dataclass(slots=True)
 class _Owner:
     """What one owner (client process) holds, for the fair-sharing quotas."""
 
@@ -302,7 +398,8 @@ class PoolEngine:
                     expected=f"at most the arena's {arr.size} bytes; map a larger arena or lower it",
                 )
             self._arena = arr[: config.memory_size]
-        self._alloc = OffsetAllocator(config.memory_size, config.alignment)
+        # No per-range table in the allocator: the engine knows every range's size (see free).
+        self._alloc = OffsetAllocator(config.memory_size, config.alignment, track_live=False)
         self._high_bytes = config.eviction_high_watermark_ratio * self._alloc.capacity
         self._ttl_s = config.default_kv_lease_ttl_ms / 1000.0
         self._disk = config.disk
@@ -310,8 +407,19 @@ class PoolEngine:
         self._lock = threading.Lock()
         self._unpinned = threading.Condition(self._lock)  # signalled when the disk writer unpins
         self._objects: dict[str, _Object] = {}
-        self._lru: collections.OrderedDict[str, None] = collections.OrderedDict()  # committed, oldest first
+        # The evictable list: committed objects nobody holds, least recently used first, linked
+        # through the objects themselves (a sentinel closes the ring). Eviction takes victims
+        # from its head and never meets a held object; its bytes are kept as a running total.
+        self._evictable = _Object("", 0, 0, 0)
+        self._evictable.prev = self._evictable.next = self._evictable
+        self._evictable_count = 0
+        self._evictable_bytes = 0
+        self._evict_steps = 0  # objects eviction looked at (a complexity probe, like lease_ops)
+        self._touches: dict[str, int] | None = None  # last use per key, kept only for invariant checks
+        self._touch_seq = itertools.count()
+        # handle -> allocation, in creation order (so reap finds the timed-out ones at the front).
         self._pending: dict[int, _Pending] = {}
+        self._pending_by_client: dict[str, dict[int, _Pending]] = {}
         self._pending_keys: dict[str, int] = {}
         # Evicted objects on their way to disk; readers are served from here meanwhile.
         self._spill: dict[str, bytes] = {}
@@ -389,6 +497,54 @@ class PoolEngine:
         self._write_spills(spills)
         return result
 
+    def batch_allocate(
+        self, client_id: str, keys: Sequence[str], sizes: Sequence[int]
+    ) -> list[Allocation | ErrorCode]:
+        """``allocate`` per key under one lock acquisition; one failing key does not stop the others."""
+        if len(keys) != len(sizes):
+            return [ErrorCode.INVALID_PARAMS] * len(keys)
+        out: list[Allocation | ErrorCode] = []
+        spills: list[tuple[str, bytes]] = []
+        now = self._clock()
+        with self._lock:
+            self._touch_client(client_id, now)
+            self._prune_locked(now)
+            for key, size in zip(keys, sizes):
+                if not self._storable_key(key):
+                    out.append(ErrorCode.INVALID_KEY)
+                elif isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                    out.append(ErrorCode.INVALID_PARAMS)
+                else:
+                    result, more = self._allocate_locked(client_id, key, size, now)
+                    out.append(result)
+                    spills.extend(more)
+        self._write_spills(spills)
+        return out
+
+    def batch_commit(self, handles: Sequence[int], checksums: Sequence[int | None] | None = None) -> list[ErrorCode]:
+        """``commit`` per handle under one lock acquisition (``checksums``: one per handle, or None)."""
+        if checksums is not None and len(checksums) != len(handles):
+            return [ErrorCode.INVALID_PARAMS] * len(handles)
+        now = self._clock()
+        codes: list[ErrorCode] = []
+        with self._lock:
+            for i, handle in enumerate(handles):
+                codes.append(self._commit_handle_locked(handle, checksums[i] if checksums else None, now))
+        return codes
+
+    def batch_abort(self, handles: Sequence[int]) -> list[ErrorCode]:
+        """``abort`` per handle under one lock acquisition."""
+        codes: list[ErrorCode] = []
+        with self._lock:
+            for handle in handles:
+                pending = self._pending.get(handle)
+                if pending is None:
+                    codes.append(ErrorCode.OBJECT_NOT_FOUND)
+                else:
+                    self._reclaim_locked(pending)
+                    codes.append(ErrorCode.OK)
+        return codes
+
     def commit(self, handle: int, checksum: int | None = None) -> ErrorCode:
         """Make an allocation visible to readers, with the checksum of the bytes its writer
         copied in (readers of the shared arena check their copies against it).
@@ -400,18 +556,21 @@ class PoolEngine:
         """
         now = self._clock()
         with self._lock:
-            pending = self._pending.get(handle)
-            if pending is None:
-                logger.warning(
-                    "commit(handle=%r): unknown handle (already committed/aborted, or reclaimed "
-                    "after put_timeout_s=%s / client_ttl_s=%s); retry the put",
-                    handle, self.config.put_timeout_s, self.config.client_ttl_s,
-                )
-                return ErrorCode.OBJECT_NOT_FOUND
-            self._touch_client(pending.client_id, now)
-            self._uncharge_pending_locked(pending)
-            self._commit_locked(pending).checksum = checksum
-            return ErrorCode.OK
+            return self._commit_handle_locked(handle, checksum, now)
+
+    def _commit_handle_locked(self, handle: int, checksum: int | None, now: float) -> ErrorCode:
+        pending = self._pending.get(handle)
+        if pending is None:
+            logger.warning(
+                "commit(handle=%r): unknown handle (already committed/aborted, or reclaimed "
+                "after put_timeout_s=%s / client_ttl_s=%s); retry the put",
+                handle, self.config.put_timeout_s, self.config.client_ttl_s,
+            )
+            return ErrorCode.OBJECT_NOT_FOUND
+        self._touch_client(pending.client_id, now)
+        self._uncharge_pending_locked(pending)
+        self._commit_locked(pending).checksum = checksum
+        return ErrorCode.OK
 
     def abort(self, handle: int) -> ErrorCode:
         """Give back an allocation without publishing it (OBJECT_NOT_FOUND if the handle is unknown)."""
@@ -461,6 +620,42 @@ class PoolEngine:
                     self._stats["misses"] += 1
                 return exc.code
         return self._promote(client_id, key, data)
+
+    def batch_acquire(self, client_id: str, keys: Sequence[str]) -> list[Lease | ErrorCode]:
+        """``acquire`` per key: the in-memory hits under one lock acquisition; keys found only
+        in the spill buffer or on disk follow one at a time (that is disk I/O, done unlocked)."""
+        out: list[Lease | ErrorCode | None] = [None] * len(keys)
+        now = self._clock()
+        with self._lock:
+            self._touch_client(client_id, now)
+            self._prune_locked(now)
+            for i, key in enumerate(keys):
+                if not isinstance(key, str) or not key:
+                    out[i] = ErrorCode.INVALID_KEY
+                    continue
+                lease = self._lease_locked(client_id, key, now)
+                if lease is not None:
+                    if isinstance(lease, Lease):
+                        self._stats["hits"] += 1
+                    out[i] = lease
+        for i, got in enumerate(out):
+            if got is None:
+                out[i] = self.acquire(client_id, keys[i])
+        return out  # type: ignore[return-value]
+
+    def batch_release(self, leases: Sequence[Lease]) -> list[ErrorCode]:
+        """``validate`` then ``release`` per lease, under one lock acquisition: the codes tell
+        whether each copy made under the lease is to be trusted."""
+        now = self._clock()
+        codes: list[ErrorCode] = []
+        with self._lock:
+            for lease in leases:
+                rc = self._validate_locked(lease, now)
+                if rc is not ErrorCode.OK:
+                    self._stats["lease_expired"] += 1
+                codes.append(rc)
+                self._release_locked(lease)
+        return codes
 
     def release(self, lease: Lease) -> None:
         """End a read lease early so the object becomes evictable again. Idempotent."""
@@ -550,9 +745,41 @@ class PoolEngine:
         self, client_id: str, keys: Sequence[str], values: Sequence[Sequence[Buffer]]
     ) -> list[ErrorCode]:
         """``put`` per key; one failing key does not stop the others."""
-        if len(keys) != len(values):
-            return [ErrorCode.INVALID_PARAMS] * len(keys)
-        return [self.put(client_id, k, v) for k, v in zip(keys, values)]
+        n = len(keys)
+        if n != len(values):
+            return [ErrorCode.INVALID_PARAMS] * n
+        codes: list[ErrorCode] = [ErrorCode.OK] * n
+        sources: list[list[np.ndarray]] = [[] for _ in range(n)]
+        wanted: list[int] = []
+        for i, (key, bufs) in enumerate(zip(keys, values)):
+            try:
+                sources[i] = [_as_u8(b) for b in bufs]
+                wanted.append(i)
+            except (TypeError, ValueError) as exc:
+                logger.warning("put(key=%r): bad buffer (%s); pass contiguous uint8 arrays", key, exc)
+                codes[i] = ErrorCode.INVALID_PARAMS
+        results = self.batch_allocate(client_id, [keys[i] for i in wanted],
+                                      [sum(s.size for s in sources[i]) for i in wanted])
+        handles: list[int] = []
+        try:
+            for i, result in zip(wanted, results):
+                if isinstance(result, ErrorCode):
+                    # Already stored or being written: objects are immutable, so that copy is this one.
+                    codes[i] = ErrorCode.OK if result is ErrorCode.OBJECT_ALREADY_EXISTS else result
+                    continue
+                pos = result.offset
+                for src in sources[i]:
+                    self._arena[pos : pos + src.size] = src
+                    pos += src.size
+                handles.append(result.handle)
+        except BaseException:
+            self.batch_abort([r.handle for r in results if isinstance(r, Allocation)])
+            raise
+        committed = iter(self.batch_commit(handles))
+        for i, result in zip(wanted, results):
+            if isinstance(result, Allocation):
+                codes[i] = next(committed)
+        return codes
 
     def batch_get_into(
         self, client_id: str, keys: Sequence[str], buffers: Sequence[Sequence[Buffer]],
@@ -695,18 +922,26 @@ class PoolEngine:
             for client in dead:
                 dropped_leases += self._drop_client_leases_locked(client)
                 self._owner_of.pop(client, None)
-            reclaimed = 0
-            for handle, pending in list(self._pending.items()):
-                too_old = now - pending.created_at > cfg.put_timeout_s
-                if pending.client_id in dead or too_old:
-                    logger.warning(
-                        "reclaiming uncommitted allocation of key=%r (%d bytes, client %r): %s",
-                        pending.key, pending.size, pending.client_id,
-                        f"not committed within put_timeout_s={cfg.put_timeout_s}" if too_old
-                        else "its client stopped pinging",
-                    )
-                    self._reclaim_locked(pending)
-                    reclaimed += 1
+            # Allocations are filed in creation order, so the timed-out ones are a prefix (an
+            # allocation made a moment out of order is caught by the next reap); the dead
+            # clients' come from the per-client index: neither walks every pending allocation.
+            victims: dict[int, tuple[_Pending, bool]] = {}
+            for pending in self._pending.values():
+                if now - pending.created_at <= cfg.put_timeout_s:
+                    break
+                victims[pending.handle] = (pending, True)
+            for client in dead:
+                for handle, pending in self._pending_by_client.get(client, {}).items():
+                    victims.setdefault(handle, (pending, False))
+            for pending, too_old in victims.values():
+                logger.warning(
+                    "reclaiming uncommitted allocation of key=%r (%d bytes, client %r): %s",
+                    pending.key, pending.size, pending.client_id,
+                    f"not committed within put_timeout_s={cfg.put_timeout_s}" if too_old
+                    else "its client stopped pinging",
+                )
+                self._reclaim_locked(pending)
+            reclaimed = len(victims)
             self._stats["reclaimed_allocations"] += reclaimed
             self._stats["reaped_clients"] += len(dead)
         return ReapReport(clients=len(dead), leases=dropped_leases, allocations=reclaimed)
@@ -721,11 +956,10 @@ class PoolEngine:
         with self._lock:
             known = self._clients.pop(client_id, None) is not None
             dropped_leases = self._drop_client_leases_locked(client_id)
-            reclaimed = 0
-            for pending in list(self._pending.values()):
-                if pending.client_id == client_id:
-                    self._reclaim_locked(pending)
-                    reclaimed += 1
+            mine = list(self._pending_by_client.get(client_id, {}).values())
+            for pending in mine:
+                self._reclaim_locked(pending)
+            reclaimed = len(mine)
             self._owner_of.pop(client_id, None)
             self._stats["reclaimed_allocations"] += reclaimed
         return ReapReport(clients=int(known), leases=dropped_leases, allocations=reclaimed)
@@ -757,6 +991,9 @@ class PoolEngine:
                 clients=len(self._clients),
                 leases=len(self._lease_index),
                 lease_ops=self._lease_ops,
+                evict_steps=self._evict_steps,
+                evictable_objects=self._evictable_count,
+                evictable_bytes=self._evictable_bytes,
             )
         disk = self._disk
         out.update(
@@ -806,13 +1043,47 @@ class PoolEngine:
         if client_id:
             self._clients[client_id] = now
 
+    def _link_locked(self, obj: _Object) -> None:
+        """Append ``obj`` to the evictable list as its most recently used object."""
+        ring = self._evictable
+        tail = ring.prev
+        assert tail is not None
+        obj.prev, obj.next = tail, ring
+        tail.next = ring.prev = obj
+        self._evictable_count += 1
+        self._evictable_bytes += self._object_charge(obj)
+        if self._touches is not None:
+            self._touches[obj.key] = next(self._touch_seq)
+
+    def _unlink_locked(self, obj: _Object) -> None:
+        prev, nxt = obj.prev, obj.next
+        if prev is None or nxt is None:
+            return
+        prev.next, nxt.prev = nxt, prev
+        obj.prev = obj.next = None
+        self._evictable_count -= 1
+        self._evictable_bytes -= self._object_charge(obj)
+
+    def _sync_held_locked(self, obj: _Object) -> None:
+        """Take ``obj`` out of the evictable list when it became held, put it back (as just used)
+        when it stopped being held; call after its pins or pinning leases changed."""
+        if obj.pins > 0 or obj.pinning > 0:
+            self._unlink_locked(obj)
+        elif obj.prev is None and self._objects.get(obj.key) is obj:  # not dropped meanwhile
+            self._link_locked(obj)
+
+    def _used_locked(self, obj: _Object) -> None:
+        """A reader used ``obj``: it becomes the most recently used (a held object is placed when
+        it stops being held)."""
+        if obj.prev is not None:
+            self._unlink_locked(obj)
+            self._link_locked(obj)
+        elif self._touches is not None:
+            self._touches[obj.key] = next(self._touch_seq)
+
     def _is_leased(self, obj: _Object, now: float) -> bool:
         # Exact once _prune_locked(now) ran: every lease left has expires_at >= now.
         return obj.pinning > 0
-
-    def _is_held(self, obj: _Object, now: float) -> bool:
-        """Not evictable: leased by a reader or pinned by the disk writer."""
-        return obj.pins > 0 or self._is_leased(obj, now)
 
     def _owner(self, client_id: str) -> str:
         """Whom a client's holdings count against; "" (no accounting) when quotas are off or for
@@ -854,11 +1125,17 @@ class PoolEngine:
             return
         obj, client_id, owner, pins = entry
         self._lease_ops += 1
-        del obj.leases[lease_id]
+        state = obj.lease_state
+        assert state is not None
+        del state.table[lease_id]
+        if state.lookup.get(client_id) == lease_id:
+            del state.lookup[client_id]
+        if not state.table:
+            obj.lease_state = None
         if pins:
-            obj.pinning -= 1
-        if obj.lookup_leases.get(client_id) == lease_id:
-            del obj.lookup_leases[client_id]
+            state.pinning -= 1
+            if not state.pinning:
+                self._sync_held_locked(obj)
         ids = self._client_lease_ids.get(client_id)
         if ids is not None:
             ids.discard(lease_id)
@@ -914,7 +1191,7 @@ class PoolEngine:
         return (usage.charge if usage else 0) + self._object_charge(obj) <= self._share_bytes
 
     def _object_charge(self, obj: _Object) -> int:
-        return self._alloc.size_of(obj.offset) or self._alloc.reserved_size(obj.size)
+        return self._alloc.reserved_size(obj.size + self._meta_charge(obj.key))
 
     def _add_lease_locked(self, obj: _Object, client_id: str, now: float,
                           lookup: bool = False) -> tuple[int, float] | ErrorCode:
@@ -935,9 +1212,14 @@ class PoolEngine:
                     return ErrorCode.NO_AVAILABLE_HANDLE
         lease_id = next(self._lease_ids)
         expires_at = now + self._ttl_s
-        obj.leases[lease_id] = (client_id, expires_at)
+        state = obj.lease_state
+        if state is None:
+            state = obj.lease_state = _Leases()
+        state.table[lease_id] = (client_id, expires_at)
         if pins:
-            obj.pinning += 1
+            state.pinning += 1
+            if state.pinning == 1:
+                self._sync_held_locked(obj)
         self._lease_index[lease_id] = (obj, client_id, owner, pins)
         self._client_lease_ids.setdefault(client_id, set()).add(lease_id)
         heapq.heappush(self._expiry, (expires_at, lease_id))
@@ -959,17 +1241,19 @@ class PoolEngine:
         return lease_id, expires_at
 
     def _lookup_lease_locked(self, obj: _Object, client_id: str, now: float) -> None:
-        lease_id = obj.lookup_leases.get(client_id)
-        if lease_id is not None and lease_id in obj.leases:
+        state = obj.lease_state
+        lease_id = state.lookup.get(client_id) if state is not None else None
+        if state is not None and lease_id is not None and lease_id in state.table:
             # Lookup lease ids are never handed out, so moving the expiry later is invisible
             # to everyone but the evictor. The heap entry is re-filed when it comes up.
             owner = self._owner(client_id)
             if not owner or self._may_pin_locked(owner, obj, now):
-                obj.leases[lease_id] = (client_id, now + self._ttl_s)
+                state.table[lease_id] = (client_id, now + self._ttl_s)
             return
         added = self._add_lease_locked(obj, client_id, now, lookup=True)
         if not isinstance(added, ErrorCode):
-            obj.lookup_leases[client_id] = added[0]
+            assert obj.lease_state is not None
+            obj.lease_state.lookup[client_id] = added[0]
 
     def _validate_locked(self, lease: Lease, now: float) -> ErrorCode:
         if now > lease.expires_at:
@@ -998,7 +1282,7 @@ class PoolEngine:
         if isinstance(added, ErrorCode):
             return added
         lease_id, expires_at = added
-        self._lru.move_to_end(key)
+        self._used_locked(obj)
         return Lease(key, obj.offset, obj.size, obj.generation, expires_at, lease_id, checksum=obj.checksum)
 
     def _storable_key(self, key: object) -> bool:
@@ -1013,11 +1297,18 @@ class PoolEngine:
         overhead = self.config.object_overhead_bytes
         return overhead + len(key.encode("utf-8", "surrogatepass")) if overhead else 0
 
-    def _reclaim_locked(self, pending: _Pending) -> None:
-        """Free an uncommitted allocation (aborted, timed out, or its client gone)."""
+    def _unfile_pending_locked(self, pending: _Pending) -> None:
         del self._pending[pending.handle]
         del self._pending_keys[pending.key]
-        self._alloc.free(pending.offset)
+        mine = self._pending_by_client[pending.client_id]
+        del mine[pending.handle]
+        if not mine:
+            del self._pending_by_client[pending.client_id]
+
+    def _reclaim_locked(self, pending: _Pending) -> None:
+        """Free an uncommitted allocation (aborted, timed out, or its client gone)."""
+        self._unfile_pending_locked(pending)
+        self._alloc.free(pending.offset, pending.size + self._meta_charge(pending.key))
         self._uncharge_pending_locked(pending)
 
     def _uncharge_pending_locked(self, pending: _Pending) -> None:
@@ -1066,6 +1357,7 @@ class PoolEngine:
             usage.holds += 1
         self._pending[pending.handle] = pending
         self._pending_keys[key] = pending.handle
+        self._pending_by_client.setdefault(client_id, {})[pending.handle] = pending
         return Allocation(pending.handle, key, offset, size), spills
 
     def _make_room_locked(self, size: int, now: float) -> list[tuple[str, bytes]]:
@@ -1083,45 +1375,50 @@ class PoolEngine:
         over = self._alloc.used + need > self._high_bytes
         if not over and self._alloc.largest_free() >= need:
             return []
-        candidates = [self._objects[k] for k in self._lru if not self._is_held(self._objects[k], now)]
-        reclaimable = sum(self._object_charge(o) for o in candidates)
-        if self._alloc.used - reclaimable + need > self._alloc.capacity:
+        # Held objects are not in the evictable list, so this total and the victims below cost
+        # nothing per held object, and nothing per object left in memory.
+        if self._alloc.used - self._evictable_bytes + need > self._alloc.capacity:
             return []
-        target = max(1, math.ceil(self.config.eviction_ratio * len(self._lru))) if over else 0
+        target = max(1, math.ceil(self.config.eviction_ratio * len(self._objects))) if over else 0
         spills: list[tuple[str, bytes]] = []
-        for evicted, obj in enumerate(candidates):
+        ring = self._evictable
+        evicted = 0
+        while ring.next is not ring:
             if evicted >= target and self._alloc.largest_free() >= need:
                 break
+            obj = ring.next
+            assert obj is not None
+            self._evict_steps += 1
             spill = self._drop_locked(obj, spill=True)
             if spill is not None:
                 spills.append(spill)
             self._stats["evictions"] += 1
+            evicted += 1
         return spills
 
     def _drop_locked(self, obj: _Object, spill: bool = False) -> tuple[str, bytes] | None:
         """Remove ``obj`` from memory; when spilling and it is not on disk yet, keep a copy for the disk."""
+        del self._objects[obj.key]  # first: dropping its leases below must not re-list it
+        self._unlink_locked(obj)
         for lease_id in list(obj.leases):  # expired ones not pruned yet; live ones are never dropped
             self._drop_lease_locked(lease_id)
-        del self._objects[obj.key]
-        del self._lru[obj.key]
         out = None
         if spill and self._disk is not None and not obj.on_disk:
             data = self._arena[obj.offset : obj.offset + obj.size].tobytes()
             if obj.checksum is not None and checksum([data]) != obj.checksum:
                 self._stats["corrupt_objects"] += 1  # overwritten in the arena: not worth keeping
-                self._alloc.free(obj.offset)
+                self._alloc.free(obj.offset, obj.size + self._meta_charge(obj.key))
                 return None
             self._spill[obj.key] = data
             out = (obj.key, data)
-        self._alloc.free(obj.offset)
+        self._alloc.free(obj.offset, obj.size + self._meta_charge(obj.key))
         return out
 
     def _commit_locked(self, pending: _Pending) -> _Object:
-        del self._pending[pending.handle]
-        del self._pending_keys[pending.key]
+        self._unfile_pending_locked(pending)
         obj = _Object(pending.key, pending.offset, pending.size, pending.generation)
         self._objects[obj.key] = obj
-        self._lru[obj.key] = None
+        self._link_locked(obj)
         self._stats["puts"] += 1
         if self._disk is not None:
             obj.on_disk = self._disk.contains(obj.key)
@@ -1193,6 +1490,7 @@ class PoolEngine:
             if obj is None or obj.on_disk:
                 return
             obj.pins += 1
+            self._sync_held_locked(obj)
             view = self._arena[obj.offset : obj.offset + obj.size]
         rc = ErrorCode.INTERNAL_ERROR
         try:
@@ -1209,10 +1507,11 @@ class PoolEngine:
         finally:
             with self._lock:
                 obj.pins -= 1
-                if not obj.pins:
-                    self._unpinned.notify_all()
                 if rc is ErrorCode.OK:
                     obj.on_disk = True
+                if not obj.pins:
+                    self._sync_held_locked(obj)
+                    self._unpinned.notify_all()
                 else:
                     self._stats["disk_write_errors"] += 1
 
@@ -1270,14 +1569,58 @@ class PoolEngine:
             assert mine == {o: (c, h) for o, (c, h) in owners.items()}, (mine, owners)
             return mine
 
+    def _evictable_keys_locked(self) -> list[str]:
+        keys = []
+        ring = self._evictable
+        obj = ring.next
+        while obj is not ring:
+            assert obj is not None and obj.next is not None and obj.next.prev is obj, "evictable list broken"
+            keys.append(obj.key)
+            obj = obj.next
+        return keys
+
+    def _debug_track_lru(self) -> None:
+        """Record every object's last use from now on, for ``_debug_check_evictable`` (tests)."""
+        with self._lock:
+            self._touches = {}
+            for key in self._evictable_keys_locked():  # their order so far is taken as given
+                self._touches[key] = next(self._touch_seq)
+
+    def _debug_check_evictable(self) -> list[str]:
+        """Check that the evictable list is exactly the committed objects that are neither leased
+        with pinning nor pinned, least recently used first, and that its running totals agree
+        with it; return its keys (tests)."""
+        with self._lock:
+            keys = self._evictable_keys_locked()
+            unheld = {k for k, o in self._objects.items() if not o.pins and not o.pinning}
+            assert set(keys) == unheld and len(keys) == len(unheld), (keys, unheld)
+            for key, obj in self._objects.items():
+                assert (obj.prev is None) == (key not in unheld), key
+            assert self._evictable_count == len(keys)
+            assert self._evictable_bytes == sum(self._object_charge(self._objects[k]) for k in keys)
+            if self._touches is not None:
+                order = sorted(keys, key=lambda k: self._touches.get(k, -1))  # type: ignore[union-attr]
+                assert keys == order, ("not in LRU order", keys, order)
+            for client, mine in self._pending_by_client.items():
+                assert all(self._pending[h] is p and p.client_id == client for h, p in mine.items())
+            assert sum(map(len, self._pending_by_client.values())) == len(self._pending)
+            return keys
+
     def _debug_snapshot(self) -> dict[str, Any]:
         """Consistent copy of internal state for invariant checks in tests."""
         with self._lock:
             return {
-                "objects": {k: dataclasses.replace(o, leases=dict(o.leases)) for k, o in self._objects.items()},
+                "objects": {
+                    k: ObjectView(o.key, o.offset, o.size, o.generation, dict(o.leases), o.pins, o.on_disk,
+                                  o.pinning, dict(o.lease_state.lookup) if o.lease_state else {}, o.checksum)
+                    for k, o in self._objects.items()
+                },
                 "pending": {h: dataclasses.replace(p) for h, p in self._pending.items()},
-                "live_ranges": self._alloc.live_ranges(),
+                "live_ranges": sorted(
+                    [(o.offset, self._object_charge(o)) for o in self._objects.values()]
+                    + [(p.offset, self._alloc.reserved_size(p.size + self._meta_charge(p.key)))
+                       for p in self._pending.values()]),
                 "used": self._alloc.used,
                 "capacity": self._alloc.capacity,
-                "lru": list(self._lru),
+                "lru": self._evictable_keys_locked(),
             }

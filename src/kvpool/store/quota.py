@@ -49,6 +49,21 @@ class QuotaIndex:
     def used(self) -> int:
         return self._used
 
+    @property
+    def writing(self) -> int:
+        """Objects reserved and not yet settled or cancelled."""
+        return len(self._inflight)
+
+    def items(self) -> list[tuple[str, int]]:
+        """(key, size) of the stored objects in eviction order (first = next victim)."""
+        return list(self._index.items())
+
+    def clear(self) -> None:
+        """Forget every stored object (not the writes in flight)."""
+        for size in self._index.values():
+            self._used -= size
+        self._index.clear()
+
     def has(self, key: str) -> bool:
         """Stored or being written: a second write of it is a no-op."""
         return key in self._index or key in self._inflight
