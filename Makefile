@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/ttft.py
 	$(BIN)/python benchmarks/chaos.py
 	$(BIN)/python benchmarks/scale.py
+	$(BIN)/python benchmarks/trace.py
 
 clean:
 	rm -rf $(VENV) .cache

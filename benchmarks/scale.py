@@ -23,7 +23,10 @@ Restart: a server with the SSD tier (write-through) is filled with the largest N
 directory: the time from spawn to serving, and that every object is found. It is restarted once
 more with the index deleted (the full scan a crash leaves). SSD-tier reads: random gets of
 objects that are only on disk after the restart (bytes/s), against the disk's own O_DIRECT
-read bandwidth for a file of the same total size, measured in the same run.
+read bandwidth for a file of the same total size, measured in the same run: once for the 1 KiB
+objects (bound by per-object work), and once for KV-block-sized objects (1 MiB, read in batches
+of 16 as a vLLM load reads them; the page cache is dropped for the tier's files first, so the
+bytes come from the disk) — the case the bandwidth target is about.
 
 Targets (issue 11) are reported met / not met. Writes benchmarks/results/scale.json
 (scale-quick.json with --quick), benchmarks/results/scale.png, and the "Scale" section of
@@ -321,6 +324,74 @@ def run_restart(n: int, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
     return out
 
 
+BLOCK_VALUE = 1 << 20  # a KV block's value (a 128-token block of a small model)
+BLOCK_BATCH = 16
+
+
+def drop_page_cache(directory: str) -> None:
+    """Write back and evict the page cache of every file under `directory`, so reads hit the disk."""
+    os.sync()
+    for root, _, files in os.walk(directory):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def run_ssd_blocks(count: int, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
+    """SSD-tier read bandwidth for block-sized values, against O_DIRECT reads of as many bytes."""
+    ssd = os.path.realpath(os.path.join(tmp, "ssd-blocks"))
+    os.mkdir(ssd, 0o700)
+    flags = ["--enable_offload", "true", "--offload_path", ssd, "--offload_quota", str(2 * count * BLOCK_VALUE)]
+    sock = os.path.join(tmp, "b.sock")
+    src = np.random.default_rng(args.seed).integers(0, 256, (BLOCK_BATCH, BLOCK_VALUE), dtype=np.uint8)
+    with PoolServer(sock, memory_size=2 * count * BLOCK_VALUE + (64 << 20), extra_args=flags,
+                    log_path=os.path.join(tmp, "b0.log"), stop_grace_s=600) as daemon:
+        backend = server_backend(sock)
+        try:
+            for j in range(0, count, BLOCK_BATCH):
+                idx = range(j, min(j + BLOCK_BATCH, count))
+                for row, i in enumerate(idx):
+                    src[row, :8] = np.frombuffer(i.to_bytes(8, "little"), np.uint8)
+                backend.batch_put([key(i) for i in idx], [[src[r]] for r in range(len(idx))])
+        finally:
+            backend.close()
+        daemon.stop()  # flushes the write-through queue
+    drop_page_cache(ssd)
+    out: dict[str, Any] = {"objects": count, "value_bytes": BLOCK_VALUE, "batch": BLOCK_BATCH}
+    dst = np.zeros((BLOCK_BATCH, BLOCK_VALUE), dtype=np.uint8)
+    order = random.Random(args.seed).sample(range(count), count)
+    # A memory tier far smaller than the data: every read comes from the SSD tier.
+    with PoolServer(sock, memory_size=64 << 20, extra_args=flags, log_path=os.path.join(tmp, "b1.log"),
+                    stop_grace_s=600):
+        backend = server_backend(sock)
+        try:
+            misses, elapsed = 0, 0.0
+            for j in range(0, count, BLOCK_BATCH):
+                idx = order[j : j + BLOCK_BATCH]
+                t = time.perf_counter()
+                codes = backend.batch_get_into([key(i) for i in idx], [[dst[r]] for r in range(len(idx))])
+                elapsed += time.perf_counter() - t
+                for row, (i, code) in enumerate(zip(idx, codes)):
+                    if code != 0:
+                        misses += 1
+                    elif int.from_bytes(dst[row, :8].tobytes(), "little") != i:
+                        raise AssertionError(f"SSD read of {key(i)} returned another value's bytes")
+        finally:
+            backend.close()
+    out["misses"] = misses
+    out["ssd_read_bytes_per_s"] = (count - misses) * BLOCK_VALUE / elapsed
+    out["direct_io_bytes_per_s"] = direct_read_bandwidth(tmp, count * BLOCK_VALUE)
+    out["loadavg1"] = loadavg1()
+    subprocess.run(["rm", "-rf", ssd], check=False)
+    return out
+
+
 def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     kv = {r["objects"]: r for r in results["kvpool"] if "error" not in r}
     mc = {r["objects"]: r for r in results.get("mooncake", []) if "error" not in r}
@@ -344,11 +415,12 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
         rows.append((f"restart with {r['objects']:,} objects on disk <= {TARGETS['restart_s']:.0f} s",
                      f"{r['restart_s']:.2f} s (full scan {r.get('restart_scan_s', 0):.1f} s)",
                      r["restart_s"] <= TARGETS["restart_s"] and r.get("restart_s_found") == 1.0))
-    if r.get("ssd_read_bytes_per_s") and r.get("direct_io_bytes_per_s"):
-        ratio = r["ssd_read_bytes_per_s"] / r["direct_io_bytes_per_s"]
-        rows.append((f"SSD-tier reads >= {TARGETS['ssd_read_ratio']:.0%} of O_DIRECT read bandwidth",
-                     f"{ratio:.1%} ({r['ssd_read_bytes_per_s'] / 1e6:.1f} of "
-                     f"{r['direct_io_bytes_per_s'] / 1e6:.0f} MB/s)", ratio >= TARGETS["ssd_read_ratio"]))
+    for label, rr in (("1 KiB objects", r), ("1 MiB blocks", results.get("ssd_blocks") or {})):
+        if rr.get("ssd_read_bytes_per_s") and rr.get("direct_io_bytes_per_s"):
+            ratio = rr["ssd_read_bytes_per_s"] / rr["direct_io_bytes_per_s"]
+            rows.append((f"SSD-tier reads ({label}) >= {TARGETS['ssd_read_ratio']:.0%} of O_DIRECT read bandwidth",
+                         f"{ratio:.1%} ({rr['ssd_read_bytes_per_s'] / 1e6:.1f} of "
+                         f"{rr['direct_io_bytes_per_s'] / 1e6:.0f} MB/s)", ratio >= TARGETS["ssd_read_ratio"]))
     if big in mc:
         m = mc[big]
         rows.append((f"lookup p50 at {big:,} no worse than mooncake_master",
@@ -438,7 +510,11 @@ def update_docs(results: dict[str, Any], text: str, tgt: str) -> None:
         f"restart index, {fmt(r.get('restart_scan_s'), 1)} s with a full scan of the files (no index, as after a "
         f"crash); share of sampled keys found after the restart: {fmt(r.get('restart_s_found'), 3)}. SSD-tier reads "
         f"{fmt((r.get('ssd_read_bytes_per_s') or 0) / 1e6, 1)} MB/s against the disk's O_DIRECT read "
-        f"bandwidth {fmt((r.get('direct_io_bytes_per_s') or 0) / 1e6, 0)} MB/s.",
+        f"bandwidth {fmt((r.get('direct_io_bytes_per_s') or 0) / 1e6, 0)} MB/s for the 1 KiB objects; for "
+        f"{(results.get('ssd_blocks') or {}).get('objects', 0)} values of 1 MiB read 16 at a time from a "
+        "cold page cache, "
+        f"{fmt(((results.get('ssd_blocks') or {}).get('ssd_read_bytes_per_s') or 0) / 1e6, 0)} MB/s against "
+        f"{fmt(((results.get('ssd_blocks') or {}).get('direct_io_bytes_per_s') or 0) / 1e6, 0)} MB/s.",
         "```\n" + tgt + "\n```",
         notes(results),
         "Plot: `benchmarks/results/scale.png`; raw numbers: `benchmarks/results/scale.json`.",
@@ -481,6 +557,10 @@ def main(argv: list[str] | None = None) -> int:
             log(f"restart with {max(sizes):,} objects on the SSD tier")
             results["restart"] = run_restart(max(sizes), args, tmp)
             log(f"  {results['restart']}")
+            blocks = 256 if args.quick else 1024
+            log(f"SSD-tier reads of {blocks} blocks of {BLOCK_VALUE >> 20} MiB")
+            results["ssd_blocks"] = run_ssd_blocks(blocks, args, tmp)
+            log(f"  {results['ssd_blocks']}")
     text = table(results)
     tgt_rows = targets(results)
     results["target_results"] = [{"target": t, "measured": v, "met": ok} for t, v, ok in tgt_rows]

@@ -28,9 +28,13 @@ prefixes):
 
   prefix    vLLM's prefix cache only; requests alternate between the instances (round robin)
   kvpool    the same plus one shared `kvpool server` pool (`AscendStoreConnector`, kv_both)
-  routed    `kvpool` behind `kvpool proxy --routing-policy prefix_aware`
+  routed    `kvpool` with `--routing-policy prefix_aware` instead of round robin
   mooncake  vLLM's `MooncakeStoreConnector` on a local `mooncake_master`, round robin; each
             instance mounts half of `--pool-size` as its segment, so the pool is as large
+
+Every configuration sends its requests through one `kvpool proxy --instance-*` (round_robin, or
+prefix_aware for `routed`): on this machine the proxy shares the two cores with the instances,
+and a hop that only one configuration paid would be counted against its routing.
 
 Per configuration: token hit rate (cached prompt tokens / prompt tokens, from each response's
 usage record) against the slice's own upper bound (an infinite cache shared by everyone),
@@ -249,15 +253,14 @@ def start_deployment(name: str, model_dir: Path, workdir: Path, args: argparse.N
             t.join()
         if errors:
             raise errors[0]
-        if name == "routed":
-            dep.proxy = ProxyServer([], [], instance_ports=[s.port for s in dep.servers],
-                                    extra_args=["--routing-policy", "prefix_aware",
-                                                "--routing-block-size", str(BLOCK_SIZE),
-                                                # What it remembers per instance: about what that
-                                                # instance's own cache holds.
-                                                "--routing-capacity-blocks", str(args.local_blocks)],
-                                    env={**os.environ, ADMIN_TOKEN_ENV: ADMIN_TOKEN},
-                                    log_path=logs / f"{name}-proxy.log").start()
+        policy = "prefix_aware" if name == "routed" else "round_robin"
+        dep.proxy = ProxyServer([], [], instance_ports=[s.port for s in dep.servers],
+                                extra_args=["--routing-policy", policy, "--routing-block-size", str(BLOCK_SIZE),
+                                            # What it remembers per instance: about what that
+                                            # instance's own cache holds.
+                                            "--routing-capacity-blocks", str(args.local_blocks)],
+                                env={**os.environ, ADMIN_TOKEN_ENV: ADMIN_TOKEN},
+                                log_path=logs / f"{name}-proxy.log").start()
     except BaseException:
         dep.stop()
         raise
@@ -276,7 +279,7 @@ def _bytes(size: str) -> int:
 
 
 def replay(dep: Deployment, schedule: list[tuple[float, list[int]]], args: argparse.Namespace) -> tuple[list[dict[str, Any]], float]:
-    """Send every prompt at its time (round robin over the deployment's URLs); one sample each."""
+    """Send every prompt at its time, through the deployment's proxy; one sample each."""
     urls = dep.urls()
     clients = [httpx.Client(base_url=u, timeout=args.request_timeout_s, trust_env=False,
                             limits=httpx.Limits(max_connections=None)) for u in urls]
