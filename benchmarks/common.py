@@ -318,6 +318,16 @@ def engine_dtype(log_text: str) -> str | None:
     return m.group(1) if m else None
 
 
+def start_together(servers: Iterable[OpenAIServer]) -> None:
+    """Start every server at once (as the examples do) and wait until all are ready; the caller
+    stops them (a server that failed to come up raised ServerError)."""
+    servers = list(servers)
+    for srv in servers:
+        srv.start(wait=False)
+    for srv in servers:
+        srv.wait_ready()
+
+
 def vllm_server(model_dir: Path, *, served_model_name: str, log_path: Path, prefix_caching: bool,
                 kv_transfer_config: Mapping[str, Any] | None, max_model_len: int, max_num_batched_tokens: int,
                 request_timeout_s: float, env: Mapping[str, str], extra_args: Sequence[str] = ()) -> OpenAIServer:

@@ -69,7 +69,7 @@ import httpx
 from common import (
     BLOCK_SIZE, DOCS_PATH, REPO, RESULTS_DIR, choose, count_params, cpu_snapshot, cpu_split, engine_dtype, fmt,
     loadavg1, log, machine_info, markdown_table, package_version, percentile, provenance, random_token_ids,
-    replace_docs_section, unwind_on_sigterm, vllm_server, wait_quiet, write_json,
+    replace_docs_section, start_together, unwind_on_sigterm, vllm_server, wait_quiet, write_json,
 )
 
 from kvpool.testing.launch import OpenAIServer, PoolServer, ProxyServer, stream_completion
@@ -215,21 +215,7 @@ def start_deployment(name: str, model_dir: Path, workdir: Path, args: argparse.N
             dep.servers["decode"] = server("decode", args.decode_bind,
                                            _kv_config("kv_consumer", sock, rpc_base + 2, consumer_is_to_load=True))
         # Start the instances together (as the examples do) and wait for all of them.
-        errors: list[BaseException] = []
-
-        def start(srv: OpenAIServer) -> None:
-            try:
-                srv.start()
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                errors.append(e)
-
-        threads = [threading.Thread(target=start, args=(s,)) for s in dep.servers.values()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        start_together(dep.servers.values())
         for role, srv in dep.servers.items():
             # The dtype the engine really runs (`--dtype auto` may not be the checkpoint's).
             dep.engine_dtypes[role] = engine_dtype(srv.log())

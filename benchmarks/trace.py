@@ -57,7 +57,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -67,7 +66,7 @@ import httpx
 from common import (
     BLOCK_SIZE, REPO, RESULTS_DIR, choose, count_params, cpu_snapshot, cpu_split, fmt, log, machine_info,
     markdown_table, package_version, percentile, provenance, pyplot, random_token_ids, replace_docs_section,
-    unwind_on_sigterm, vllm_server, wait_quiet, write_json,
+    start_together, unwind_on_sigterm, vllm_server, wait_quiet, write_json,
 )
 
 from kvpool.proxy.config import ADMIN_TOKEN_ENV
@@ -238,21 +237,7 @@ def start_deployment(name: str, model_dir: Path, workdir: Path, args: argparse.N
                      "PYTHONHASHSEED": "0", **env_extra},
                 extra_args=["--num-gpu-blocks-override", str(args.local_blocks)],
             ))
-        errors: list[BaseException] = []
-
-        def start(srv: OpenAIServer) -> None:
-            try:
-                srv.start()
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                errors.append(e)
-
-        threads = [threading.Thread(target=start, args=(s,)) for s in dep.servers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        start_together(dep.servers)
         policy = "prefix_aware" if name == "routed" else "round_robin"
         dep.proxy = ProxyServer([], [], instance_ports=[s.port for s in dep.servers],
                                 extra_args=["--routing-policy", policy, "--routing-block-size", str(BLOCK_SIZE),
