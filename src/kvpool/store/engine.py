@@ -1509,11 +1509,11 @@ class PoolEngine:
                 obj.pins -= 1
                 if rc is ErrorCode.OK:
                     obj.on_disk = True
+                elif rc is not ErrorCode.CHECKSUM_MISMATCH:  # that one is counted as corrupt_objects
+                    self._stats["disk_write_errors"] += 1
                 if not obj.pins:
                     self._sync_held_locked(obj)
                     self._unpinned.notify_all()
-                else:
-                    self._stats["disk_write_errors"] += 1
 
     def _writer_loop(self) -> None:
         assert self._queue is not None
