@@ -309,7 +309,9 @@ def test_lru_eviction_past_high_watermark(backend_factory):
         return
     assert "v0" in present and keys[-1] in present
     assert "v1" not in present, "the least recently used value survived while newer ones were written"
-    assert 2 <= len(present) < cap // size
+    # Full, not past full: Mooncake evicts on its master's background thread, so right after
+    # the last put the pool may hold exactly its capacity until the next eviction pass.
+    assert 2 <= len(present) <= cap // size
     # Eviction went oldest first: what is left is v0 plus a run of the newest values.
     newest = [k for k in keys[1:] if k in present]
     assert newest == keys[n - len(newest):], present

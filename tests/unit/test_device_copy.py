@@ -106,6 +106,30 @@ def test_failed_blocks_are_left_untouched_and_reported(kind, dtype):
 
 
 @cases
+def test_a_failed_direct_load_leaves_zeros_not_the_failed_bytes(kind, dtype):
+    # A store that writes part of a value and then fails (a checksum mismatch after the copy).
+    _, src = layout_of(kind, dtype, seed=8)
+    dst_caches, dst = layout_of(kind, dtype, seed=9)
+    store = DictStore()
+    DirectCopier(src).save(["k0", "k1"], [0, 1], ALL, store.put)
+
+    def scribbling_get(keys, values):
+        codes = store.get(keys, values)
+        for buf in values[1]:
+            buf.fill(0xFF)  # NaN in every float format
+        return [codes[0], NOT_FOUND]
+
+    before = {n: raw(t).clone() for n, t in dst_caches.items()}
+    assert DirectCopier(dst).load(["k0", "k1"], [3, 4], ALL, scribbling_get) == [OK, NOT_FOUND]
+    block_dim = 0 if kind == "cpu" else 1
+    for name, t in dst_caches.items():
+        assert not torch.any(raw(t.select(block_dim, 4))), name
+        assert not torch.equal(raw(t.select(block_dim, 3)), before[name].select(block_dim, 3))
+        for other in set(range(NUM_BLOCKS)) - {3, 4}:
+            assert torch.equal(raw(t.select(block_dim, other)), before[name].select(block_dim, other))
+
+
+@cases
 def test_a_layer_slice_moves_only_those_layers(kind, dtype):
     """One layer (layerwise mode) or one PP stage's layers: the value holds exactly those."""
     src_caches, src = layout_of(kind, dtype, seed=6)

@@ -18,6 +18,8 @@ PROMPT = tokens(1000, seed=11)  # 7 whole blocks: block reads 3 and 6 of the eng
 OTHER = tokens(300, seed=12)
 # Block reads 1 and 2 succeed, so a recomputing engine keeps PROMPT's first 2 blocks.
 KEPT = 2 * BLOCK
+# PROMPT's first 3 blocks, then 3 whole blocks and 20 tokens of its own.
+EXT = PROMPT[:3 * BLOCK] + tokens(3 * BLOCK + 20, seed=14)
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +32,9 @@ def refs(reference) -> dict:
     those 2 blocks with PROMPT and has PROMPT's length (same chunks), then PROMPT hits them.
     """
     reference.generate([PROMPT[:KEPT] + tokens(len(PROMPT) - KEPT, seed=13)])
-    split, other = reference.generate([PROMPT, OTHER])
+    split, other, ext = reference.generate([PROMPT, OTHER, EXT])
     assert split["num_cached_tokens"] == KEPT and other["num_cached_tokens"] == 0
-    return {"split": split, "other": other}
+    return {"split": split, "other": other, "ext": ext}
 
 
 @pytest.mark.parametrize("load_async", [False, True])
@@ -50,6 +52,19 @@ def test_recompute_after_failed_loads_is_exact(model_dir, refs, engine_factory, 
     # computed other chunks (0-512, 512-1000 instead of 256-768, 768-1000): token ids only.
     assert again["token_ids"] == cold["token_ids"] == refs["split"]["token_ids"]
     assert again["logprobs"] == refs["split"]["logprobs"]
+
+    # EXT hits PROMPT's 3 pooled blocks; block reads 8-10 lose block 1 (read 9). A sync load's
+    # failure is known only after the forward pass that computed EXT's blocks 3-5 over block 1's
+    # failed bytes: those 3 are held back. vLLM recomputes from block 1 (chunks 128-640 and
+    # 640-788), and then blocks 1-5 are offered: 1 and 2 are pooled already, 3-5 are saved
+    # from the recompute. An async load fails before anything is computed, so nothing is held
+    # back, but the recompute is offered from block 1 all the same.
+    since = e.mark()
+    ext = e.generate([EXT])[0]
+    c = e.counters(since)
+    assert ext["error"] is None and ext["token_ids"] == refs["ext"]["token_ids"]
+    assert (c["load_blocks"], c["load_failed_blocks"]) == (2, 1)
+    assert (c["save_dropped_blocks"], c["save_blocks"], c["save_skipped_blocks"]) == (0 if load_async else 3, 3, 2)
 
 
 def test_fail_policy_fails_only_that_request(model_dir, refs, engine_factory):

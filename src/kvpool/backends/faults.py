@@ -14,7 +14,9 @@ from kvpool.errors import ErrorCode
 
 
 class FaultInjectingBackend(Backend):
-    """Delegates to `inner`, but every `every`-th key read returns OBJECT_NOT_FOUND untouched."""
+    """Delegates to `inner`, but every `every`-th key read fails: OBJECT_NOT_FOUND, with the
+    destination filled with 0xFF bytes (NaN in every float format), as a copy that failed its
+    checksum leaves it. Whatever vLLM does with a failed block, it must never use its bytes."""
 
     def __init__(self, inner: Backend, every: int) -> None:
         self.inner = inner
@@ -33,6 +35,10 @@ class FaultInjectingBackend(Backend):
         with self._lock:
             fail = [next(self._counter) % self.every == 0 for _ in keys]
         codes = [int(ErrorCode.OBJECT_NOT_FOUND)] * len(keys)
+        for i, f in enumerate(fail):
+            if f:
+                for buf in values[i]:
+                    buf.view(np.uint8).fill(0xFF)
         ok_idx = [i for i, f in enumerate(fail) if not f]
         if ok_idx:
             for i, c in zip(ok_idx, self.inner.batch_get_into([keys[i] for i in ok_idx], [values[i] for i in ok_idx])):

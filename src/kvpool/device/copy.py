@@ -52,8 +52,11 @@ class Copier(Protocol):
         """Hand the blocks' bytes (these layers) to `put`; its codes."""
 
     def load(self, keys: Sequence[str], block_ids: Sequence[int], layers: range, get: BatchCall) -> list[int]:
-        """Fill the blocks (these layers) from `get`; its codes. Blocks whose code is not OK
-        may hold any bytes afterwards (the caller reports them as load errors)."""
+        """Fill the blocks (these layers) from `get`; its codes. A block whose code is not OK
+        (the caller reports it as a load error) keeps its earlier bytes or is zeroed, never
+        holds part of a failed copy: vLLM recomputes it, but attention kernels read whole
+        blocks, unused slots included, and one NaN there poisons every later request that
+        gets the block (seen with vLLM's CPU attention)."""
 
     def describe(self) -> str:
         """One line for the start-up log."""
@@ -78,7 +81,13 @@ class DirectCopier:
         return put(list(keys), [self.layout.stage_buffers(b, layers) for b in block_ids])
 
     def load(self, keys: Sequence[str], block_ids: Sequence[int], layers: range, get: BatchCall) -> list[int]:
-        return get(list(keys), [self.layout.stage_buffers(b, layers) for b in block_ids])
+        values = [self.layout.stage_buffers(b, layers) for b in block_ids]
+        codes = get(list(keys), values)
+        for value, code in zip(values, codes):
+            if code != OK:  # the backend copied into the cache itself: it may have left a partial value
+                for buf in value:
+                    buf.fill(0)
+        return codes
 
     def describe(self) -> str:
         return "direct copies between the pool and the host-memory KV cache"

@@ -5,6 +5,9 @@ Invariants:
   whole prompt: when every block hits, one token is given back so vLLM computes logits.
 - Only full prompt blocks are saved, each once per request; blocks loaded from the pool are
   not saved again. The worker also skips keys already pooled (another request may have won).
+- A block computed over a block that failed to load is never saved: the worker drops such saves
+  (`BlockTask.prior_block_ids`), and when vLLM reports the failed blocks the request's saves
+  rewind to its first failed block, so what vLLM recomputes is saved then.
 - A request with IO sent to the workers is not freed until the workers report it done.
 """
 
@@ -77,6 +80,7 @@ class PoolScheduler:
         self._pending_loads: list[BlockTask] = []
         self._finished_with_io: list[str] = []
         self._awaiting_free: set[str] = set()
+        self._step_has_sync_loads = False
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         # Blocks vLLM's own prefix cache supplies were computed here earlier (and saved then) or
@@ -106,6 +110,7 @@ class PoolScheduler:
         # Another connector (MultiConnector) or vLLM may grant fewer tokens than we offered.
         end = min(plan.end_block, -(-(plan.start_block * self.block_size + num_external_tokens) // self.block_size))
         block_ids = blocks.get_block_ids()[0]
+        state.block_ids = list(block_ids)  # an async load's failures arrive before it is scheduled
         self._pending_loads.append(BlockTask(
             req_id=request.request_id,
             block_hashes=list(request.block_hashes[plan.start_block:end]),
@@ -121,6 +126,8 @@ class PoolScheduler:
         self._pending_loads, self._finished_with_io = [], []
         if not self.config.saves:
             return meta
+        # A sync load's failures are known only after the forward pass that used its blocks.
+        self._step_has_sync_loads = any(not t.is_async for t in meta.loads)
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is None:
@@ -151,6 +158,7 @@ class PoolScheduler:
             req_id=req.request_id,
             block_hashes=list(req.block_hashes[state.saved_upto:end]),
             block_ids=state.block_ids[state.saved_upto:end],
+            prior_block_ids=state.block_ids[:state.saved_upto] if self._step_has_sync_loads else [],
         ))
         state.saved_upto = end
         state.has_io = True
@@ -172,6 +180,14 @@ class PoolScheduler:
     def update_connector_output(self, connector_output) -> None:
         for req_id in connector_output.finished_sending or ():
             self._awaiting_free.discard(req_id)
+        failed = connector_output.invalid_block_ids
+        if failed:
+            # vLLM recomputes each affected request from its first failed block; the worker did
+            # not save what was computed over it, so those blocks are offered again once recomputed.
+            for state in self._requests.values():
+                first = next((i for i, b in enumerate(state.block_ids[:state.saved_upto]) if b in failed), None)
+                if first is not None:
+                    state.saved_upto = first
 
     def has_pending_block_frees(self) -> bool:
         return bool(self._awaiting_free)

@@ -11,6 +11,9 @@ COUNTERS = (
     "lookups", "lookup_hit_blocks",
     "load_blocks", "load_bytes", "load_time_s", "load_failed_blocks",
     "save_blocks", "save_bytes", "save_time_s", "save_skipped_blocks", "save_failed_blocks",
+    # Blocks computed in a step whose synchronous load failed: their KV may have attended over
+    # a block that failed to load, so they are not saved then (vLLM recomputes them; saved after).
+    "save_dropped_blocks",
     "layer_loads_waited",  # layerwise: layers the forward pass waited for (vLLM's per-layer hook ran)
     "layer_saves_sent",  # layerwise: layers sent from save_kv_layer as they were written
     # The backend's guard (stores outside the worker): calls that missed their deadline, calls

@@ -273,7 +273,7 @@ class PoolWorker:
         if not self.scheme.is_writer:
             return
         ready = self._copier.written()
-        for task in meta.saves:
+        for task in self._untainted(meta.saves):
             if self.scheme.layers:  # the layers save_kv_layer did not send (a hook that never ran)
                 for layer in sorted(set(range(self.scheme.layers)) - saved_layers):
                     self._transfer.submit(SAVE, task.req_id, lambda t=task, i=layer: self._save_layer(t, i, ready))
@@ -296,8 +296,33 @@ class PoolWorker:
         ready = self._copier.written()
         self._layers_saved.add(layer)
         self._count(layer_saves_sent=1)
-        for task in meta.saves:
+        # The loader sets layers in order and this one has arrived, so every failure in layers
+        # up to here is known; this layer's KV was computed from those layers only.
+        for task in self._untainted(meta.saves, count=False):
             self._transfer.submit(SAVE, task.req_id, lambda t=task: self._save_layer(t, layer, ready))
+
+    def _untainted(self, saves: list[BlockTask], count: bool = True) -> list[BlockTask]:
+        """The saves whose request holds no block that failed to load in this step.
+
+        A sync load's failures are known only after the forward pass that used the blocks, so
+        the blocks a request computed in this step may hold KV derived from bytes that never
+        arrived. Those are not saved; vLLM recomputes the request and the scheduler, told of
+        the failed blocks, offers them again (`PoolScheduler.update_connector_output`).
+        """
+        loads = self._layer_loads
+        with self._lock:
+            failed = set(self._load_errors)
+        if loads is not None:
+            failed |= loads.failed
+        if not failed:
+            return saves
+        kept = [t for t in saves if failed.isdisjoint(t.prior_block_ids) and failed.isdisjoint(t.block_ids)]
+        dropped = sum(len(t.block_ids) for t in saves) - sum(len(t.block_ids) for t in kept)
+        if dropped and count:
+            self._count(save_dropped_blocks=dropped)
+            logger.warning("kvpool: not saving %d blocks computed over blocks whose load failed in this step",
+                           dropped)
+        return kept
 
     def _save(self, task: BlockTask, ready=None) -> None:
         for scheme, layers in self._put_targets:

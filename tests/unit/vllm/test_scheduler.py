@@ -204,6 +204,28 @@ def test_loaded_blocks_are_not_saved_again(fake_lookup):
     assert tasks(meta.saves) == [("a", req.block_hashes[2:4], [2, 3])]
 
 
+def test_blocks_computed_over_a_failed_load_are_offered_again_after_the_recompute(fake_lookup):
+    # Step 1 loads blocks 0-2 and computes 3-4; block 1's load fails. The saves of that step
+    # name the blocks they were computed over, so the worker can drop them; vLLM then reports
+    # block 1 and recomputes from it, and the recomputed blocks 1-4 are offered (1-2 again:
+    # the pool skips what it has).
+    sched = make_scheduler()
+    req = make_request("a", 5 * BS + 1)
+    pool(fake_lookup, req, 3)
+    assert sched.get_num_new_matched_tokens(req, 0) == (3 * BS, False)
+    sched.update_state_after_alloc(req, kv_blocks(range(10, 16)), 3 * BS)
+    meta = sched.build_connector_meta(scheduler_output(new=[(new_req(req, list(range(10, 16)), 3 * BS), 2 * BS + 1)]))
+    assert tasks(meta.saves) == [("a", req.block_hashes[3:5], [13, 14])]
+    assert meta.saves[0].prior_block_ids == [10, 11, 12]
+    sched.update_connector_output(KVConnectorOutput(invalid_block_ids={11}))
+    meta = sched.build_connector_meta(scheduler_output(cached=[(Cached("a", BS), 4 * BS + 1)]))
+    assert tasks(meta.saves) == [("a", req.block_hashes[1:5], [11, 12, 13, 14])]
+    assert meta.saves[0].prior_block_ids == []  # no load in this step: nothing can taint it
+    # Another request's failed block does not move this one.
+    sched.update_connector_output(KVConnectorOutput(invalid_block_ids={99}))
+    assert sched.build_connector_meta(scheduler_output(cached=[(Cached("a", 5 * BS + 1), 1)])).saves == []
+
+
 def test_blocks_from_vllms_prefix_cache_are_not_offered_again(fake_lookup):
     # A conversation's next turn: vLLM's own cache supplies 3 blocks, the pool the 4th.
     sched = make_scheduler()

@@ -121,6 +121,51 @@ def test_injected_load_failures_are_reported_per_block(make_worker):
     assert same_block(kv, 4, kv, 0) and same_block(kv, 6, kv, 2)
 
 
+def test_blocks_computed_over_a_failed_sync_load_are_not_saved(make_worker):
+    # One step: request "b" loads H[0] (pooled) and H[5] (not) into blocks 5, 6 and computes
+    # blocks 7, 8 over them; "c" computes block 3 over blocks 1, 2 of its own. The forward pass
+    # ran before the failure was known, so b's blocks 7, 8 may hold KV derived from block 6's
+    # stale bytes: they must not reach the pool. c's block holds nothing that failed: saved.
+    worker, kv, pool = make_worker()
+    save(worker, "a", H[:1], [1])
+    drain(worker)
+    counters(worker)
+    meta = KVPoolMetadata(
+        loads=[BlockTask("b", [H[0], H[5]], [5, 6])],
+        saves=[BlockTask("b", H[6:8], [7, 8], prior_block_ids=[5, 6]),
+               BlockTask("c", H[2:3], [3], prior_block_ids=[1, 2])])
+    worker.start_load_kv(meta)
+    worker.wait_for_save(meta)
+    drain(worker)
+    assert worker.get_block_ids_with_load_errors() == {6}
+    stored = {k for k in pool.data}
+    assert not any(worker.scheme.key(h) in stored for h in H[6:8])
+    assert worker.scheme.key(H[2]) in stored
+    c = counters(worker)
+    assert (c["save_blocks"], c["save_dropped_blocks"]) == (1, 2)
+    # The next step (vLLM recomputes b) has no failed load: b's blocks are saved then.
+    save(worker, "b", H[6:8], [7, 8])
+    drain(worker)
+    assert all(worker.scheme.key(h) in pool.data for h in H[6:8])
+
+
+def test_layerwise_saves_stop_at_a_failed_layer_load(make_worker):
+    worker, kv, pool = make_worker({"use_layerwise": True})
+    save(worker, "a", H[:1], [1])
+    drain(worker)
+    meta = KVPoolMetadata(loads=[BlockTask("b", [H[0], H[5]], [5, 6])],
+                          saves=[BlockTask("b", H[6:7], [7], prior_block_ids=[5, 6])])
+    worker.start_load_kv(meta)
+    for name in LAYER_NAMES:  # the forward pass: wait for each layer, compute it, send it
+        worker.wait_for_layer_load(name)
+        worker.save_kv_layer(name, meta)
+    worker.wait_for_save(meta)
+    drain(worker)
+    assert worker.get_block_ids_with_load_errors() == {6}
+    # Layer 0 of H[5] failed before any layer was computed: no layer of block 7 was sent.
+    assert not any(worker.scheme.key(H[6], layer=i) in pool.data for i in range(len(LAYER_NAMES)))
+
+
 def test_async_load_errors_arrive_with_the_finish_not_before(make_worker):
     worker, kv, pool = make_worker()
     save(worker, "a", [H[0], H[2]], [1, 3])
