@@ -349,6 +349,27 @@ def test_evicted_objects_spill_to_disk_and_are_promoted_back(make_engine, make_d
     assert "k0" in in_memory(engine)
 
 
+def test_a_batch_of_disk_only_keys_is_read_side_by_side_and_each_lease_has_its_own_bytes(
+        make_engine, make_disk) -> None:
+    # 12 values of 256 bytes through a 1 KiB memory tier: most live only on disk. One batch
+    # read gets each its own bytes (promoted, or inline where there was no room), and misses stay
+    # misses wherever they fall in the batch.
+    disk = make_disk()
+    engine = make_engine(memory_size=1024, disk=disk)
+    keys = [f"d{i}" for i in range(12)]
+    for k in keys:
+        assert engine.put(C, k, [payload(k, 256)]) is ErrorCode.OK
+    wanted = keys[::-1] + ["absent"]
+    results = engine.batch_acquire(C, wanted)
+    assert results[-1] is ErrorCode.OBJECT_NOT_FOUND
+    arena = np.frombuffer(engine.arena, dtype=np.uint8)
+    for key, lease in zip(wanted, results[:-1]):
+        assert isinstance(lease, Lease), (key, lease)
+        got = np.frombuffer(lease.data, np.uint8) if lease.data is not None else arena[lease.offset:lease.offset + 256]
+        assert np.array_equal(got, payload(key, 256)), key
+    assert engine.stats()["disk_hits"] >= 8
+
+
 def test_write_through_and_restart_recovery(clock, make_disk, ssd_dir) -> None:
     disk = make_disk()
     engine = PoolEngine(EngineConfig(memory_size=4096, disk=disk, reap_interval_s=0), clock=clock)
