@@ -19,6 +19,7 @@ split: the whole blocks cached, the rest computed).
 from __future__ import annotations
 
 import os
+import time
 
 import httpx
 import pytest
@@ -81,7 +82,14 @@ def test_a_conversation_sticks_to_its_instance_and_hits_like_vllms_own_prefix_ca
         first = [ask(p) for p in FIRST]
         second_prompts = [FIRST[c] + first[c].token_ids + FOLLOW_UP[c] for c in range(2)]
         second = [ask(p) for p in second_prompts]
-        stats = client.get("/routing", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        # A streamed answer is settled once the proxy has sent its last byte, which the client
+        # may read before the proxy's bookkeeping ran: wait (bounded) for the fourth to settle.
+        deadline = time.monotonic() + 30
+        while True:
+            stats = client.get("/routing", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+            if stats["total"]["answered"] >= 4 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
 
     # Where they went: two idle instances for the first turns, then each conversation's own.
     homes = [c.headers["x-kvpool-instance"] for c in first]
