@@ -28,7 +28,7 @@ demo: $(STAMP)
 	$(BIN)/python -m kvpool.demo.run
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -rs tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -rs -n 2 --dist loadgroup tests
 
 # Unit, engine, server, proxy and conformance tests of `local`/`server`: no vLLM engine and no
 # store service is started (under a minute), for quick iteration.

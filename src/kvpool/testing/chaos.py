@@ -384,7 +384,7 @@ class ChaosRun:
     def compute_reference(self) -> None:
         self.cfg.log(f"reference: {len(self.prompts)} prompts on a plain vLLM server")
         with self._server("reference", self.cfg.reference_cores, None) as ref:
-            self.reference = [ref.complete(p, self.cfg.max_tokens).token_ids for p in self.prompts]
+            self.reference = [ref.complete(p, self.cfg.max_tokens, ignore_eos=True).token_ids for p in self.prompts]
 
     # ---- the deployment ----
 
@@ -449,7 +449,9 @@ class ChaosRun:
         t0 = time.monotonic()
         rec = Request(t, t, instance, i, phase, "ok")
         try:
-            c = stream_completion(client, "model", self.prompts[i], self.cfg.max_tokens)
+            # ignore_eos: always max_tokens, so any greedy vLLM reference (an OpenAI server or
+            # an offline engine) is compared token for token.
+            c = stream_completion(client, "model", self.prompts[i], self.cfg.max_tokens, ignore_eos=True)
         except (ServerError, httpx.HTTPError, ValueError) as exc:
             elapsed = time.monotonic() - t0
             rec.status = "hung" if isinstance(exc, httpx.TimeoutException) or elapsed >= self.cfg.hung_s else "failed"
