@@ -732,53 +732,94 @@ def int_arg(text: str) -> int:
 
 
 def load_config(extra: Mapping[str, Any] | None, kv_role: str | None = "kv_both") -> KVPoolConfig:
-    """Validate `kv_connector_extra_config` into a `KVPoolConfig`; raise `ConfigError` on the first bad value.
+    """Validate `kv_connector_extra_config` into a `KVPoolConfig`; raise `ConfigError` on the first bad value
+    (`check_config` lists them all).
 
     Keys of a backend other than the chosen one are checked too (a typo there is still a typo)
     and then not used.
     """
+    config, errors = _parse_config(extra, kv_role)
+    if errors:
+        raise errors[0]
+    assert config is not None
+    return config
+
+
+def check_config(extra: Mapping[str, Any] | None, kv_role: str | None = "kv_both"
+                 ) -> tuple[KVPoolConfig | None, list[ConfigError]]:
+    """Every problem of a `kv_connector_extra_config` at once (each key is checked on its own, so
+    one bad value does not hide the next), and the config the valid values make, bad ones at
+    their defaults (None when no backend can be told): what `kvpool doctor` reports and checks."""
+    return _parse_config(extra, kv_role)
+
+
+def _convert_each(schema: type[msgspec.Struct], raw: Mapping[str, Any], errors: list[ConfigError]) -> Any:
+    """`convert`, key by key: a bad value is added to `errors` and left out (its default stands)."""
+    ok = {}
+    for key in fields(schema):  # the schema's order, as `convert` meets them
+        if key not in raw:
+            continue
+        try:
+            convert(schema, {key: raw[key]})
+        except ConfigError as exc:
+            errors.append(exc)
+        else:
+            ok[key] = raw[key]
+    return convert(schema, ok)
+
+
+def _parse_config(extra: Mapping[str, Any] | None, kv_role: str | None) -> tuple[KVPoolConfig | None,
+                                                                                  list[ConfigError]]:
+    errors: list[ConfigError] = []
     extra = dict(extra or {})
     role = "kv_both" if kv_role is None or kv_role == "" else kv_role
     if not isinstance(role, str) or role not in ROLES:
-        raise ConfigError("kv_role", role, f"one of {', '.join(ROLES)}")
+        errors.append(ConfigError("kv_role", role, f"one of {', '.join(ROLES)}"))
+        role = "kv_both"
     for old, new in ALIASES.items():
         if old in extra:
             if new in extra:
-                raise ConfigError(old, extra[old], f"not both {old} and {new}; use {new}")
-            extra[new] = extra.pop(old)
+                errors.append(ConfigError(old, extra[old], f"not both {old} and {new}; use {new}"))
+                extra.pop(old)
+            else:
+                extra[new] = extra.pop(old)
     known = known_keys()
-    unknown = sorted(set(extra) - known, key=str)  # a dict built in Python may have non-str keys
-    if unknown:
-        raise unknown_key_error(str(unknown[0]), extra[unknown[0]], known - set(ALIASES), "kv_connector_extra_config")
+    for key in sorted(set(extra) - known, key=str):  # a dict built in Python may have non-str keys
+        errors.append(unknown_key_error(str(key), extra.pop(key), known - set(ALIASES), "kv_connector_extra_config"))
     schemas = backend_schemas()
     backend = extra.get("backend", "local")
     if not isinstance(backend, str) or backend not in schemas:
-        raise ConfigError("backend", backend, f"one of {', '.join(BACKENDS)}")
-    common = convert(ConnectorSettings, extra)
+        errors.append(ConfigError("backend", backend, f"one of {', '.join(BACKENDS)}"))
+        backend = None
+    common_keys = fields(ConnectorSettings)
+    common = _convert_each(ConnectorSettings, {k: v for k, v in extra.items()
+                                               if k in common_keys and (k != "backend" or backend)}, errors)
     if common.prefill_pp_layer_partition is not None:
         counts = common.prefill_pp_layer_partition
         if common.prefill_pp_size is None:
-            raise ConfigError("prefill_pp_layer_partition", extra["prefill_pp_layer_partition"],
-                              "to be set with prefill_pp_size")
-        if len(counts) != common.prefill_pp_size:
-            raise ConfigError("prefill_pp_layer_partition", extra["prefill_pp_layer_partition"],
-                              f"{common.prefill_pp_size} positive layer counts, one per prefill PP stage "
-                              f"(prefill_pp_size={common.prefill_pp_size})")
+            errors.append(ConfigError("prefill_pp_layer_partition", extra["prefill_pp_layer_partition"],
+                                      "to be set with prefill_pp_size"))
+        elif len(counts) != common.prefill_pp_size:
+            errors.append(ConfigError("prefill_pp_layer_partition", extra["prefill_pp_layer_partition"],
+                                      f"{common.prefill_pp_size} positive layer counts, one per prefill PP stage "
+                                      f"(prefill_pp_size={common.prefill_pp_size})"))
     if not common.discard_partial_chunks:
-        raise ConfigError("discard_partial_chunks", extra["discard_partial_chunks"],
-                          "true: a partial block has no stable block hash, so only full blocks can be pooled")
+        errors.append(ConfigError("discard_partial_chunks", extra["discard_partial_chunks"],
+                                  "true: a partial block has no stable block hash, so only full blocks can be pooled"))
     chosen: BackendSettings | None = None
     for name, schema in schemas.items():
         mine = {k: v for k, v in extra.items() if k in fields(schema)}
         if mine or name == backend:
-            settings = convert(schema, mine)
+            settings = _convert_each(schema, mine, errors)
             if name == backend:
                 chosen = settings
     local_ssd = [k for k in ("ssd_quota", "ssd_eviction_policy") if k in extra]
     if local_ssd and extra.get("ssd_offload_path") is None:
-        raise ConfigError(local_ssd[0], extra[local_ssd[0]],
-                          "to be used with ssd_offload_path (the SSD tier is off without it)")
-    assert chosen is not None
+        errors.append(ConfigError(local_ssd[0], extra[local_ssd[0]],
+                                  "to be used with ssd_offload_path (the SSD tier is off without it)"))
+    if backend is None:
+        return None, errors
+    assert chosen is not None and backend is not None
     return KVPoolConfig(
         kv_role=role,
         backend=backend,
@@ -803,7 +844,7 @@ def load_config(extra: Mapping[str, Any] | None, kv_role: str | None = "kv_both"
         stats_log_interval_s=common.stats_log_interval_s,
         block_hash_log=common.block_hash_log,
         backend_settings=chosen,
-    )
+    ), errors
 
 
 # ---- `kvpool server`'s flags ---------------------------------------------------------------------

@@ -81,6 +81,60 @@ def test_bad_key_is_named_with_its_fix(tmp_path):
     assert "a known kv_connector_extra_config key" in f.fix
 
 
+def test_six_independent_faults_are_all_reported_in_one_run(tmp_path, capsys):
+    ssd = os.path.realpath(tmp_path / "ssd")
+    os.mkdir(ssd)
+    cfg = tmp_path / "kv.json"
+    cfg.write_text(json.dumps({
+        "kv_connector": "KVPoolConnector", "kv_role": "kv_both",
+        "kv_load_failure_policy": "retry",  # 1: not a policy vLLM knows
+        "kv_ip": "xx.xx.xx.xx",  # 2: the guide's placeholder, copied as is
+        "kv_connector_extra_config": {
+            "backend": "local", "local_cpu_size": "64MB",
+            "load_asynk": True,  # 3: misspelt
+            "transfer_timeout_s": 0,  # 4: out of range
+            "ssd_offload_path": ssd, "ssd_quota": "1000TB",  # 5: more than the disk
+        }}))
+    args = ["doctor", "--kv-transfer-config", f"@{cfg}", "--prefix-caching-hash-algo", "xxhash", "--json"]  # 6: unseeded
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    saved = os.environ.copy()
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        assert cli_main(args) == 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    findings = json.loads(capsys.readouterr().out)  # stdout is the JSON alone: safe in a pipe
+    errors = [f for f in findings if f["level"] == "error"]
+    wanted = ["kv_load_failure_policy='retry'", "kv_ip='xx.xx.xx.xx' is a placeholder", "did you mean 'load_async'",
+              "transfer_timeout_s=0 is invalid", "exceeds the disk", "xxhash with PYTHONHASHSEED unset"]
+    for needle in wanted:
+        assert sum(needle in f["what"] + " " + f["fix"] for f in errors) == 1, (needle, errors)
+    assert len(errors) == 6, errors
+    by_what = {needle: next(f for f in errors if needle in f["what"] + " " + f["fix"]) for needle in wanted}
+    assert by_what["transfer_timeout_s=0 is invalid"]["source"] == f"file:{cfg}"
+    assert by_what["xxhash with PYTHONHASHSEED unset"]["source"] == "argument:--prefix-caching-hash-algo"
+
+
+def test_placeholders_and_a_transport_without_its_device(tmp_path):
+    assert doctor.placeholder("xx.xx.xx.xx:50088") and doctor.placeholder("<master ip>:50088")
+    assert doctor.placeholder("${MASTER_HOST}") and not doctor.placeholder("192.168.1.10:50088")
+    assert not doctor.placeholder("/tmp/kvpool-0/server.sock") and not doctor.placeholder("P2PHANDSHAKE")
+    path = mooncake_json(tmp_path, local_hostname="xx.xx.xx.xx", protocol="ascend")
+    r = run(tmp_path, {"backend": "mooncake", "mooncake_config_path": path})
+    f = has(r, "error", "local_hostname='xx.xx.xx.xx' is a placeholder")
+    assert f.source == f"file:{path}"
+    if not any(n.startswith("davinci") for n in os.listdir("/dev")):
+        has(r, "error", "protocol 'ascend', but this host has no Ascend NPU")
+
+
+def test_the_spec_connector_name_is_a_warning_not_an_error(tmp_path):
+    r = run(tmp_path, {"backend": "local", "local_cpu_size": "64MB"}, top={"kv_connector": "AscendStoreConnector"})
+    assert r.errors == 0
+    has(r, "warning", "upstream vLLM does not register it")
+
+
 def test_failure_policy_and_multiconnector(tmp_path):
     r = run(tmp_path, {"backend": "local"}, top={"kv_load_failure_policy": "fail"})
     has(r, "warning", "kv_load_failure_policy is 'fail'", "recompute")

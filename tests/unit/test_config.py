@@ -660,3 +660,19 @@ def test_automatic_ssd_quota_counts_the_tiers_own_files_as_free(tmp_path, monkey
     disk = LocalSettings(offload_path=str(tier), offload_quota=5 * MiB).engine_config().disk
     assert disk is not None and disk.quota_bytes == 5 * MiB  # an explicit quota stays as given
     disk.close()
+
+
+def test_check_config_reports_every_bad_key_and_keeps_the_good_ones():
+    from kvpool.config import check_config
+
+    cfg, errors = check_config({"backend": "server", "lookup_rpc_port": "x", "load_asynk": True,
+                                "transfer_timeout_s": 0, "copy_threads": 3}, "kv_both")
+    assert [e.key for e in errors] == ["load_asynk", "lookup_rpc_port", "transfer_timeout_s"]
+    assert "did you mean 'load_async'" in errors[0].expected
+    # The valid values stand, the bad ones are at their defaults: the doctor's other checks use it.
+    assert cfg is not None and cfg.backend == "server" and cfg.copy_threads == 3
+    assert cfg.transfer_timeout_s == load_config({}).transfer_timeout_s
+    with pytest.raises(ConfigError) as exc:
+        load_config({"backend": "server", "lookup_rpc_port": "x", "load_asynk": True})
+    assert exc.value.key == "load_asynk"  # load_config raises the first of them
+    assert check_config({"backend": "nope"}, "kv_both")[0] is None

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -22,7 +23,7 @@ from typing import Any
 
 from kvpool.backends.net import parse_host_port, parse_tcp_url, probe
 from kvpool.backends.registry import doctor_check
-from kvpool.config import KVPoolConfig, LocalSettings, RedisSettings, ServerClientSettings, int_arg, load_config
+from kvpool.config import KVPoolConfig, LocalSettings, RedisSettings, ServerClientSettings, check_config, int_arg
 from kvpool.errors import ConfigError
 from kvpool.paths import check_socket_dir
 from kvpool.server import peers
@@ -40,20 +41,24 @@ class Finding:
     level: str  # "error" | "warning" | "ok"
     what: str
     fix: str = ""
+    # Where the value came from: "file:<path>", "argument:<flag>", "env:<NAME>", "default", or "".
+    source: str = ""
 
 
 class Report:
+    """Every finding of one run, in the order found: a check never stops the others."""
+
     def __init__(self) -> None:
         self.findings: list[Finding] = []
 
-    def error(self, what: str, fix: str) -> None:
-        self.findings.append(Finding("error", what, fix))
+    def error(self, what: str, fix: str, source: str = "") -> None:
+        self.findings.append(Finding("error", what, fix, source))
 
-    def warn(self, what: str, fix: str = "") -> None:
-        self.findings.append(Finding("warning", what, fix))
+    def warn(self, what: str, fix: str = "", source: str = "") -> None:
+        self.findings.append(Finding("warning", what, fix, source))
 
-    def ok(self, what: str) -> None:
-        self.findings.append(Finding("ok", what))
+    def ok(self, what: str, source: str = "") -> None:
+        self.findings.append(Finding("ok", what, "", source))
 
     @property
     def errors(self) -> int:
@@ -97,16 +102,46 @@ def find_kvpool_entry(cfg: Mapping[str, Any], report: Report) -> Mapping[str, An
     return None
 
 
-def check_failure_policy(cfg: Mapping[str, Any], report: Report) -> None:
+# What a deployment guide writes where an address goes: copied as is, it reaches nothing.
+_PLACEHOLDER = re.compile(r"(?i)\bx{1,3}(\.x{1,3}){3}\b|<[^<>]+>|\$\{[^}]+\}|\byour[_-]")
+
+
+def placeholder(value: str) -> bool:
+    """Whether `value` holds a guide's stand-in (xx.xx.xx.xx, <ip>, ${HOST}, your_host) instead of a value."""
+    return bool(_PLACEHOLDER.search(value))
+
+
+def check_placeholders(tree: Any, where: str, source: str, report: Report, path: str = "") -> None:
+    """Report every string in `tree` (a parsed JSON config) that still holds a placeholder."""
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            check_placeholders(v, where, source, report, f"{path}.{k}" if path else str(k))
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            check_placeholders(v, where, source, report, f"{path}[{i}]")
+    elif isinstance(tree, str) and placeholder(tree):
+        report.error(f"{where}: {path}={tree!r} is a placeholder, not an address or path",
+                     "put the real value (the host's IP, e.g. 192.168.1.10, or a path) in its place", source)
+
+
+def check_connector_name(name: Any, source: str, report: Report) -> None:
+    if name == "AscendStoreConnector":
+        report.warn("kv_connector 'AscendStoreConnector' is the spec's (vLLM-Ascend's) name: upstream vLLM does not "
+                    "register it; kvpool's plugin (entry point vllm.general_plugins) does, so every vLLM process "
+                    "must have kvpool installed", "keep it, or use \"KVPoolConnector\" (the same connector)", source)
+
+
+def check_failure_policy(cfg: Mapping[str, Any], report: Report, source: str = "") -> None:
     policy = cfg.get("kv_load_failure_policy")
     if policy is None:
         report.warn("kv_load_failure_policy is not set: vLLM's default is 'fail', so a block evicted between lookup "
-                    "and load fails the request", "set \"kv_load_failure_policy\": \"recompute\"")
+                    "and load fails the request", "set \"kv_load_failure_policy\": \"recompute\"", "default")
     elif policy == "fail":
         report.warn("kv_load_failure_policy is 'fail': a load error (evicted block, store down) fails the request",
-                    "use \"recompute\" unless failing is what you want")
+                    "use \"recompute\" unless failing is what you want", source)
     elif policy != "recompute":
-        report.error(f"kv_load_failure_policy={policy!r} is not a value vLLM knows", "use \"recompute\" or \"fail\"")
+        report.error(f"kv_load_failure_policy={policy!r} is not a value vLLM knows", "use \"recompute\" or \"fail\"",
+                     source)
 
 
 # ---- hash seed -------------------------------------------------------------------------------------
@@ -123,7 +158,7 @@ def check_hash_seed(algo: str, env: Mapping[str, str], report: Report) -> None:
         report.error(f"prefix-caching hash {algo} with PYTHONHASHSEED unset: vLLM seeds these block hashes randomly "
                      "per process, so no other instance and no restart would ever hit the pool",
                      "use --prefix-caching-hash-algo sha256 (vLLM's default), or export PYTHONHASHSEED=0 (the same "
-                     "value) on every instance")
+                     "value) on every instance", "argument:--prefix-caching-hash-algo")
     elif seed is None:
         report.ok(f"block hashes: {algo} with vLLM's fixed seed (PYTHONHASHSEED unset); every instance that also "
                   "leaves it unset computes the same keys")
@@ -307,8 +342,16 @@ def check_mooncake(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) 
                            getattr(cfg.backend_settings, "mooncake_config_path", None), env)
     if mc is None:
         return
+    mc_source = f"file:{mc.path}" if mc.path else "env:MOONCAKE_*"
     report.ok(f"mooncake.json {mc.path or '(none: environment only)'}: protocol {mc.protocol}, master "
-              f"{mc.master_server_address}, segment {human(mc.global_segment_size)}")
+              f"{mc.master_server_address}, segment {human(mc.global_segment_size)}", mc_source)
+    if mc.path:
+        try:
+            with open(mc.path) as f:
+                check_placeholders(json.load(f), "mooncake.json", mc_source, report)
+        except (OSError, ValueError):
+            pass  # the loader has read it; a race is not this check's business
+    check_transport(mc.protocol, mc_source, report)
     if mc.ignored_fields:
         report.warn(f"mooncake.json fields kvpool does not use: {', '.join(mc.ignored_fields)}",
                     "remove them, or ignore this if another tool reads the same file")
@@ -347,6 +390,29 @@ def check_mooncake(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) 
         report.warn(f"Mooncake needs {args.ranks_per_host} rank(s) x (segment + local buffer + SSD buffer) = "
                     f"{human(need)} of host memory; {human(avail)} is available",
                     "lower global_segment_size (or MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES)")
+
+
+def check_transport(protocol: str, source: str, report: Report) -> None:
+    """A transport needs its device on this host: RDMA a verbs device, ascend an NPU."""
+    if protocol == "rdma":
+        try:
+            devices = os.listdir("/sys/class/infiniband")
+        except OSError:
+            devices = []
+        if not devices:
+            report.error("Mooncake protocol 'rdma', but this host has no RDMA device (/sys/class/infiniband is empty)",
+                         "use \"protocol\": \"tcp\" on hosts without RDMA NICs", source)
+    elif protocol == "ascend":
+        if not any(n.startswith("davinci") for n in _listdir("/dev")):
+            report.error("Mooncake protocol 'ascend', but this host has no Ascend NPU (/dev/davinci*)",
+                         "use \"protocol\": \"tcp\" (or \"rdma\" with RDMA NICs) on hosts without NPUs", source)
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
 
 
 def check_yuanrong(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) -> None:
@@ -414,22 +480,28 @@ def diagnose(args: argparse.Namespace) -> Report:
     report = Report()
     if not hasattr(args, "env"):
         args.env = os.environ
+    text = args.kv_transfer_config
+    source = f"file:{text[1:]}" if text.startswith("@") else "argument:--kv-transfer-config"
     try:
-        raw = read_transfer_config(args.kv_transfer_config)
+        raw = read_transfer_config(text)
     except (OSError, ValueError) as exc:
         report.error(f"cannot read the kv-transfer-config: {exc}",
-                     "pass the JSON object given to vLLM's --kv-transfer-config, or @path of a file holding it")
+                     "pass the JSON object given to vLLM's --kv-transfer-config, or @path of a file holding it", source)
         return report
-    check_failure_policy(raw, report)
+    check_failure_policy(raw, report, source)
+    check_placeholders(raw, "kv-transfer-config", source, report)
     entry = find_kvpool_entry(raw, report)
     if entry is not None:
-        try:
-            cfg = load_config(entry.get("kv_connector_extra_config") or {}, entry.get("kv_role", raw.get("kv_role")))
-        except ConfigError as exc:
+        check_connector_name(entry.get("kv_connector"), source, report)
+        extra = entry.get("kv_connector_extra_config") or {}
+        cfg, errors = check_config(extra, entry.get("kv_role", raw.get("kv_role")))
+        for exc in errors:
             report.error(f"kv_connector_extra_config: {exc.key}={exc.value!r} is invalid",
-                         f"{exc.expected} (see docs/configuration.md)")
-        else:
-            report.ok(f"kv_connector_extra_config parses: backend {cfg.backend}, role {cfg.kv_role}")
+                         f"{exc.expected} (see docs/configuration.md)", source)
+        if cfg is not None:
+            if not errors:
+                report.ok(f"kv_connector_extra_config parses: backend {cfg.backend}, role {cfg.kv_role}", source)
+            # The other checks run on what is valid (bad values at their defaults): one run finds all.
             doctor_check(cfg.backend)(cfg, args, report)
     check_hash_seed(args.prefix_caching_hash_algo, args.env, report)
     return report
@@ -443,6 +515,8 @@ def run(args: argparse.Namespace) -> int:
         marks = {"error": "ERROR", "warning": "WARN ", "ok": "ok   "}
         for f in report.findings:
             print(f"{marks[f.level]} {f.what}")
+            if f.source and f.level != "ok":
+                print(f"      from: {f.source}")
             if f.fix:
                 print(f"      fix: {f.fix}")
         n_warn = sum(f.level == "warning" for f in report.findings)

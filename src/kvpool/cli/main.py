@@ -1,55 +1,92 @@
-"""The `kvpool` command."""
+"""The `kvpool` command: one subcommand per entry of `COMMANDS`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from importlib import import_module
+from importlib.metadata import PackageNotFoundError, version
+
+# name -> (one-line help, module with `add_arguments(parser)` and `run(args) -> int`). The modules
+# are light to import (no vLLM, no torch, no web stack), so `--help` lists every flag.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "server": ("run the host-shared pool daemon (backend: server)", "kvpool.server.daemon"),
+    "stats": ("show a running server's usage, hit rate and clients", "kvpool.cli.stats"),
+    "proxy": ("run the proxy: PD disaggregation (prefill, then decode) or routing of PD-mixed instances",
+              "kvpool.proxy.config"),
+    "doctor": ("check a deployment's config, files and services before vLLM starts", "kvpool.cli.doctor"),
+    "plan": ("capacity planner: replay a trace, hit rate against pool size", "kvpool.plan.command"),
+    "build-model": ("build a small random-weight model (no download)", "kvpool.cli.main"),
+    "version": ("print kvpool's version", "kvpool.cli.main"),
+}
+
+
+def kvpool_version() -> str:
+    try:
+        return version("kvpool")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+# ---- the two commands defined here ------------------------------------------------------------
+
+
+def add_build_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("out_dir", help="directory to write the model (config, tokenizer, safetensors) into")
+    p.add_argument("--spec", default="tiny", help="model size: tiny (tests) or bench (benchmarks); default tiny")
+
+
+def run_build_model(args: argparse.Namespace) -> int:
+    from kvpool.testing.model import main as build
+
+    build([args.out_dir, "--spec", args.spec])
+    return 0
+
+
+def run_version(args: argparse.Namespace) -> int:
+    print(kvpool_version())
+    return 0
+
+
+_LOCAL: dict[str, tuple[Callable[[argparse.ArgumentParser], None] | None, Callable[[argparse.Namespace], int]]] = {
+    "build-model": (add_build_model_arguments, run_build_model),
+    "version": (None, run_version),
+}
+
+
+def _hooks(name: str) -> tuple[Callable[[argparse.ArgumentParser], None] | None, Callable[[argparse.Namespace], int]]:
+    if name in _LOCAL:
+        return _LOCAL[name]
+    module = import_module(COMMANDS[name][1])
+    if name == "proxy":  # the flags live apart from the web stack, which loads only to serve
+        return module.add_arguments, lambda args: import_module("kvpool.proxy.app").run(args)
+    return module.add_arguments, module.run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpool", description="KV-cache pool for vLLM")
+    parser.add_argument("--version", action="version", version=f"kvpool {kvpool_version()}",
+                        help="print kvpool's version and exit")
+    sub = parser.add_subparsers(dest="cmd", metavar="COMMAND")
+    for name, (text, _) in COMMANDS.items():
+        add, run = _hooks(name)
+        p = sub.add_parser(name, help=text, description=text)
+        if add is not None:
+            add(p)
+        p.set_defaults(run=run, parser=p)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvpool", description="KV-cache pool for vLLM")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    m = sub.add_parser("build-model", help="build a small random-weight model (no download)")
-    m.add_argument("out_dir")
-    m.add_argument("--spec", default="tiny")
-    sub.add_parser("version", help="print kvpool's version")
-    # Imported here rather than on use so `--help` lists their flags; both are light (no vLLM).
-    from kvpool.cli import stats as statsview
-    from kvpool.server import daemon as server
-
-    server.add_arguments(sub.add_parser("server", help="run the host-shared pool daemon (backend: server)"))
-    statsview.add_arguments(sub.add_parser("stats", help="show a running server's usage, hit rate and clients"))
-    from kvpool.proxy import config as proxy_config  # stdlib only; the web stack loads on use
-
-    proxy_config.add_arguments(sub.add_parser("proxy", help="run the proxy: PD disaggregation (prefill, then decode) or routing of PD-mixed instances"))
-    from kvpool.cli import doctor  # stdlib + kvpool config only
-
-    doctor.add_arguments(sub.add_parser("doctor", help="check a deployment's config, files and services before vLLM starts"))
-    from kvpool.plan import command as plan  # numpy + msgspec; matplotlib loads only to plot
-
-    plan.add_arguments(sub.add_parser("plan", help="capacity planner: replay a trace, hit rate against pool size"))
-    args = parser.parse_args(argv)
-    if args.cmd == "plan":
-        return plan.run(args)
-    if args.cmd == "doctor":
-        return doctor.run(args)
-    if args.cmd == "server":
-        return server.run(args)
-    if args.cmd == "stats":
-        return statsview.run(args)
-    if args.cmd == "proxy":
-        from kvpool.proxy.app import run as run_proxy
-
-        return run_proxy(args)
-    if args.cmd == "version":
-        from importlib.metadata import version
-
-        print(version("kvpool"))
-    elif args.cmd == "build-model":
-        from kvpool.testing.model import main as build
-
-        build([args.out_dir, "--spec", args.spec])
-    return 0
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.cmd is None:  # `kvpool` alone: what it can do, not a bare usage error
+        parser.print_help()
+        return 2
+    if unknown:  # said by the subcommand, with its usage, not by `kvpool`'s
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args.run(args)
 
 
 if __name__ == "__main__":

@@ -265,7 +265,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the instances given on this command line (static), or also those added with "
                              "POST /instances/add (all)")
     parser.add_argument("--log-level", default=d.log_level, type=str.upper,
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                        help="log level of the proxy and its web server (default %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> ProxyConfig:

@@ -658,9 +658,28 @@ class Server:
 # ---- command line -----------------------------------------------------------------------------
 
 
+# mooncake_master flags that mean nothing for a host-local server, with what to do instead.
+_MASTER_ONLY = {
+    "--port": "kvpool server serves this host over a Unix socket: use --socket PATH (a TCP port is "
+              "mooncake_master's, for a pool across hosts: backend mooncake)",
+    "--rpc_address": "kvpool server listens on a Unix socket only (--socket PATH), never on an address",
+    "--rpc_port": "kvpool server listens on a Unix socket only (--socket PATH), never on a port",
+    "--enable_http_metadata_server": "kvpool server needs no metadata server: its clients share one host",
+}
+
+
+class _MasterOnly(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001 - argparse's signature
+        parser.error(f"{option_string}: {_MASTER_ONLY[option_string]}")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """`kvpool server`'s flags: one per field of `ServerSettings`, in both spellings."""
+    """`kvpool server`'s flags: one per field of `ServerSettings`, in both spellings; the spec's
+    mooncake_master flags that mean nothing here are refused with what to use instead."""
     add_flags(parser, ServerSettings)
+    for flag, why in _MASTER_ONLY.items():
+        parser.add_argument(flag, nargs="?", action=_MasterOnly, metavar="VALUE",
+                            help=f"refused (mooncake_master's): {why}")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerSettings:

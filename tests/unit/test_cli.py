@@ -1,0 +1,57 @@
+"""The `kvpool` command's conventions: --version, help when run bare, a help string on every
+flag of every subcommand, usage errors reported by the subcommand that has the flag."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import pytest
+
+cli = importlib.import_module("kvpool.cli.main")  # the package re-exports its `main` function
+
+
+def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(action.choices)
+
+
+def test_version_flag_and_command(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    flag = capsys.readouterr().out.strip()
+    assert cli.main(["version"]) == 0
+    assert flag == f"kvpool {capsys.readouterr().out.strip()}"
+
+
+def test_no_arguments_prints_the_commands(capsys):
+    assert cli.main([]) == 2
+    out = capsys.readouterr().out
+    assert all(name in out for name in cli.COMMANDS)
+
+
+def test_every_command_is_listed_once_and_every_flag_says_what_it_does():
+    parser = cli.build_parser()
+    subs = subparsers(parser)
+    assert list(subs) == list(cli.COMMANDS)
+    missing = [f"{name} {'/'.join(a.option_strings) or a.dest}"
+               for name, p in subs.items() for a in p._actions
+               if not isinstance(a, argparse._HelpAction) and (not a.help or a.help == argparse.SUPPRESS)]
+    assert missing == []
+
+
+def test_a_usage_error_names_the_subcommand(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["doctor", "--kv-transfer-config", "{}", "--no-such-flag"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: kvpool doctor") and "--no-such-flag" in err
+
+
+def test_a_master_only_flag_on_the_host_server_says_what_to_use(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["server", "--port", "50088"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: kvpool server") and "--port: kvpool server serves this host over a Unix socket" in err
