@@ -136,10 +136,12 @@ def test_models_from_a_decoder_and_healthcheck(make_peer, start_proxy):
     hc = proxy.client.get("/healthcheck")
     assert hc.status_code == 200
     assert hc.json()["status"] == "ok"
+    assert proxy.client.get("/health").json() == hc.json()  # the probes' usual name, same answer
     assert hc.json()["prefill_instances"] == 1 and hc.json()["decode_instances"] == 1
     d.stop()  # no decoder left: the probe takes it out, /healthcheck says so
     expect(lambda: proxy.client.get("/healthcheck").status_code == 503, what="healthcheck 503")
     assert proxy.client.get("/healthcheck").json()["healthy_decode_instances"] == 0
+    assert proxy.client.get("/health").status_code == 503
     resp = proxy.client.get("/v1/models")
     assert resp.status_code == 502 and resp.json()["error"]["type"] == "bad_gateway"
 

@@ -5,8 +5,9 @@ Routes:
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: prefill, then decode; in PD-mixed
   mode once, to the instance the routing policy picks (``forward.py``)
 - ``GET /v1/models``: from a decode instance (mixed mode: a mixed one)
-- ``GET /healthcheck``: instance counts; 200 while at least one prefill and one decode
-  instance is healthy (mixed mode: one mixed instance), else 503
+- ``GET /healthcheck`` (and ``GET /health``, the name vLLM and Kubernetes probes use):
+  instance counts; 200 while at least one prefill and one decode instance is healthy (mixed
+  mode: one mixed instance), else 503
 
 Admin routes (they need ``Authorization: Bearer <token>``, the token being the value of
 ``KVPOOL_PROXY_ADMIN_TOKEN`` in the proxy's environment; without that variable they answer 403
@@ -209,6 +210,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
         return await state.forwarder.get(Role.MIXED if config.mixed else Role.DECODE, "/v1/models", headers)
 
     @app.get("/healthcheck")
+    @app.get("/health")
     async def healthcheck() -> Response:
         counts = state.registry.counts()
         ok = all(counts[f"healthy_{role.value}_instances"] > 0 for role in state.registry.roles)
