@@ -144,6 +144,11 @@ def test_models_from_a_decoder_and_healthcheck(make_peer, start_proxy):
     assert proxy.client.get("/health").status_code == 503
     resp = proxy.client.get("/v1/models")
     assert resp.status_code == 502 and resp.json()["error"]["type"] == "bad_gateway"
+    # No decoder to load what a prefill would compute: the prefill is not sent at all.
+    before = len(p.completions())
+    resp = proxy.client.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 4})
+    assert resp.status_code == 503 and resp.json()["error"]["type"] == "service_unavailable"
+    assert len(p.completions()) == before
 
 
 def test_bad_request_bodies(make_peer, start_proxy):

@@ -389,6 +389,10 @@ class Forwarder:
         """One ``/v1/completions`` or ``/v1/chat/completions`` request, prefill then decode."""
         request_id = incoming.get("x-request-id") or uuid.uuid4().hex
         n_prompt = prompt_tokens(body)
+        if not any(i.healthy for i in self.registry.instances(Role.DECODE)):
+            # A prefill now would compute a KV cache no decoder loads: answer at once instead.
+            return error_response(503, "no healthy decode instance: the prefill was not sent; the health probe "
+                                  "brings a decode instance back as soon as it answers", "service_unavailable")
 
         # Prefill: a whole (non-streaming) answer, lease released as soon as it is in.
         pbody = prefill_payload(body)
