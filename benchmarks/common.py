@@ -43,6 +43,15 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def progress(total: int, what: str) -> Any:
+    """A progress bar on stderr for a phase of `total` steps (`bar.update(1)` per step; safe from
+    several threads); stdout keeps the tables and log lines."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=what, unit="req", file=sys.stderr, mininterval=1.0, leave=False,
+                dynamic_ncols=True)
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 

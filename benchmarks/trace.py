@@ -65,7 +65,7 @@ from typing import Any
 import httpx
 from common import (
     BLOCK_SIZE, REPO, RESULTS_DIR, choose, count_params, cpu_snapshot, cpu_split, fmt, log, machine_info,
-    markdown_table, package_version, percentile, provenance, pyplot, random_token_ids, replace_docs_section,
+    markdown_table, package_version, percentile, progress, provenance, pyplot, random_token_ids, replace_docs_section,
     start_together, unwind_on_sigterm, vllm_server, wait_quiet, write_json,
 )
 
@@ -284,8 +284,9 @@ def replay(dep: Deployment, schedule: list[tuple[float, list[int]]], args: argpa
                           "cached_tokens": c.cached_tokens, "tokens": c.token_ids}
         except Exception as e:  # noqa: BLE001 - recorded; the replay goes on
             samples[i] = {"i": i, "at_s": round(at, 3), "error": f"{type(e).__name__}: {e}"[:500]}
+        bar.update(1)
 
-    with cf.ThreadPoolExecutor(max_workers=min(256, len(schedule))) as pool:
+    with progress(len(schedule), "replay") as bar, cf.ThreadPoolExecutor(max_workers=min(256, len(schedule))) as pool:
         list(pool.map(one, range(len(schedule))))
     wall = time.perf_counter() - t_start
     for c in clients:
