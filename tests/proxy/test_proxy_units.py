@@ -137,3 +137,24 @@ def test_sse_rewriter_rewrites_usage_events_and_passes_the_rest_byte_for_byte():
     rw = SSEUsageRewriter(5)
     assert rw.feed(b'data: {"choices":[]}') == b""  # an event is held only until its end arrives
     assert rw.feed(b"\n\n") == b'data: {"choices":[]}\n\n'
+
+
+def test_health_probe_access_lines_only_at_debug():
+    import logging
+
+    from kvpool.proxy.app import ProbesAtDebug
+
+    def line(path: str) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+                                 ("127.0.0.1:5000", "GET", path, "1.1", 200), None)
+
+    f, proxy_log = ProbesAtDebug(), logging.getLogger("kvpool.proxy")
+    old = proxy_log.level
+    try:
+        proxy_log.setLevel(logging.INFO)
+        assert not f.filter(line("/health")) and not f.filter(line("/healthcheck?x=1"))
+        assert f.filter(line("/v1/completions"))
+        proxy_log.setLevel(logging.DEBUG)
+        assert f.filter(line("/health"))
+    finally:
+        proxy_log.setLevel(old)

@@ -296,8 +296,24 @@ def serve(config: ProxyConfig) -> None:
     if not config.mixed:
         logger.info("kvpool proxy on http://%s:%d: prefill %s, decode %s", config.host, config.port,
                     [e.key for e in config.prefillers], [e.key for e in config.decoders])
+    logging.getLogger("uvicorn.access").addFilter(ProbesAtDebug())
     uvicorn.run(create_app(config), host=config.host, port=config.port,
                 log_level=config.log_level.lower(), timeout_graceful_shutdown=5)
+
+
+PROBE_PATHS = frozenset({"/health", "/healthcheck"})
+
+
+class ProbesAtDebug(logging.Filter):
+    """Access-log lines of health probes (a load balancer or Kubernetes asks every few seconds)
+    only when the proxy logs at DEBUG: at INFO they would drown the requests that matter."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        # uvicorn's access record: (client address, method, path with query, HTTP version, status)
+        if isinstance(args, tuple) and len(args) >= 3 and str(args[2]).split("?", 1)[0] in PROBE_PATHS:
+            return logging.getLogger("kvpool.proxy").isEnabledFor(logging.DEBUG)
+        return True
 
 
 def run(args: argparse.Namespace) -> int:

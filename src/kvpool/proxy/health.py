@@ -33,9 +33,11 @@ class HealthChecker:
             reason = f"health probe failed: {type(exc).__name__}: {exc}".rstrip(": ")
         else:
             if resp.status_code == 200:
+                logger.debug("health probe of %s: 200", inst.key)
                 self.registry.mark_up(inst)
                 return True
             reason = f"health probe answered HTTP {resp.status_code}"
+        logger.debug("health probe of %s: %s", inst.key, reason)  # a change of state is logged louder
         if inst.healthy:
             self.registry.mark_down(inst, reason)
         else:
