@@ -142,13 +142,17 @@ def test_models_from_a_decoder_and_healthcheck(make_peer, start_proxy):
     expect(lambda: proxy.client.get("/healthcheck").status_code == 503, what="healthcheck 503")
     assert proxy.client.get("/healthcheck").json()["healthy_decode_instances"] == 0
     assert proxy.client.get("/health").status_code == 503
-    resp = proxy.client.get("/v1/models")
-    assert resp.status_code == 502 and resp.json()["error"]["type"] == "bad_gateway"
+    resp = proxy.client.get("/v1/models")  # every instance serves the same model: a prefill one answers
+    assert resp.status_code == 200 and resp.json()["data"][0]["owned_by"] == "P"
     # No decoder to load what a prefill would compute: the prefill is not sent at all.
     before = len(p.completions())
     resp = proxy.client.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 4})
     assert resp.status_code == 503 and resp.json()["error"]["type"] == "service_unavailable"
     assert len(p.completions()) == before
+    p.stop()
+    expect(lambda: proxy.client.get("/healthcheck").json()["healthy_prefill_instances"] == 0, what="prefill down")
+    resp = proxy.client.get("/v1/models")
+    assert resp.status_code == 502 and resp.json()["error"]["type"] == "bad_gateway"
 
 
 def test_bad_request_bodies(make_peer, start_proxy):

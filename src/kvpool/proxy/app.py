@@ -4,7 +4,8 @@ Routes:
 
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: prefill, then decode; in PD-mixed
   mode once, to the instance the routing policy picks (``forward.py``)
-- ``GET /v1/models``: from a decode instance (mixed mode: a mixed one)
+- ``GET /v1/models``: from a healthy decode instance, else a healthy prefill one (mixed mode: a
+  mixed one)
 - ``GET /healthcheck`` (and ``GET /health``, the name vLLM and Kubernetes probes use):
   instance counts; 200 while at least one prefill and one decode instance is healthy (mixed
   mode: one mixed instance), else 503
@@ -207,7 +208,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         headers = {k.lower(): v for k, v in request.headers.items()}
-        return await state.forwarder.get(Role.MIXED if config.mixed else Role.DECODE, "/v1/models", headers)
+        roles = [Role.MIXED] if config.mixed else [Role.DECODE, Role.PREFILL]
+        return await state.forwarder.get(roles, "/v1/models", headers)
 
     @app.get("/healthcheck")
     @app.get("/health")

@@ -52,7 +52,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -528,13 +528,15 @@ class Forwarder:
         return UpstreamStream(resp, on_close=on_close, on_error=lambda reason: self.registry.mark_down(inst, reason),
                               rewriter=watcher, headers=out_headers)
 
-    async def get(self, role: Role, path: str, incoming: Mapping[str, str]) -> Response:
-        """A GET (``/v1/models``) answered by one instance of ``role``, with retries."""
+    async def get(self, roles: Sequence[Role], path: str, incoming: Mapping[str, str]) -> Response:
+        """A GET (``/v1/models``) answered by one instance, with retries: of the first of ``roles``
+        with a healthy instance (every instance serves the same model), else of the first role."""
         request_id = incoming.get("x-request-id") or uuid.uuid4().hex
 
         async def send(inst: Instance) -> httpx.Response:
             return await self.client.get(inst.base_url + path, headers=self._headers(incoming, request_id, inst))
 
+        role = next((r for r in roles if any(i.healthy for i in self.registry.instances(r))), roles[0])
         try:
             _, resp, lease = await self._attempts(role, send, 0)
         except UpstreamFailed as exc:
