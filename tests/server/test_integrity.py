@@ -37,6 +37,11 @@ def test_overwritten_object_is_a_counted_miss(start_server, sock_path, make_clie
         assert np.array_equal(other[0], value[16384:])
         st = reader.stats()
         assert st["corrupt_reads"] == 1 and st["gets"] == 1
+        # The reader's report made the server check "k" itself: damaged, so dropped. The key
+        # misses, and the next put stores good bytes instead of meeting put-if-absent.
+        assert reader.batch_exists(["k", "untouched"]) == [False, True]
+        assert writer.batch_put(["k"], [[value[:16384]]]) == [OK]
+        assert reader.batch_get_into(["k"], [dest]) == [OK] and np.array_equal(dest[0], value[:16384])
     finally:
         writer.close()
         reader.close()

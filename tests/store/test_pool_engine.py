@@ -495,3 +495,24 @@ def test_acquire_during_pending_reput_then_abort_promotes_normally(make_engine, 
     assert isinstance(lease, Lease) and lease.offset >= 0 and lease.data is None  # promoted now
     assert in_memory(engine) == {"k"}
     assert engine.allocate(C, "k", 100) is ErrorCode.OBJECT_ALREADY_EXISTS
+
+
+def test_a_reported_corruption_drops_only_a_damaged_object(make_engine) -> None:
+    from kvpool.store.buffers import checksum
+
+    engine = make_engine(memory_size=4096)
+    arena = np.frombuffer(engine.arena, dtype=np.uint8)
+    for k in ("good", "bad"):
+        a = engine.allocate(C, k, 256)
+        arena[a.offset : a.offset + 256] = payload(k, 256)
+        assert engine.commit(a.handle, checksum([payload(k, 256)])) is ErrorCode.OK
+    good, bad = engine.acquire(C, "good"), engine.acquire(C, "bad")
+    arena[bad.offset] ^= 0xFF  # a rogue client's write
+    # A report is only a reason to look: an intact object stays, a damaged one goes.
+    assert engine.check_reported(good) is False and engine.exists(["good"]) == [True]
+    assert engine.check_reported(bad) is True and engine.exists(["bad"]) == [False]
+    assert engine.validate(bad) is ErrorCode.LEASE_EXPIRED  # its readers' copies are not trusted
+    assert engine.validate(good) is ErrorCode.OK
+    assert engine.stats()["corrupt_objects"] == 1
+    engine.release(bad)  # idempotent on a dropped object
+    assert engine.put(C, "bad", [payload("bad", 256)]) is ErrorCode.OK  # not put-if-absent any more

@@ -448,10 +448,13 @@ class PoolClient:
             for i, lease_id in copying:
                 give_up(i, RPC_TIMEOUT, lease_id)
             errors = []
+        corrupt: list[int] = []  # leases whose copy failed its checksum: the server checks those objects
         for (i, lease_id), err in zip(copying, errors):
             if isinstance(err, CorruptCopy):
                 self.checksum_failures += 1
                 give_up(i, CHECKSUM_MISMATCH, lease_id)
+                if lease_id:
+                    corrupt.append(lease_id)
             elif err is not None:
                 logger.error("kvpool get: copying out of the arena failed: %r", err)
                 give_up(i, INVALID, lease_id)
@@ -463,7 +466,7 @@ class PoolClient:
         if not releasing:
             return
         try:
-            reply2 = self._call_on(link, P.Release(releasing), P.Codes, len(releasing))
+            reply2 = self._call_on(link, P.Release(releasing, corrupt), P.Codes, len(releasing))
         except _Down:
             return  # unverified copies stay RPC_FAIL: the bytes may be stale
         for i, c in zip(checked, self._codes_of(reply2, len(releasing))):

@@ -560,8 +560,12 @@ class Server:
             return self._acquire(conn, req.keys)
         if isinstance(req, P.Release):
             codes = [int(ErrorCode.OBJECT_NOT_FOUND)] * len(req.lease_ids)
+            reported = set(req.corrupt)
             found = [(i, conn.leases.pop(lease_id, None)) for i, lease_id in enumerate(req.lease_ids)]
             found = [(i, lease) for i, lease in found if lease is not None]
+            for _, lease in found:
+                if lease.lease_id in reported:
+                    engine.check_reported(lease)
             for (i, _), rc in zip(found, engine.batch_release([lease for _, lease in found])):
                 codes[i] = int(rc)
             return P.Codes(codes)

@@ -99,9 +99,12 @@ class Acquire(Message):
 
 
 class Release(Message):
-    """End leases, reporting per lease whether the copy made under it is trustworthy."""
+    """End leases, reporting per lease whether the copy made under it is trustworthy.
+    ``corrupt``: those of them whose copy did not match its checksum; the server checks each
+    object itself and drops it if its arena bytes are damaged."""
 
     lease_ids: Ids
+    corrupt: Ids = []
 
 
 class Remove(Message):

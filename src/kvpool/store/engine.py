@@ -81,7 +81,7 @@ _STAT_NAMES = (
     "disk_write_errors",
     "reclaimed_allocations",
     "reaped_clients",
-    "corrupt_objects",  # arena bytes that no longer matched their writer's checksum: never spilled
+    "corrupt_objects",  # arena bytes that no longer matched their writer's checksum: never spilled; dropped once a reader reports them
     "quota_refusals",
     "unpinned_leases",
     "hold_limit_hits",
@@ -675,6 +675,23 @@ class PoolEngine:
                 codes.append(rc)
                 self._release_locked(lease)
         return codes
+
+    def check_reported(self, lease: Lease) -> bool:
+        """A reader's copy under ``lease`` did not match its writer's checksum: hash the object
+        here and drop it if its arena bytes no longer match (counted in ``corrupt_objects``), so
+        the key misses and its next put stores good bytes instead of meeting put-if-absent.
+        The report only triggers the engine's own check: a client cannot drop an intact object.
+        Whether the object was dropped."""
+        with self._lock:
+            obj = self._objects.get(lease.key)
+            if obj is None or obj.generation != lease.generation or obj.checksum is None or obj.pins:
+                return False
+            if checksum([self._arena[obj.offset : obj.offset + obj.size]]) == obj.checksum:
+                return False
+            self._stats["corrupt_objects"] += 1
+            # Its readers' leases end with it: their copies fail validation, never pass as good.
+            self._drop_locked(obj)
+            return True
 
     def release(self, lease: Lease) -> None:
         """End a read lease early so the object becomes evictable again. Idempotent."""
