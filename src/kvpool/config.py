@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import ipaddress
 import json
 import math
 import os
@@ -272,8 +273,20 @@ def _parse_octal(key: str, value: Any) -> int:
     return int(m.group(2), 8)
 
 
+def _parse_ip(key: str, value: Any) -> str:
+    """An IPv4 or IPv6 address literal (what a listener binds; a name could resolve anywhere)."""
+    try:
+        return str(ipaddress.ip_address(value)) if isinstance(value, str) else _refuse_ip(key, value)
+    except ValueError:
+        return _refuse_ip(key, value)
+
+
+def _refuse_ip(key: str, value: Any) -> str:
+    raise ConfigError(key, value, "an IP address to bind, e.g. 127.0.0.1 (loopback) or ::1")
+
+
 # String kinds: parsers for str fields that need more than "is a string".
-_STR_KINDS = {"file": _parse_file, "output_file": _parse_output_file, "dir": _parse_dir, "socket": parse_socket_path, "redis_url": _parse_redis_url}
+_STR_KINDS = {"ip": _parse_ip, "file": _parse_file, "output_file": _parse_output_file, "dir": _parse_dir, "socket": parse_socket_path, "redis_url": _parse_redis_url}
 
 # ---- the schema machinery --------------------------------------------------------------------
 
@@ -876,7 +889,10 @@ class ServerSettings(EngineSettings, frozen=True, kw_only=True):
         "reclaim an allocation not committed within this time"))] = 30.0
     enable_offload: Annotated[bool, Meta(description="enable the SSD offload tier (needs --offload_path)")] = False
     metrics_port: Annotated[int, Meta(ge=0, le=65535, extra={"kind": "port"}, description=(
-        "serve /metrics, /stats and /healthz on 127.0.0.1:PORT (0: any free port; default off)"))] | None = None
+        "serve /metrics, /stats and /healthz on --metrics_host:PORT (0: any free port; default off)"))] | None = None
+    metrics_host: Annotated[str, Meta(extra={"kind": "ip"}, description=(
+        "IP address the metrics endpoint binds (it has no auth and tells what the host caches: "
+        "keep the loopback default unless a scraper on another host needs it)"))] = "127.0.0.1"
     hello_timeout_s: Annotated[float, Meta(ge=0.1, le=3600, extra={"kind": "seconds"}, description=(
         "close a connection that has not said Hello within this time"))] = 5.0
     max_connections: Annotated[int, Meta(ge=1, le=1 << 20, description=(
@@ -904,7 +920,7 @@ class ServerSettings(EngineSettings, frozen=True, kw_only=True):
 SERVER_FLAG_ALIASES = {"global_segment_size": ("memory_size",)}
 
 
-_METAVARS = {"size": "SIZE", "ms": "MS", "seconds": "SECONDS", "dir": "DIR", "socket": "PATH", "octal": "OCTAL"}
+_METAVARS = {"ip": "ADDRESS", "size": "SIZE", "ms": "MS", "seconds": "SECONDS", "dir": "DIR", "socket": "PATH", "octal": "OCTAL"}
 
 
 def _flag_spellings(name: str) -> list[str]:

@@ -11,13 +11,16 @@ import threading
 import pytest
 from conftest import ADMIN_HEADERS
 
+import kvpool
 from kvpool import cli
 from kvpool.errors import ConfigError
+from kvpool.metrics import catalog
 from kvpool.proxy.config import Endpoint, add_arguments, config_from_args
 from kvpool.proxy.prefix import chat_text, request_chain
 from kvpool.proxy.registry import Registry, Role
 from kvpool.proxy.route import COUNTERS
 from kvpool.routing import REASONS, text_chain, token_chain
+from kvpool.testing.metrics import families, scrape_problems, value
 from kvpool.testing.proc import expect
 
 # Small blocks, so short test prompts span several.
@@ -261,6 +264,19 @@ def test_counters_set_predictions_against_cached_tokens(make_peer, start_proxy):
     assert total["cached_tokens"] == total["cached_tokens_of_token_prompts"] == 24
     assert stats["by_instance"] == {f"127.0.0.1:{a.port}": total}
     assert stats["by_reason"]["prefix_match"]["predicted_and_hit"] == 2
+    # /metrics tells the same story, in the catalog's names.
+    text = proxy.client.get("/metrics").text
+    assert scrape_problems(text, catalog.PROXY) == []
+    inst = f"127.0.0.1:{a.port}"
+    assert value(text, "kvpool_proxy_routing_decisions_total", outcome="predicted_and_hit") == 2
+    assert value(text, "kvpool_proxy_routing_decisions_total", outcome="decided") == 5
+    assert value(text, "kvpool_proxy_routed_requests_total", instance=inst, outcome="hit") == 3
+    assert value(text, "kvpool_proxy_routed_tokens_total", instance=inst, kind="cached") == 24
+    assert value(text, "kvpool_proxy_requests_total", endpoint="completions", code="200") == 5
+    assert value(text, "kvpool_proxy_response_seconds_count", endpoint="completions") == 5
+    assert value(text, "kvpool_proxy_instance_healthy", role="mixed", instance=inst) == 1
+    assert value(text, "kvpool_proxy_upstream_requests_total", role="mixed", instance=inst) == 5
+    assert value(text, "kvpool_build_info", component="proxy", version=kvpool.__version__) == 1
 
 
 def test_admin_routes_in_mixed_mode(make_peer, start_proxy):
@@ -282,6 +298,14 @@ def test_admin_routes_in_mixed_mode(make_peer, start_proxy):
 def test_pd_mode_has_no_routing_counters_and_no_mixed_instances(make_peer, start_proxy):
     p, d = make_peer("P"), make_peer("D")
     proxy = start_proxy([p], [d])
+    assert proxy.post("/v1/completions", {"model": "m", "prompt": "pd"}).status_code == 200
+    assert proxy.post("/v1/completions", {"model": "m", "prompt": 7}).status_code == 400
+    text = proxy.client.get("/metrics").text
+    assert scrape_problems(text, catalog.PROXY) == []
+    for role, peer in (("prefill", p), ("decode", d)):
+        assert value(text, "kvpool_proxy_upstream_requests_total", role=role, instance=f"127.0.0.1:{peer.port}") == 1
+    assert value(text, "kvpool_proxy_requests_total", code="400") == 1
+    assert families(text)["kvpool_proxy_routing_decisions"][1] == []  # PD mode routes by load only
     assert proxy.client.get("/routing", headers=ADMIN_HEADERS).status_code == 404
     resp = proxy.admin("/instances/add", {"type": "mixed", "host": "127.0.0.1", "port": p.port})
     assert resp.status_code == 400 and "PD" in resp.json()["error"]["message"]

@@ -14,13 +14,17 @@ import numpy as np
 import pytest
 from srvutil import arena_files, payload, payload_ok
 
+import kvpool
+
 from kvpool.backends import create_backend
 from kvpool.config import DEFAULT_SERVER_SOCKET, load_config
 from kvpool.errors import ConfigError, ErrorCode
+from kvpool.metrics import catalog
 from kvpool.server import protocol as P
 from kvpool.server import shm
 from kvpool.config import ServerSettings
 from kvpool.server.daemon import add_arguments, config_from_args
+from kvpool.testing.metrics import families, scrape_problems, value
 from kvpool.testing.proc import wait_for
 
 OK = 0
@@ -336,10 +340,31 @@ def test_metrics_endpoint_on_loopback_only(start_server, make_client):
     base = f"http://127.0.0.1:{port}"
     assert urllib.request.urlopen(base + "/healthz").read() == b"ok\n"
     metrics = urllib.request.urlopen(base + "/metrics").read().decode()
-    assert "# TYPE kvpool_hits_total counter\nkvpool_hits_total 1\n" in metrics
-    assert "kvpool_misses_total 1\n" in metrics and "kvpool_object_count 1\n" in metrics
+    assert scrape_problems(metrics, catalog.SERVER) == []
+    assert value(metrics, "kvpool_read_hits_total", tier="memory") == 1
+    assert value(metrics, "kvpool_read_misses_total") == 1
+    assert value(metrics, "kvpool_objects", tier="memory") == 1
+    assert value(metrics, "kvpool_puts_total") == 1
+    assert value(metrics, "kvpool_build_info", component="server", version=kvpool.__version__) == 1
+    assert value(metrics, "kvpool_request_duration_seconds_count", op="acquire") >= 1
+    assert value(metrics, "process_start_time_seconds") > 0
+    # No configuration value or PID dressed as a gauge.
+    assert [n for n in families(metrics) if "pid" in n or "ttl" in n] == []
     stats = json.loads(urllib.request.urlopen(base + "/stats").read())
     assert stats["object_count"] == 1 and stats["connected_clients"] == 1
+    # Every number in the stats is some series' source or is left out for a stated reason, and
+    # every series reads an entry that exists.
+    sources = {key for series in catalog.SERVER for key in series.stats.values()}
+    numbers = {k for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    assert numbers - sources - set(catalog.SERVER_STATS_NOT_EXPORTED) == set()
+    assert sources - set(stats) == set()
+
+
+def test_metrics_host_binds_the_address_given(start_server):
+    server = start_server("--metrics_port", "0", "--metrics_host", "127.0.0.2")
+    port = int(server.log().split("metrics http://127.0.0.2:")[1].split()[0])
+    assert _listening_addresses(port) == ["0200007F"]
+    assert urllib.request.urlopen(f"http://127.0.0.2:{port}/healthz").read() == b"ok\n"
 
 
 def _kvpool(*args: str) -> subprocess.CompletedProcess:

@@ -4,6 +4,7 @@
     keys, store, routing,    pool keys; the engine (allocator, index, leases, eviction, disk tier);
     tracefile                request routing policies (pure); the request-trace format
     config                   the schemas and their parser
+    metrics                  the catalog of exported Prometheus series, and its prometheus_client exporters
     server                   `kvpool server`: daemon, wire format, shared memory, client, metrics
     backends                 registry, base class, one adapter per store
     device                   KV cache tensors <-> pool values: layout, direct and staged copies (torch, no vLLM)
@@ -27,6 +28,7 @@ LAYERS = [
     {"errors", "paths"},
     {"keys", "store", "routing", "tracefile"},
     {"config"},
+    {"metrics"},
     {"server"},
     {"backends"},
     {"device"},

@@ -18,18 +18,23 @@ split: the whole blocks cached, the rest computed).
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from harness import BLOCK, tokens, whole
+from kvpool.metrics import catalog
 from kvpool.testing.launch import OpenAIServer, PoolServer, ProxyServer, stream_completion
+from kvpool.testing.metrics import dashboard_problems, families, scrape_problems, value
 
 pytestmark = pytest.mark.vllm
 
 TOKEN = "routing-test-admin-token-0123456789"
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kvpool.json"
 MAX_TOKENS = 8
 # 300 prompt tokens + 8 generated: 2 whole blocks either way, so the instance's own prefix cache
 # (prompt and decode blocks) and the pool (prompt blocks) both hold exactly whole(first turn).
@@ -41,7 +46,7 @@ FOLLOW_UP = [tokens(100, seed=9111), tokens(100, seed=9112)]
 def mixed_deployment(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("routing")
     sock = str(tmp / "pool.sock")
-    pool = PoolServer(sock, memory_size="512MB", log_path=tmp / "pool.log")
+    pool = PoolServer(sock, memory_size="512MB", log_path=tmp / "pool.log", extra_args=["--metrics_port", "0"])
     servers = [
         OpenAIServer(model_dir, served_model_name="model", block_size=BLOCK, prefix_caching=True, dtype="float32",
                      max_num_batched_tokens=512, log_path=tmp / f"mixed{i}.log", startup_timeout_s=600,
@@ -66,14 +71,14 @@ def mixed_deployment(model_dir, tmp_path_factory):
             s.wait_ready()
         proxy.start()
         started.append(proxy)
-        yield proxy, servers
+        yield proxy, servers, pool
     finally:
         for p in reversed(started):
             p.stop()
 
 
 def test_a_conversation_sticks_to_its_instance_and_hits_like_vllms_own_prefix_cache(mixed_deployment, reference):
-    proxy, servers = mixed_deployment
+    proxy, servers, _ = mixed_deployment
     keys = {f"127.0.0.1:{s.port}" for s in servers}
     with httpx.Client(base_url=proxy.base_url, timeout=300, trust_env=False) as client:
         def ask(prompt):
@@ -118,7 +123,7 @@ def test_a_conversation_sticks_to_its_instance_and_hits_like_vllms_own_prefix_ca
 
 
 def test_pd_through_the_proxy_equals_vllms_own_prefix_cache_hit_bit_for_bit(mixed_deployment, tmp_path):
-    _, (prefill, decode) = mixed_deployment
+    _, (prefill, decode), _ = mixed_deployment
     prompt = tokens(700, seed=9201)  # 5 whole blocks, then 60 tokens every run computes
     body = {"model": "model", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
             "ignore_eos": True, "logprobs": 5}
@@ -132,3 +137,50 @@ def test_pd_through_the_proxy_equals_vllms_own_prefix_cache_hit_bit_for_bit(mixe
     assert alone["usage"]["prompt_tokens_details"]["cached_tokens"] == whole(prompt), alone["usage"]
     assert through["choices"][0]["logprobs"] == alone["choices"][0]["logprobs"]
     assert through["choices"][0]["text"] == alone["choices"][0]["text"]
+
+
+def test_every_catalog_series_is_on_the_live_pool_proxy_and_instances(mixed_deployment):
+    """A scrape of each component's /metrics has every series of the metrics reference, with its
+    type and labels; and the numbers move: instance 0 computes and saves a prompt, instance 1
+    loads it from the pool."""
+    proxy, servers, pool = mixed_deployment
+    prompt = tokens(300, seed=9301)
+    for s in servers:
+        assert s.complete(prompt, max_tokens=2).cached_tokens == (0 if s is servers[0] else whole(prompt))
+    pool_url = "http://127.0.0.1:" + pool.log().split("metrics http://127.0.0.1:")[1].split()[0]
+    labels = {"model_name": "model", "engine": "0"}
+
+    def scrape(url: str) -> str:
+        return httpx.get(f"{url}/metrics", timeout=30, trust_env=False).text
+
+    def settled(url: str, name: str, want: float, **sample_labels: str) -> str:
+        # The engine reports its connector stats with its steps: the last ones may trail the answer.
+        deadline = time.monotonic() + 30
+        while True:
+            text = scrape(url)
+            if value(text, name, **sample_labels) >= want or time.monotonic() > deadline:
+                return text
+            time.sleep(0.2)
+
+    saved = settled(servers[0].base_url, "vllm:kvpool_blocks_total", 2, op="save", result="ok", **labels)
+    loaded = settled(servers[1].base_url, "vllm:kvpool_blocks_total", 2, op="load", result="ok", **labels)
+    for text in (saved, loaded):
+        assert scrape_problems(text, catalog.CONNECTOR) == []
+    assert value(saved, "vllm:kvpool_blocks_total", op="save", result="ok", **labels) >= whole(prompt) // BLOCK
+    assert value(loaded, "vllm:kvpool_blocks_total", op="load", result="ok", **labels) >= whole(prompt) // BLOCK
+    assert value(loaded, "vllm:kvpool_prompt_tokens_total", source="pool", **labels) >= whole(prompt)
+    assert value(loaded, "vllm:kvpool_transfer_seconds_count", op="load", **labels) >= 1
+
+    # The vLLM series the dashboard shows beside kvpool's exist on a live instance.
+    _, vllms_own = dashboard_problems(json.loads(DASHBOARD.read_text()), catalog.ALL)
+    samples = {sample.name for _, found in families(loaded).values() for sample in found}
+    assert vllms_own and vllms_own <= samples, vllms_own - samples
+
+    served = scrape(pool_url)
+    assert scrape_problems(served, catalog.SERVER) == []
+    assert value(served, "kvpool_read_hits_total", tier="memory") >= whole(prompt) // BLOCK
+    assert value(served, "kvpool_request_duration_seconds_count", op="acquire") >= 1
+
+    routed = scrape(proxy.base_url)
+    assert scrape_problems(routed, catalog.PROXY) == []
+    assert value(routed, "kvpool_proxy_instance_healthy", role="mixed") == 2

@@ -6,6 +6,8 @@ Routes:
   mode once, to the instance the routing policy picks (``forward.py``)
 - ``GET /v1/models``: from a healthy decode instance, else a healthy prefill one (mixed mode: a
   mixed one)
+- ``GET /metrics``: Prometheus series (docs/metrics.md), no auth: they name instances and counts,
+  never prompts
 - ``GET /healthcheck`` (and ``GET /health``, the name vLLM and Kubernetes probes use):
   instance counts; 200 while at least one prefill and one decode instance is healthy (mixed
   mode: one mixed instance), else 503
@@ -34,12 +36,14 @@ import contextlib
 import hmac
 import logging
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any
 
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, Response
 
 from kvpool.errors import ConfigError
@@ -54,6 +58,7 @@ from kvpool.proxy.config import (
 from kvpool.proxy.forward import Forwarder, error_response
 from kvpool.proxy.health import HealthChecker
 from kvpool.proxy.intake import BadRequest, completion_body, parse_json, read_body
+from kvpool.proxy.metrics import ProxyMetrics
 from kvpool.proxy.registry import Registry, Role
 from kvpool.proxy.route import MixedRouter
 
@@ -74,6 +79,7 @@ class ProxyState:
             trust_env=False,  # never send 127.0.0.1 traffic through an http_proxy
         )
         self.forwarder = Forwarder(self.registry, self.client, config, self.router)
+        self.metrics = ProxyMetrics(self.registry, self.router)
         self.health = HealthChecker(self.registry, self.client, config.health_interval,
                                     timeout=min(5.0, config.timeout, config.connect_timeout + 1.0))
 
@@ -188,22 +194,30 @@ def create_app(config: ProxyConfig) -> FastAPI:
     app = FastAPI(title="kvpool proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.proxy = state
 
-    async def _completion(request: Request, path: str) -> Response:
+    async def _completion(request: Request, path: str, endpoint: str) -> Response:
+        started = time.monotonic()
         try:
             body = completion_body(await read_body(request, config.max_body_bytes))
         except BadRequest as exc:
-            return error_response(exc.status, exc.message, "invalid_request_error")
-        headers = {k.lower(): v for k, v in request.headers.items()}
-        forward = state.forwarder.mixed if config.mixed else state.forwarder.completion
-        return await _until_disconnect(request, forward(path, body, headers))
+            resp: Response = error_response(exc.status, exc.message, "invalid_request_error")
+        else:
+            headers = {k.lower(): v for k, v in request.headers.items()}
+            forward = state.forwarder.mixed if config.mixed else state.forwarder.completion
+            resp = await _until_disconnect(request, forward(path, body, headers))
+        state.metrics.observe(endpoint, resp.status_code, time.monotonic() - started)
+        return resp
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _completion(request, "/v1/completions")
+        return await _completion(request, "/v1/completions", "completions")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _completion(request, "/v1/chat/completions")
+        return await _completion(request, "/v1/chat/completions", "chat_completions")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -38,6 +38,7 @@ import dataclasses
 import fcntl
 import logging
 import os
+import re
 import selectors
 import signal
 import socket
@@ -46,6 +47,7 @@ import struct
 import sys
 import threading
 import time
+import typing
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,7 +60,7 @@ from kvpool.server import peers
 from kvpool.server import protocol as P
 from kvpool.server import shm
 from kvpool.store.engine import Allocation, Lease, PoolEngine
-from kvpool.server.metrics import MetricsServer
+from kvpool.server.metrics import MetricsServer, ServerMetrics
 
 logger = logging.getLogger("kvpool.server")
 
@@ -70,6 +72,9 @@ _MAX_LEASES_PER_CONN = 1 << 16
 # heap. An object alone takes ~170 B (benchmarks/scale.py measures it); while it carries a lookup
 # lease its lease tables take ~0.6 KiB more, which is what the rest of this charge covers.
 _OBJECT_OVERHEAD_BYTES = 1024
+
+# Each request type's `op` label of kvpool_request_duration_seconds (catalog.SERVER_OPS).
+_OPS = {cls: re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower() for cls in typing.get_args(P.Request)}
 
 
 class ServerRunning(KVPoolError):
@@ -176,6 +181,7 @@ class Server:
         self.engine: PoolEngine | None = None
         self.arena: shm.Arena | None = None
         self.metrics: MetricsServer | None = None
+        self.prom = ServerMetrics(self.stats)
         self._lock_fd: int | None = None
         self._listener: socket.socket | None = None
         self._conns: dict[int, _Conn] = {}
@@ -218,10 +224,10 @@ class Server:
             self.engine = PoolEngine(engine_config, arena=memoryview(self.arena.array))
             if cfg.metrics_port is not None:
                 try:
-                    self.metrics = MetricsServer(cfg.metrics_port, self.stats)
+                    self.metrics = MetricsServer(cfg.metrics_host, cfg.metrics_port, self.stats, self.prom)
                 except OSError as exc:
                     raise ConfigError("metrics_port", cfg.metrics_port,
-                                      f"a free TCP port on 127.0.0.1 ({exc.strerror})") from None
+                                      f"a free TCP port on {cfg.metrics_host} ({exc.strerror})") from None
                 self.metrics.start()
         except BaseException:
             self._cleanup()
@@ -232,7 +238,7 @@ class Server:
             os.getpid(), cfg.socket_path, cfg.socket_mode, shm.SHM_DIR, self.arena.name, cfg.memory_size,
             cfg.default_kv_lease_ttl_ms, cfg.client_ttl_s,
             f"{cfg.offload_path} ({cfg.offload_eviction_policy})" if cfg.offload_path else "off",
-            f"http://127.0.0.1:{self.metrics.port}" if self.metrics else "off",
+            self.metrics.url if self.metrics else "off",
         )
 
     def stop(self) -> None:
@@ -433,7 +439,9 @@ class Server:
                         else "handshake refused"
                 sock.settimeout(self.config.idle_timeout_s)
                 continue
+            started = time.perf_counter()
             P.send_frame(sock, self._dispatch(conn, request))
+            self.prom.request_seconds[_OPS[type(request)]].observe(time.perf_counter() - started)
         return "server shutting down"
 
     def _hello(self, conn: _Conn, hello: P.Hello) -> P.Message:

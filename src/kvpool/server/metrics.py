@@ -1,76 +1,61 @@
-"""The server's loopback HTTP endpoint: Prometheus `/metrics`, JSON `/stats`, `/healthz`.
+"""The server's HTTP endpoint: Prometheus `/metrics`, JSON `/stats`, `/healthz`.
 
-Standard library only (the server must run without vLLM and its dependencies). It binds
-127.0.0.1 and nothing else: the numbers reveal what a host caches, and there is no auth.
+It binds ``--metrics_host`` (127.0.0.1 unless told otherwise, for a scraper on another host):
+the numbers reveal what a host caches, and there is no auth. The series are the catalog's
+(``kvpool.metrics.catalog.SERVER``): those read from the stats at scrape time, the request
+duration histogram the daemon observes, the build info and prometheus_client's process series.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from kvpool.metrics import catalog
+from kvpool.metrics.prom import Histogram, StatsCollector, build_info, create, new_registry
+
 logger = logging.getLogger(__name__)
 
-# Monotonic counters (exported with a `_total` suffix); every other number is a gauge.
-COUNTERS = frozenset({
-    "puts", "gets", "hits", "disk_hits", "misses", "evictions", "promotions",
-    "allocation_failures", "lease_expired", "disk_write_errors", "reclaimed_allocations",
-    "reaped_clients", "disk_evictions", "checksum_failures", "lookup_keys", "lookup_hits",
-    "connections", "protocol_errors", "corrupt_objects", "disk_full_events", "refused_peers", "quota_refusals", "unpinned_leases",
-    "hold_limit_hits", "lease_ops", "evict_steps", "refused_connections", "evicted_handshakes", "handshake_timeouts",
-})
-
-HELP = {
-    "memory_used": "Arena bytes reserved by stored and pending objects",
-    "memory_capacity": "Usable arena bytes",
-    "object_count": "Objects in the memory tier",
-    "disk_used": "Bytes used by the offload tier",
-    "disk_count": "Objects in the offload tier",
-    "clients": "Clients the engine considers alive",
-    "connected_clients": "Open client connections",
-    "hits": "Reads served from memory",
-    "disk_hits": "Reads served from the offload tier",
-    "misses": "Reads of absent keys",
-    "evictions": "Objects evicted from memory",
-    "lookup_keys": "Keys asked about by exists lookups",
-    "lookup_hits": "Keys found by exists lookups",
-    "refused_peers": "Connections refused because the peer's uid/gid is outside the pool's trust domain",
-    "quota_refusals": "Leases and allocations refused because a client process was at its quota",
-    "unpinned_leases": "Leases granted without pinning: past the client's pool share or hold time",
-    "hold_limit_hits": "Objects a client process pinned for client_max_hold_s, then had to let go",
-    "lease_ops": "Steps of lease bookkeeping (adds, drops, expiry-heap pops)",
-    "evict_steps": "Objects eviction looked at (one per victim: held objects are never in its list)",
-    "evictable_objects": "Objects in the memory tier that nobody holds (eviction candidates)",
-    "evictable_bytes": "Arena bytes of the evictable objects",
-    "refused_connections": "Handshakes refused at max_connections or max_connections_per_client",
-    "evicted_handshakes": "Connections closed before their Hello to admit newer ones (max_handshakes)",
-    "pending_handshakes": "Connections that have not said Hello yet",
-}
+_BY_NAME = catalog.by_name("server")
 
 
-def render_prometheus(stats: Mapping[str, Any]) -> str:
-    """Prometheus text exposition (format 0.0.4) of the numeric entries of ``stats``."""
-    lines = []
-    for name in sorted(stats):
-        value = stats[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        counter = name in COUNTERS
-        metric = f"kvpool_{name}_total" if counter else f"kvpool_{name}"
-        lines.append(f"# HELP {metric} {HELP.get(name, name.replace('_', ' '))}")
-        lines.append(f"# TYPE {metric} {'counter' if counter else 'gauge'}")
-        lines.append(f"{metric} {value}")
-    return "\n".join(lines) + "\n"
+class ServerMetrics:
+    """The server's registry: stats read at scrape time, plus what the daemon observes."""
+
+    def __init__(self, stats_fn: Callable[[], Mapping[str, Any]]) -> None:
+        self.registry: CollectorRegistry = new_registry()
+        build_info(_BY_NAME["kvpool_build_info"], self.registry, "server")
+        self.registry.register(StatsCollector(stats_fn, catalog.SERVER))
+        durations: Histogram = create(_BY_NAME["kvpool_request_duration_seconds"], self.registry)
+        # One child per op, looked up by the request path without a label lookup.
+        self.request_seconds = {op: durations.labels(op) for op in catalog.SERVER_OPS}
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, host: str, port: int, handler: type[BaseHTTPRequestHandler]) -> None:
+        # IPv6 literals need an AF_INET6 socket.
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        super().__init__((host, port), handler)
 
 
 class MetricsServer:
-    """Serves ``stats_fn()`` on 127.0.0.1:``port`` from a daemon thread (port 0: any free port)."""
+    """Serves ``metrics`` and ``stats_fn()`` on ``host``:``port`` from a daemon thread (port 0:
+    any free port)."""
 
-    def __init__(self, port: int, stats_fn: Callable[[], Mapping[str, Any]]) -> None:
+    def __init__(self, host: str, port: int, stats_fn: Callable[[], Mapping[str, Any]],
+                 metrics: ServerMetrics) -> None:
         fetch = stats_fn
 
         class Handler(BaseHTTPRequestHandler):
@@ -79,8 +64,7 @@ class MetricsServer:
                 if path == "/healthz":
                     self._send(200, "text/plain; charset=utf-8", b"ok\n")
                 elif path == "/metrics":
-                    body = render_prometheus(fetch()).encode()
-                    self._send(200, "text/plain; version=0.0.4; charset=utf-8", body)
+                    self._send(200, CONTENT_TYPE_LATEST, metrics.exposition())
                 elif path == "/stats":
                     self._send(200, "application/json", json.dumps(fetch(), sort_keys=True).encode())
                 else:
@@ -96,13 +80,18 @@ class MetricsServer:
             def log_message(self, format: str, *args: Any) -> None:  # scrapes are not news
                 logger.debug("metrics: " + format, *args)
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self._httpd.daemon_threads = True
+        self.host = host
+        self._httpd = _Server(host, port, Handler)
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvpool-metrics", daemon=True)
 
     @property
     def port(self) -> int:
         return self._httpd.server_address[1]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
     def start(self) -> None:
         self._thread.start()

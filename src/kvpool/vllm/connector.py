@@ -78,11 +78,20 @@ class KVPoolConnector(KVConnectorBase_V1):
         return self._worker.get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self) -> KVPoolStats | None:
-        return self._worker.get_stats() if self._worker is not None else None
+        # Both roles: vLLM adds the scheduler's (prompt tokens by source) to the workers'.
+        half = self._worker if self._worker is not None else self._scheduler
+        return half.get_stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPoolStats:
         return KVPoolStats.from_data(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]):
+        from kvpool.vllm.prom import KVPoolPromMetrics
+
+        return KVPoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

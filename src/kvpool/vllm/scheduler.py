@@ -22,6 +22,7 @@ from kvpool.errors import ConfigError
 from kvpool.tracefile import BlockHashLog
 from kvpool.vllm.lookup import LookupClient
 from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
+from kvpool.vllm.stats import KVPoolStats
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class PoolScheduler:
         self._finished_with_io: list[str] = []
         self._awaiting_free: set[str] = set()
         self._step_has_sync_loads = False
+        self._stats = KVPoolStats()
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         # Blocks vLLM's own prefix cache supplies were computed here earlier (and saved then) or
@@ -103,7 +105,14 @@ class PoolScheduler:
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         state = self._requests.setdefault(request.request_id, _RequestState(request))
-        state.saved_upto = max(state.saved_upto, self._local_blocks.pop(request.request_id, 0))
+        local_blocks = self._local_blocks.pop(request.request_id, 0)
+        state.saved_upto = max(state.saved_upto, local_blocks)
+        if self._client is not None:
+            local = min(local_blocks * self.block_size, request.num_prompt_tokens)
+            pool = min(num_external_tokens, request.num_prompt_tokens - local)
+            self._stats.add("local_tokens", local)
+            self._stats.add("pool_tokens", pool)
+            self._stats.add("computed_tokens", request.num_prompt_tokens - local - pool)
         plan = self._plans.pop(request.request_id, None)
         if plan is None or num_external_tokens == 0:
             return
@@ -188,6 +197,12 @@ class PoolScheduler:
                 first = next((i for i, b in enumerate(state.block_ids[:state.saved_upto]) if b in failed), None)
                 if first is not None:
                     state.saved_upto = first
+
+    def get_stats(self) -> KVPoolStats | None:
+        """This interval's prompt tokens by source (counted at allocation: a preempted request
+        that is scheduled again counts again, as in vLLM's own prefix-cache counters)."""
+        snap = self._stats.take()
+        return None if snap.is_empty() else snap
 
     def has_pending_block_frees(self) -> bool:
         return bool(self._awaiting_free)

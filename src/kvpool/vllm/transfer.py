@@ -51,6 +51,11 @@ class TransferThread:
                         del self._pending[req_id]
                     self._cond.notify_all()
 
+    def depth(self) -> int:
+        """Jobs queued or running."""
+        with self._cond:
+            return sum(self._pending.values())
+
     def is_pending(self, req_id: str) -> bool:
         with self._cond:
             return req_id in self._pending

@@ -31,6 +31,14 @@ DRAIN_TIMEOUT_S = 60.0
 LAYER_WAIT_TIMEOUT_S = 60.0
 
 
+def _code_name(code: int) -> str:
+    """The error code's name for the failures counter (its number if it is not one of ours)."""
+    try:
+        return ErrorCode(code).name
+    except ValueError:
+        return str(code)
+
+
 class _LayerLoads:
     """One step's synchronous loads in layerwise mode.
 
@@ -78,6 +86,7 @@ class PoolWorker:
         self._stats = KVPoolStats()
         self._log_stats = KVPoolStats()
         self._last_log = time.monotonic()
+        self._reported_depth = 0  # transfer_queue_depth at the last report
         self._guard_seen: dict[str, int] = {}  # the backend's guard counters at the last get_stats
 
     # ---- set-up -------------------------------------------------------------------------
@@ -251,8 +260,10 @@ class PoolWorker:
                 "kvpool: %d of %d blocks of request %s failed to load (%s); vLLM will handle them "
                 "per kv_load_failure_policy", len(failed), len(keys), task.req_id, ErrorCode(first_bad).name,
             )
+        seconds = time.perf_counter() - t0
         self._count(load_blocks=ok if count_blocks else 0, load_bytes=ok * self.layout.layer_block_bytes * len(layers),
-                    load_time_s=time.perf_counter() - t0, load_failed_blocks=len(failed) if count_blocks else 0)
+                    load_time_s=seconds, load_failed_blocks=len(failed) if count_blocks else 0)
+        self._observe("load", seconds, codes if count_blocks else ())
         return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -345,6 +356,7 @@ class PoolWorker:
         except Exception as e:
             logger.warning("kvpool save of %d blocks for %s failed: %s", len(keys), task.req_id, e)
             self._count(save_failed_blocks=len(keys) if count_blocks else 0)
+            self._observe("save", time.perf_counter() - t0, [int(ErrorCode.RPC_FAIL)] * len(keys) if count_blocks else ())
             return
         skipped = sum(1 for c in codes if c == ErrorCode.OBJECT_ALREADY_EXISTS)
         failed = sum(1 for c in codes if not is_stored(c))
@@ -358,9 +370,11 @@ class PoolWorker:
             saved_blocks = skipped_blocks = failed_blocks = 0
         else:
             saved_blocks, skipped_blocks, failed_blocks = saved, skipped, failed
+        seconds = time.perf_counter() - t0
         self._count(save_blocks=saved_blocks, save_bytes=saved * value_bytes,
-                    save_time_s=time.perf_counter() - t0, save_skipped_blocks=skipped_blocks,
+                    save_time_s=seconds, save_skipped_blocks=skipped_blocks,
                     save_failed_blocks=failed_blocks)
+        self._observe("save", seconds, [c for c in codes if not is_stored(c)] if count_blocks else ())
 
     def handle_preemptions(self, meta: KVPoolMetadata) -> None:
         # A preempted request's blocks are freed and may be rewritten in this very step: its
@@ -390,14 +404,26 @@ class PoolWorker:
             for k, v in values.items():
                 self._stats.add(k, v)
 
+    def _observe(self, op: str, seconds: float, codes: Sequence[int]) -> None:
+        """One transfer's duration, and its failed blocks by error code (OK codes ignored)."""
+        with self._lock:
+            self._stats.observe(f"{op}_seconds", seconds)
+            for code in codes:
+                if code != ErrorCode.OK:
+                    self._stats.fail(f"{op}_failures", _code_name(code), 1)
+
     def get_stats(self) -> KVPoolStats | None:
         if self.backend is not None:
             guard = self.backend.guard_stats()
             seen, self._guard_seen = self._guard_seen, guard
             self._count(store_timeouts=guard["timeouts"] - seen.get("timeouts", 0),
                         store_calls_skipped=guard["breaker_rejected"] - seen.get("breaker_rejected", 0))
+        depth = self._transfer.depth() + (self._layer_loader.depth() if self._layer_loader is not None else 0)
         with self._lock:
             snap = self._stats.take()
+        if snap.is_empty() and depth == self._reported_depth:
+            return None
+        snap.data["transfer_queue_depth"] = self._reported_depth = depth
         self._log_stats.aggregate(snap)
         now = time.monotonic()
         if now - self._last_log >= self.config.stats_log_interval_s:
@@ -406,7 +432,7 @@ class PoolWorker:
                             ", ".join(f"{k}={v}" for k, v in self._log_stats.reduce().items()))
             self._log_stats = KVPoolStats()
             self._last_log = now
-        return None if snap.is_empty() else snap
+        return snap
 
     def shutdown(self) -> None:
         if self._layer_loader is not None:
