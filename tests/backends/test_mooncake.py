@@ -297,3 +297,23 @@ def test_objects_live_in_the_holders_segment(master, tmp_path):
         time.sleep(0.1)
     assert client.batch_put(["y"], [[data]]) == [ErrorCode.NO_AVAILABLE_HANDLE]  # no segment left
     client.close()
+
+
+def test_kvpool_stats_summarises_the_master(master, tmp_path):
+    import subprocess
+    import sys
+
+    b = create_backend(load_config({"backend": "mooncake",
+                                    "mooncake_config_path": master.write_config(tmp_path / "s.json", "16MB")}), "s")
+    try:
+        assert b.batch_put(["k1", "k2"], [[np.arange(100, dtype=np.uint8)]] * 2) == [ErrorCode.OK] * 2
+        url = f"http://127.0.0.1:{master.metrics_port}"
+        run = [sys.executable, "-m", "kvpool.cli", "stats", "--mooncake-metrics-url", url]
+        once = subprocess.run([*run, "--json"], capture_output=True, text=True, timeout=60)
+        assert once.returncode == 0, once.stderr
+        numbers = json.loads(once.stdout)
+        assert numbers["master_key_count"] == 2 and numbers["master_total_capacity_bytes"] >= 16 << 20
+        live = subprocess.run([*run, "--watch", "0.2", "--count", "2"], capture_output=True, text=True, timeout=60)
+        assert live.returncode == 0 and live.stdout.count("puts/s") == 2 and "keys" in live.stdout
+    finally:
+        b.close()

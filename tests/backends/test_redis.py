@@ -201,3 +201,21 @@ def test_objects_of_the_old_layout_are_misses(redis_service):
     b = backend(redis_service.url)
     assert b.batch_get_into(["old"], [[np.zeros(7, np.uint8)]]) == [NOT_FOUND]
     b.close()
+
+
+def test_kvpool_stats_summarises_redis(redis_service):
+    import json
+    import subprocess
+    import sys
+
+    b = backend(redis_service.url)
+    assert b.batch_put(["s"], [[data(1000)]]) == [OK]
+    assert b.batch_get_into(["s", "absent"], [[np.empty(1000, np.uint8)], [np.empty(10, np.uint8)]])[0] == OK
+    b.close()
+    run = [sys.executable, "-m", "kvpool.cli", "stats", "--redis-url", redis_service.url]
+    once = subprocess.run([*run, "--json"], capture_output=True, text=True, timeout=60)
+    assert once.returncode == 0, once.stderr
+    info = json.loads(once.stdout)
+    assert info["keys"] >= 1 and info["keyspace_hits"] >= 1 and "used_memory" in info
+    live = subprocess.run([*run, "--watch", "0.2", "--count", "2"], capture_output=True, text=True, timeout=60)
+    assert live.returncode == 0 and live.stdout.count("reads/s") == 2 and "read hit rate" in live.stdout

@@ -8,6 +8,8 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
 
 import numpy as np
@@ -17,6 +19,7 @@ from srvutil import arena_files, payload, payload_ok
 import kvpool
 
 from kvpool.backends import create_backend
+from kvpool.cli import stats as stats_cli
 from kvpool.config import DEFAULT_SERVER_SOCKET, load_config
 from kvpool.errors import ConfigError, ErrorCode
 from kvpool.metrics import catalog
@@ -367,6 +370,43 @@ def test_metrics_host_binds_the_address_given(start_server):
     assert urllib.request.urlopen(f"http://127.0.0.2:{port}/healthz").read() == b"ok\n"
 
 
+def test_kvpool_stats_watch_gives_per_second_rates(start_server, make_client, sock_path):
+    start_server()
+    c = make_client(name="busy")
+    stop = threading.Event()
+
+    def traffic() -> None:  # puts and reads all through the watch
+        i = 0
+        while not stop.is_set():
+            c.put([f"w{i}"], [[payload(f"w{i}", 100)]])
+            c.get_into([f"w{i}"], [[np.zeros(100, np.uint8)]])
+            i += 1
+            time.sleep(0.005)
+
+    worker = threading.Thread(target=traffic)
+    worker.start()
+    try:
+        out = _kvpool("stats", "--socket", sock_path, "--watch", "0.5", "--count", "3", "--json")
+    finally:
+        stop.set()
+        worker.join()
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(lines) == 3 and lines[0]["rates"] is None
+    for before, after in zip(lines, lines[1:]):
+        rates, dt = after["rates"], after["interval_s"]
+        assert set(rates) == stats_cli.SERVER_COUNTERS
+        assert rates["puts"] > 0 and rates["hits"] > 0
+        assert rates["puts"] * dt == pytest.approx(after["stats"]["puts"] - before["stats"]["puts"])
+    table = _kvpool("stats", "--socket", sock_path, "--watch", "0.2", "--count", "2")
+    assert table.returncode == 0 and table.stdout.count("puts/s") == 2
+
+
+def test_rates_survive_a_restart_of_the_store():
+    rates = stats_cli.per_second({"puts": 100, "hits": 5}, {"puts": 30, "hits": 9}, ["puts", "hits"], 2.0)
+    assert rates == {"puts": 15.0, "hits": 2.0}  # puts went down: counted from zero
+
+
 def _kvpool(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvpool.cli", *args], capture_output=True, text=True, timeout=60)
 
@@ -389,4 +429,4 @@ def test_kvpool_stats_json_table_and_errors(start_server, make_client, sock_path
     assert table.returncode == 0 and "memory" in table.stdout and "hit rate" in table.stdout
     server.stop()
     gone = _kvpool("stats", "--socket", sock_path)
-    assert gone.returncode == 1 and "cannot reach a kvpool server" in gone.stderr
+    assert gone.returncode == 1 and "cannot reach the kvpool server" in gone.stderr
