@@ -68,11 +68,13 @@ def run_label(results: Mapping[str, Any]) -> str:
     return ", ".join(parts) or "machine not recorded"
 
 
-def finish(plt: Any, fig: Any, title: str, results: Mapping[str, Any], path: Path, dpi: int = 110) -> Path:
-    """Title the figure (`title`, then the run's machine and date in smaller type), lay it out,
-    write it to `path` and free it (benchmarks draw several figures in one process)."""
+def finish(plt: Any, fig: Any, title: str, results: Mapping[str, Any], path: Path, dpi: int = 110,
+           bottom: float = 0.0) -> Path:
+    """Title the figure (`title`, then the run's machine and date), lay it out, write it to
+    `path` and free it (benchmarks draw several figures in one process). `bottom`: the share of
+    the height kept free below the panels for a figure-wide legend, which the layout ignores."""
     fig.suptitle(f"{title}\n{run_label(results)}", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
