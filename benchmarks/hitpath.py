@@ -174,7 +174,8 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
     fig, (ratio, parts) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [1, 1.4]})
     for r in rows:
         ratio.plot(threads, [r[f"load_ms_t{t}"] / r["memcpy_ms"] for t in threads], marker="o",
-                   ls="-" if r["backend"] == "server" else "--", label=f"{r['backend']} {r['size']} ({r['mib']:.0f} MiB)")
+                   ls="-" if r["backend"] == "server" else "--",
+                   label=f"{r['backend']} {r['size']} ({r['mib']:.0f} MiB)")
     ratio.axhline(1.0, color="grey", ls=":", label="one memcpy of the same bytes")
     ratio.set_xlabel("copy_threads")
     ratio.set_ylabel("hit load time / single-thread memcpy")
@@ -216,8 +217,8 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
     default = rows[0]["default_threads"] if rows else "?"
     parts.set_title(f"where a hit's load goes, each stage timed on its own (copy_threads {default})", fontsize=10)
     p = results["parameters"]
-    return finish(plt, fig, f"Pool hit path without vLLM (benchmarks/hitpath.py): {p['layers']} layers x {p['kv_heads']} "
-                  f"KV heads x {p['head_dim']}, {p['block_tokens']}-token blocks, bf16", results, path)
+    return finish(plt, fig, f"Pool hit path without vLLM (benchmarks/hitpath.py): {p['layers']} layers x "
+                  f"{p['kv_heads']} KV heads x {p['head_dim']}, {p['block_tokens']}-token blocks, bf16", results, path)
 
 
 def main(argv: list[str] | None = None) -> int:

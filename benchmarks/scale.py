@@ -512,8 +512,8 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
                 color="tab:gray", label="O_DIRECT reads, same bytes")
         for x, (_, r) in zip(xs, reads):
             share = r["ssd_read_bytes_per_s"] / r["direct_io_bytes_per_s"]
-            ssd.annotate(f"{share:.0%}" if share >= 0.1 else f"{share:.1%}", (x - 0.2, r["ssd_read_bytes_per_s"] / 1e6), ha="center", va="bottom",
-                         fontsize=8)
+            ssd.annotate(f"{share:.0%}" if share >= 0.1 else f"{share:.1%}", (x - 0.2, r["ssd_read_bytes_per_s"] / 1e6),
+                         ha="center", va="bottom", fontsize=8)
         ssd.set_xticks(list(xs), [label for label, _ in reads], fontsize=8)
         ssd.set_ylabel("MB/s (cold page cache)")
         ssd.legend(fontsize=7)

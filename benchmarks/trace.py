@@ -597,7 +597,8 @@ def main(argv: list[str] | None = None) -> int:
     write_json(out_path, results)
     png = plot(results, out_path.with_suffix(".png"))
     if png is not None:
-        blocks.append(f"![trace replay](results/{png.name})")
+        blocks.append("![Trace replay: each configuration's hit rate against the bound and the planner, and every "
+                      f"request's TTFT](results/{png.name})")
     if not args.quick and not args.no_docs:
         replace_docs_section(SECTION, blocks)
     log(f"wrote {out_path}" + (f" and {png}" if png else ""))
