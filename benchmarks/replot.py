@@ -63,9 +63,10 @@ def plot_function(name: str) -> Callable[[dict[str, Any], Path], Path | None]:
     return load(name).plot
 
 
-def replot(json_path: Path, out: Path | None = None) -> Path | None:
-    """Draw the plot of one saved result file at `out` (default: next to it, .png)."""
-    name = benchmark_of(json_path)
+def replot(json_path: Path, out: Path | None = None, benchmark: str | None = None) -> Path | None:
+    """Draw the plot of one saved result file at `out` (default: next to it, .png), as the
+    `benchmark` it names or, by default, the one its file name says."""
+    name = benchmark or benchmark_of(json_path)
     if name is None:
         raise ValueError(f"{json_path.name}: not a result of one of {', '.join(BENCHMARKS)}")
     results = json.loads(json_path.read_text())
@@ -77,15 +78,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("json", nargs="*", type=Path,
                     help="result files (default: every benchmarks/results/*.json of a known benchmark)")
     ap.add_argument("--out", type=Path, help="where the PNG goes (one JSON only; default: next to it)")
+    ap.add_argument("--benchmark", choices=BENCHMARKS,
+                    help="whose results these are, for a file named otherwise (`--out` of a run elsewhere)")
     args = ap.parse_args(argv)
     files = args.json or sorted(p for p in RESULTS_DIR.glob("*.json") if benchmark_of(p))
     if args.out and len(files) != 1:
         ap.error("--out takes exactly one JSON")
     for f in files:
-        if benchmark_of(f) is None:
-            ap.error(f"{f}: not a result of one of {', '.join(BENCHMARKS)}")
+        if (args.benchmark or benchmark_of(f)) is None:
+            ap.error(f"{f}: its name is not one of {', '.join(BENCHMARKS)}[-...].json: say --benchmark")
     for f in files:
-        png = replot(f, args.out)
+        png = replot(f, args.out, args.benchmark)
         if png is None:
             print("matplotlib is not installed (the `bench` extra): no plots", file=sys.stderr)
             return 1

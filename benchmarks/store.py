@@ -676,11 +676,16 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
     # The bars take each backend's colour; the legend shows only what the hatching means.
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
+
     lk.legend(handles=[Patch(facecolor="grey", label="with lease (as the connector looks up)"),
                        Patch(facecolor="grey", hatch="//", edgecolor="white", label="no lease"),
                        Line2D([], [], color="k", ls="--", lw=0.8, label=f"target {LOOKUP_TARGET_MS} ms (server)")],
-              fontsize=7, loc="upper left")
+              fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2))
     lk.set_yscale("log")
+    from matplotlib.ticker import FormatStrFormatter, LogLocator
+    lk.yaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))  # 0.02, 0.05, 0.1 rather than 2x10^-2
+    lk.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    lk.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
     lk.set_xticks(range(len(looked)), [SHORT.get(c, c).split(" ")[0] for c in looked], fontsize=8, rotation=30)
     lk.set_ylabel("ms, median; whisker: p99 (log)")
     lk.set_title(f"lookup: batch_exists of {results['parameters']['lookup_keys']} stored keys", fontsize=10)

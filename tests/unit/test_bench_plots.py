@@ -83,3 +83,13 @@ def test_replot_cli_redraws_one_file(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     assert_png(out)
+    # A result saved under another name (a run's --out) says whose it is with --benchmark.
+    other = tmp_path / "run-elsewhere.json"
+    other.write_text((RESULTS / "store-quick.json").read_text())
+    run = subprocess.run([sys.executable, str(BENCH / "replot.py"), str(other)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and "--benchmark" in run.stderr
+    run = subprocess.run([sys.executable, str(BENCH / "replot.py"), "--benchmark", "store", str(other)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert_png(other.with_suffix(".png"))
