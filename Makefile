@@ -38,10 +38,13 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm and not services" tests
 
+# Each benchmark writes benchmarks/results/NAME.json and NAME.png (benchmarks/replot.py redraws the
+# PNGs from the JSON). benchmarks/device.py is not here: it is the check for an accelerator machine.
 bench: $(STAMP)
 	$(BIN)/python benchmarks/store.py
 	$(BIN)/python benchmarks/hitpath.py
 	$(BIN)/python benchmarks/ttft.py
+	$(BIN)/python benchmarks/pd.py
 	$(BIN)/python benchmarks/chaos.py
 	$(BIN)/python benchmarks/scale.py
 	$(BIN)/python benchmarks/trace.py

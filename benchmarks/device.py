@@ -57,6 +57,7 @@ import torch  # noqa: E402
 
 # Only the layers below kvpool.vllm: the accelerator machine has torch but no vLLM/msgspec/zmq.
 from host import cpu_model  # noqa: E402  (the standard library only)
+from plotting import finish, pyplot  # noqa: E402  (the standard library; matplotlib if installed)
 from kvpool.device.copy import StagedCopier  # noqa: E402
 from kvpool.device.layout import KVLayout  # noqa: E402
 from kvpool.errors import OK  # noqa: E402
@@ -495,6 +496,48 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot(results: dict[str, Any], path: Path) -> Path | None:
+    """From a device.json dict, at `path` (None: matplotlib is not installed, as it may not be on
+    an accelerator machine): GB/s per layout/dtype case, saves (device -> pool) and loads (pool ->
+    device), each against the staging alone (a no-op pool) and torch's own contiguous copy."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    cases = results["cases"]
+    names = [c["case"] for c in cases]
+    fig, axes = plt.subplots(1, 2, figsize=(max(10, 1.3 * len(cases) + 4), 4.8), sharey=True)
+    for ax, (op, torch_key, title) in zip(axes, (("save", "torch_d2h", "save: paged cache -> staging -> pool (D2H)"),
+                                                  ("load", "torch_h2d", "load: pool -> staging -> paged cache (H2D)"))):
+        bars = [(op, "kvpool, through the pool engine", "tab:blue"),
+                (f"{op}_staging_only", "staging only (no-op pool)", "tab:cyan"),
+                (torch_key, "torch: one contiguous pinned copy", "tab:gray")]
+        for k, (key, label, color) in enumerate(bars):
+            ax.bar([i - 0.27 + 0.27 * k for i in range(len(cases))], [c["gbps"][key] for c in cases], 0.27,
+                   color=color, label=label)
+        for i, c in enumerate(cases):
+            if not c["verified"]:  # a throughput of wrong bytes is no throughput: mark it
+                ax.text(i, 0, f"{c['mismatches']} MISMATCHES", rotation=90, ha="center", va="bottom", color="red")
+        ax.set_xticks(range(len(cases)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("GB/s of KV data moved (median rep)")
+    pr = results["parameters"]
+    return finish(plt, fig, f"Device check of the staged data path (benchmarks/device.py): {pr['layers']} layers x "
+                  f"{pr['kv_heads']} KV heads x {pr['head_dim']}, {pr['block_size']}-token blocks, {pr['blocks']} "
+                  f"blocks per rep", results, path)
+
+
+def _progress(total: int) -> Any:
+    """A progress bar over the cases on stderr, on a terminal only; None where tqdm is not
+    installed (this script needs torch and numpy, nothing else)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="device check", unit="case", file=sys.stderr, leave=False, disable=None)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -564,16 +607,23 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     cases = []
-    for no, (lname, dname) in enumerate((ln, dn) for ln in layouts for dn in dtypes):
+    todo = [(ln, dn) for ln in layouts for dn in dtypes]
+    bar = _progress(len(todo))
+    say = bar.write if bar is not None else print  # a line printed under a bar would break it
+    for no, (lname, dname) in enumerate(todo):
         t0 = time.perf_counter()
         result = run_case(LAYOUTS[lname], dname, p, device, no)
         cases.append(result)
         status = "verified" if result["verified"] else f"{result['mismatches']} MISMATCHES"
-        print(f"  {result['case']}: {status}, {result['bytes_checked'] / MiB:.0f} MiB compared, "
-              f"{result['rounds']} rounds of {result['blocks_per_round']} blocks "
-              f"({time.perf_counter() - t0:.1f} s)", flush=True)
+        say(f"  {result['case']}: {status}, {result['bytes_checked'] / MiB:.0f} MiB compared, "
+            f"{result['rounds']} rounds of {result['blocks_per_round']} blocks "
+            f"({time.perf_counter() - t0:.1f} s)")
         for line in result["failures"]:
-            print(f"    FAIL {line}", flush=True)
+            say(f"    FAIL {line}")
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
 
     results = {
         "machine": info,
@@ -588,7 +638,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nwrote {out} ({results['runtime_s']:.1f} s)")
+    png = plot(results, out.with_suffix(".png"))
+    print(f"\nwrote {out}" + (f" and {png}" if png else "") + f" ({results['runtime_s']:.1f} s)")
     if not results["all_verified"]:
         print("DEVICE CHECK FAILED: see the FAIL lines above", file=sys.stderr)
         return 1

@@ -41,7 +41,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import RESULTS_DIR, log, machine_info, markdown_table, package_version, pyplot, write_json
+from common import RESULTS_DIR, log, machine_info, markdown_table, package_version, progress, pyplot, write_json
+from plotting import finish
 
 from kvpool.backends.base import Backend
 from kvpool.backends.local import LocalBackend
@@ -161,6 +162,65 @@ def profile(backend_name: str, backend: Backend, layout: KVLayout, n_blocks: int
     return row
 
 
+def plot(results: dict[str, Any], path: Path) -> Path | None:
+    """From a hitpath.json dict, at `path` (None: matplotlib is not installed): a hit's load
+    time over one memcpy of the same bytes against copy_threads, and where a hit's time goes at
+    the default thread count (the stages stacked, the whole load and memcpy marked)."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    rows = results["rows"]
+    threads = results["parameters"]["threads"]
+    fig, (ratio, parts) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [1, 1.4]})
+    for r in rows:
+        ratio.plot(threads, [r[f"load_ms_t{t}"] / r["memcpy_ms"] for t in threads], marker="o",
+                   ls="-" if r["backend"] == "server" else "--",
+                   label=f"{r['backend']} {r['size']} ({r['mib']:.0f} MiB)")
+    ratio.axhline(1.0, color="grey", ls=":", label="one memcpy of the same bytes")
+    ratio.set_xlabel("copy_threads")
+    ratio.set_ylabel("hit load time / single-thread memcpy")
+    ratio.set_xticks(threads)
+    ratio.set_ylim(bottom=0)
+    ratio.grid(True, alpha=0.3)
+    ratio.legend(fontsize=8)
+    ratio.set_title("the whole load (DirectCopier.load) against memcpy", fontsize=10)
+
+    # Stages of one load, in the order the load runs them; the checksum only where a read
+    # checks one (`server`: the reader hashes its copy; `local` serves its own memory).
+    stages = [("views_ms", "byte views", "tab:olive"), ("base_ms", "base class", "tab:gray"),
+              ("leases_ms", "leases", "tab:orange"), ("checksum_ms", "checksum (server reads)", "tab:red"),
+              ("copy", "copy", "tab:blue")]
+    labels = [f"{r['size']} {r['backend']}" for r in rows]
+    left = [0.0] * len(rows)
+    for key, name, color in stages:
+        widths = []
+        for r in rows:
+            if key == "copy":
+                widths.append(r[f"copy_ms_t{r['default_threads']}"])
+            elif key == "checksum_ms":
+                widths.append(r.get(key, 0.0) if r["backend"] == "server" else 0.0)
+            else:
+                widths.append(r.get(key, 0.0))
+        if any(widths):
+            parts.barh(range(len(rows)), widths, left=left, color=color, label=name, height=0.6)
+            left = [a + b for a, b in zip(left, widths)]
+    ys = range(len(rows))
+    parts.scatter([r[f"load_ms_t{r['default_threads']}"] for r in rows], ys, marker="D", color="k", zorder=3,
+                  label="whole load, measured")
+    parts.scatter([r["memcpy_ms"] for r in rows], ys, marker="|", s=400, color="k", zorder=3,
+                  label="one memcpy of the same bytes")
+    parts.set_yticks(list(ys), labels)
+    parts.invert_yaxis()
+    parts.set_xlabel(f"ms, medians of {results['parameters']['reps']}")
+    parts.grid(True, axis="x", alpha=0.3)
+    parts.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    default = rows[0]["default_threads"] if rows else "?"
+    parts.set_title(f"where a hit's load goes, each stage timed on its own (copy_threads {default})", fontsize=10)
+    p = results["parameters"]
+    return finish(plt, fig, f"Pool hit path without vLLM (benchmarks/hitpath.py): {p['layers']} layers x "
+                  f"{p['kv_heads']} KV heads x {p['head_dim']}, {p['block_tokens']}-token blocks, bf16", results, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="4K tokens only, 5 repetitions")
@@ -184,12 +244,14 @@ def main(argv: list[str] | None = None) -> int:
                 "local": LocalBackend(LocalSettings(memory_size=1 << 30), "hitpath"),
                 "server": ServerBackend(sock, "hitpath"),
             }
-            for size, tokens in sizes.items():
-                for name, backend in backends.items():
-                    log(f"hitpath: {name} {size}")
-                    row = profile(name, backend, layout, tokens // BLOCK, threads, reps)
-                    row["size"] = size
-                    rows.append(row)
+            with progress(len(sizes) * len(backends), "hitpath", unit="case") as bar:
+                for size, tokens in sizes.items():
+                    for name, backend in backends.items():
+                        log(f"hitpath: {name} {size}")
+                        row = profile(name, backend, layout, tokens // BLOCK, threads, reps)
+                        row["size"] = size
+                        rows.append(row)
+                        bar.update(1)
             for backend in backends.values():
                 backend.close()
         finally:
@@ -210,26 +272,13 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows])
     print(f"times in ms (medians); copy_threads default here: {auto}\n" + table)
     env = machine_info(numpy=package_version("numpy"), torch=torch.__version__)
-    out = write_json(RESULTS_DIR / ("hitpath-quick.json" if args.quick else "hitpath.json"),
-                     {"environment": env, "parameters": {"reps": reps, "threads": threads, "block_tokens": BLOCK,
-                                                         "layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD},
-                      "rows": rows, "table": table})
+    results = {"environment": env, "parameters": {"reps": reps, "threads": threads, "block_tokens": BLOCK,
+                                                  "layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD},
+               "rows": rows, "table": table}
+    out = write_json(RESULTS_DIR / ("hitpath-quick.json" if args.quick else "hitpath.json"), results)
     log(f"wrote {out}")
-    plt = pyplot()
-    if plt is not None:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for r in rows:
-            ax.plot(threads, [r[f"load_ms_t{t}"] / r["memcpy_ms"] for t in threads], marker="o",
-                    label=f"{r['backend']} {r['size']}")
-        ax.axhline(1.0, color="grey", linestyle="--", label="one memcpy of the same bytes")
-        ax.set_xlabel("copy_threads")
-        ax.set_ylabel("hit load time / single-thread memcpy")
-        ax.set_xticks(threads)
-        ax.legend()
-        ax.set_title("kvpool hit load (direct path) against memcpy")
-        fig.tight_layout()
-        png = out.with_suffix(".png")
-        fig.savefig(png, dpi=110)
+    png = plot(results, out.with_suffix(".png"))
+    if png is not None:
         log(f"wrote {png}")
     return 0
 

@@ -68,9 +68,10 @@ from typing import Any
 import httpx
 from common import (
     BLOCK_SIZE, DOCS_PATH, REPO, RESULTS_DIR, choose, count_params, cpu_snapshot, cpu_split, engine_dtype, fmt,
-    loadavg1, log, machine_info, markdown_table, package_version, percentile, provenance, random_token_ids,
-    replace_docs_section, start_together, unwind_on_sigterm, vllm_server, wait_quiet, write_json,
+    loadavg1, log, machine_info, markdown_table, package_version, percentile, progress, provenance, pyplot,
+    random_token_ids, replace_docs_section, start_together, unwind_on_sigterm, vllm_server, wait_quiet, write_json,
 )
+from plotting import finish, no_data
 
 from kvpool.testing.launch import OpenAIServer, PoolServer, ProxyServer, stream_completion
 from kvpool.testing.model import SPECS, build_model
@@ -113,8 +114,10 @@ def request(client: httpx.Client, prompt: list[int], max_tokens: int) -> dict[st
     }
 
 
-def run_pass(base_url: str, prompts: list[list[int]], args: argparse.Namespace) -> tuple[list[dict[str, Any]], float]:
-    """Send `prompts` with `args.concurrency` in flight; (samples in prompt order, wall seconds)."""
+def run_pass(base_url: str, prompts: list[list[int]], args: argparse.Namespace,
+             what: str = "pass") -> tuple[list[dict[str, Any]], float]:
+    """Send `prompts` with `args.concurrency` in flight; (samples in prompt order, wall seconds).
+    A progress bar named `what` counts the answered requests."""
     local = threading.local()
     clients: list[httpx.Client] = []
     lock = threading.Lock()
@@ -131,10 +134,11 @@ def run_pass(base_url: str, prompts: list[list[int]], args: argparse.Namespace) 
         r["request"] = i
         r["sent_s"] = round(sent, 4)
         r["done_s"] = round(time.perf_counter() - t_start, 4)
+        bar.update(1)
         return r
 
     try:
-        with cf.ThreadPoolExecutor(max_workers=args.concurrency) as pool:
+        with progress(len(prompts), what) as bar, cf.ThreadPoolExecutor(max_workers=args.concurrency) as pool:
             samples = list(pool.map(one, range(len(prompts))))
     finally:
         for c in clients:
@@ -379,6 +383,60 @@ def notes(results: dict[str, Any]) -> list[str]:
                    + ". One run, configurations one after another in this order, each started fresh.")
     return out
 
+# The configurations in two short lines, for the plot's axis (DESCRIPTIONS is for the table).
+TICKS = {"mixed": "1 instance, cores 0-1", "1p1d": "prefill core 0\ndecode core 1",
+         "1p1d-noload": "prefill core 0 (no load)\ndecode core 1"}
+
+
+def plot(results: dict[str, Any], path: Path) -> Path | None:
+    """Requests/s, TTFT and TPOT per configuration from a pd.json dict, at `path` (None:
+    matplotlib is not installed): requests/s over all passes with each pass as a dot, and the
+    distribution of every request's TTFT and TPOT as boxes (median, quartiles, 5-95%)."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    cfg = results["configs"]
+    names = [n for n in CONFIG_ORDER if n in cfg] + [n for n in cfg if n not in CONFIG_ORDER]
+    done = [n for n in names if "summary" in cfg[n]]
+    fig, (rps, ttft, tpot) = plt.subplots(1, 3, figsize=(13, 4.6))
+    colors = {"mixed": "black", "1p1d": "tab:blue", "1p1d-noload": "tab:orange"}
+    if not done:
+        for ax in (rps, ttft, tpot):
+            no_data(ax, "no configuration finished")
+    else:
+        xs = range(len(done))
+        rps.bar(xs, [cfg[n]["summary"]["requests_per_s"] for n in done], 0.6,
+                color=[colors.get(n, "tab:gray") for n in done], alpha=0.8, label="all passes")
+        for i, n in enumerate(done):
+            per = cfg[n]["summary"]["requests_per_s_by_pass"]
+            rps.scatter([i] * len(per), per, color="k", s=14, zorder=3, label="one pass" if i == 0 else None)
+        rps.set_ylabel("requests/s")
+        rps.set_title("throughput", fontsize=10)
+        rps.legend(fontsize=8)
+        for ax, key, title, unit in ((ttft, "ttft_ms", "time to first token", "TTFT"),
+                                     (tpot, "tpot_ms", "time per output token", "TPOT")):
+            data = [[smp[key] for ps in cfg[n]["passes"] for smp in ps["samples"] if smp.get(key) is not None]
+                    for n in done]
+            box = ax.boxplot(data, positions=list(xs), widths=0.5, whis=(5, 95), showfliers=True,
+                             flierprops={"markersize": 2, "alpha": 0.5}, patch_artist=True,
+                             medianprops={"color": "k"})
+            for patch, n in zip(box["boxes"], done):
+                patch.set_facecolor(colors.get(n, "tab:gray"))
+                patch.set_alpha(0.5)
+            ax.set_ylabel(f"{unit}, ms (box: quartiles; whiskers: 5-95%)", fontsize=9)
+            ax.set_ylim(bottom=0)
+            ax.set_title(f"{title}, every request", fontsize=10)
+        for ax in (rps, ttft, tpot):
+            ax.set_xticks(list(xs), [f"{n}\n{TICKS.get(n, '')}" for n in done], fontsize=8)
+            ax.grid(True, axis="y", alpha=0.3)
+    p = results["parameters"]
+    failed = [n for n in names if n not in done]
+    title = (f"PD disaggregation: 1P1D through the kvpool proxy against one PD-mixed instance (benchmarks/pd.py)\n"
+             f"model {p['model']}, {p['passes']} passes x {p['requests']} requests of a shared "
+             f"{p['prefix_tokens']}-token prefix + {p['suffix_tokens']}, max_tokens {p['max_tokens']}, "
+             f"{p['concurrency']} in flight" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return finish(plt, fig, title, results, path)
+
 
 def update_docs(results: dict[str, Any], text_table: str) -> None:
     """Write the "PD disaggregation" section of docs/benchmarks.md: the run's setting, the table, the
@@ -393,6 +451,7 @@ def update_docs(results: dict[str, Any], text_table: str) -> None:
         "over all requests. Raw numbers: `benchmarks/results/pd.json`.",
         text_table,
         "\n".join(f"- {line}" for line in notes(results)),
+        "![PD disaggregation: requests/s, TTFT and TPOT per configuration](results/pd.png)",
         "Reproduce: `.venv/bin/python benchmarks/pd.py` (a few minutes; `--model bench` for the ~96M-parameter "
         "model, `--quick` for a smoke run).",
     ])
@@ -480,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
                 quiet = wait_quiet(args.quiet_wait_s, window_s=6.0)
                 la = loadavg1()
                 snap = cpu_snapshot()
-                samples, wall = run_pass(dep.url, prompts, args)
+                samples, wall = run_pass(dep.url, prompts, args, f"{name} pass {i + 1}/{len(passes)}")
                 ours, others = cpu_split(snap, cpu_snapshot())
                 for s in samples:
                     ids = s.pop("token_ids")
@@ -523,7 +582,9 @@ def main(argv: list[str] | None = None) -> int:
     for line in notes(results)[5:]:  # the numbers-driven notes
         print(f"- {line}")
     write_json(out, results)
-    print(f"\nwrote {out} ({results['duration_s']:.0f} s); server logs in {workdir / 'logs'}")
+    png = plot(results, out.with_suffix(".png"))
+    print(f"\nwrote {out}" + (f" and {png}" if png else "") + f" ({results['duration_s']:.0f} s); "
+          f"server logs in {workdir / 'logs'}")
     if not args.quick and not args.no_docs and not failed:
         update_docs(results, text)
         print(f"updated {DOCS_PATH} ({SECTION[3:]} section)")

@@ -48,9 +48,10 @@ from typing import Any
 
 import numpy as np
 from common import (
-    RESULTS_DIR, fmt, loadavg1, log, machine_info, markdown_table, percentile, provenance, pyplot,
+    RESULTS_DIR, fmt, loadavg1, log, machine_info, markdown_table, percentile, progress, provenance, pyplot,
     replace_docs_section, unwind_on_sigterm, write_json,
 )
+from plotting import COLORS, finish, no_data
 
 from kvpool.testing.launch import PoolServer
 
@@ -453,30 +454,80 @@ def target_table(rows: list[tuple[str, str, bool | None]]) -> str:
 
 
 def plot(results: dict[str, Any], path: Path) -> Path | None:
+    """From a scale.json dict, at `path` (None: matplotlib is not installed): against the
+    number of objects in the pool, the 64-key lookup's p50/p99, the put (evicting) and get
+    rates, and the metadata per object, each system a colour, the targets dashed."""
     plt = pyplot()
     if plt is None:
         return None
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (look, rate, meta, ssd) = plt.subplots(1, 4, figsize=(19, 4.6))
+    tg = results.get("targets", TARGETS)
+    metas: list[float] = []
     for system, marker in (("kvpool", "o"), ("mooncake", "s")):
         rs = [r for r in results.get(system, []) if "error" not in r]
         if not rs:
             continue
         xs = [r["objects"] for r in rs]
-        left.plot(xs, [r["lookup_p50_ms"] for r in rs], marker=marker, label=f"{system} p50")
-        left.plot(xs, [r["lookup_p99_ms"] for r in rs], marker=marker, linestyle="--", label=f"{system} p99")
-        right.plot(xs, [r["put_per_s"] for r in rs], marker=marker, label=system)
-    for ax, title in ((left, "64-key lookup latency (ms)"), (right, "put rate with eviction (objects/s)")):
+        c = COLORS.get(system)
+        look.plot(xs, [r["lookup_p50_ms"] for r in rs], marker=marker, color=c, label=f"{system} p50")
+        look.plot(xs, [r["lookup_p99_ms"] for r in rs], marker=marker, color=c, ls="--", label=f"{system} p99")
+        rate.plot(xs, [r["put_per_s"] for r in rs], marker=marker, color=c, label=f"{system} put (evicting)")
+        rate.plot(xs, [r["get_per_s"] for r in rs], marker=marker, color=c, ls=":", label=f"{system} get")
+        ms = [r.get("meta_bytes", r.get("master_meta_bytes")) for r in rs]
+        metas += [m for m in ms if m is not None]
+        if any(m is not None for m in ms):
+            meta.plot(xs, [float("nan") if m is None else m for m in ms], marker=marker, color=c,
+                      label=f"{system} ({'server heap' if system == 'kvpool' else 'master'}, keys included)")
+    look.axhline(tg["lookup_p99_ms"], color="k", ls="--", lw=0.8, label=f"target p99 < {tg['lookup_p99_ms']} ms")
+    meta.axhline(tg["meta_bytes"], color="k", ls="--", lw=0.8, label=f"target <= {tg['meta_bytes']} B (kvpool)")
+    for ax, title, unit in ((look, "64-key lookup (batch_exists)", "ms (log)"),
+                            (rate, f"put and get rate, {results.get('value_bytes', 0) // 1024} KiB values",
+                             "objects/s"),
+                            (meta, "metadata per object", "bytes/object")):
         ax.set_xscale("log")
         ax.set_xlabel("objects in the pool")
-        ax.set_title(title)
+        ax.set_ylabel(unit)
+        ax.set_title(title, fontsize=10)
         ax.grid(True, alpha=0.3)
-        ax.legend()
-    left.set_yscale("log")
-    right.set_ylim(bottom=0)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        ax.legend(fontsize=7)
+    look.set_yscale("log")
+    from matplotlib.ticker import FormatStrFormatter, LogLocator
+    # Plain numbers at 1-2-3-5 steps (0.3, 0.5, 1, 2) rather than 3x10^-1 on the log axis.
+    look.yaxis.set_minor_locator(LogLocator(subs=(2.0, 3.0, 5.0)))
+    look.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    look.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    rate.set_ylim(bottom=0)
+    meta.set_ylim(0, max([tg["meta_bytes"], *metas]) * 1.25)  # room above the top point for the legend
+
+    # SSD-tier reads against the disk's own O_DIRECT bandwidth in the same run: 1 KiB objects
+    # (the restart's) and block-sized values, the case the 70% target is about.
+    reads = [(f"{(results.get(k) or {}).get('objects', 0):,} x {label}", results.get(k) or {})
+             for k, label in (("restart", "1 KiB"), ("ssd_blocks", "1 MiB"))]
+    reads = [(label, r) for label, r in reads if r.get("ssd_read_bytes_per_s") and r.get("direct_io_bytes_per_s")]
+    if reads:
+        xs = range(len(reads))
+        ssd.bar([x - 0.2 for x in xs], [r["ssd_read_bytes_per_s"] / 1e6 for _, r in reads], 0.4,
+                color=COLORS["kvpool"], label="kvpool SSD tier")
+        ssd.bar([x + 0.2 for x in xs], [r["direct_io_bytes_per_s"] / 1e6 for _, r in reads], 0.4,
+                color="tab:gray", label="O_DIRECT reads, same bytes")
+        for x, (_, r) in zip(xs, reads):
+            share = r["ssd_read_bytes_per_s"] / r["direct_io_bytes_per_s"]
+            ssd.annotate(f"{share:.0%}" if share >= 0.1 else f"{share:.1%}", (x - 0.2, r["ssd_read_bytes_per_s"] / 1e6),
+                         ha="center", va="bottom", fontsize=8)
+        ssd.set_xticks(list(xs), [label for label, _ in reads], fontsize=8)
+        ssd.set_ylabel("MB/s (cold page cache)")
+        ssd.legend(fontsize=7)
+        ssd.grid(True, axis="y", alpha=0.3)
+        ssd.set_title(f"SSD-tier reads (target >= {tg['ssd_read_ratio']:.0%} of O_DIRECT, block-sized)",
+                      fontsize=10)
+    else:
+        no_data(ssd, "no SSD-tier read measured in this run")
+    r = results.get("restart") or {}
+    extra = (f"; restart with {r['objects']:,} objects on the SSD tier {r['restart_s']:.2f} s"
+             if r.get("restart_s") is not None else "")
+    kind = "quick run" if results.get("quick") else "full run"
+    return finish(plt, fig, f"Scale: a kvpool server against mooncake_master (benchmarks/scale.py, {kind}){extra}",
+                  results, path)
 
 
 def notes(results: dict[str, Any]) -> str:
@@ -517,7 +568,9 @@ def update_docs(results: dict[str, Any], text: str, tgt: str) -> None:
         f"{fmt(((results.get('ssd_blocks') or {}).get('direct_io_bytes_per_s') or 0) / 1e6, 0)} MB/s.",
         "```\n" + tgt + "\n```",
         notes(results),
-        "Plot: `benchmarks/results/scale.png`; raw numbers: `benchmarks/results/scale.json`.",
+        "![Scale: lookup latency, put/get rate and metadata per object against the object count]"
+        f"(results/{'scale-quick' if results['quick'] else 'scale'}.png)",
+        f"Raw numbers: `benchmarks/results/{'scale-quick' if results['quick'] else 'scale'}.json`.",
     ]
     replace_docs_section(SECTION, blocks)
 
@@ -542,10 +595,14 @@ def main(argv: list[str] | None = None) -> int:
     log(f"CPU {results['env']['cpu_model']} x{results['env']['cpu_count']}, load {results['env']['loadavg']}")
     systems = [s for s in args.systems.split(",") if s]
     with tempfile.TemporaryDirectory(prefix="kvsc-", dir="/tmp") as tmp:
+        # One step per system and object count, then the restart and the SSD-block reads: at a
+        # million objects one step takes minutes.
+        bar = progress(len(systems) * len(sizes) + (0 if args.no_restart else 2), "scale", unit="step")
         for system in systems:
             results[system] = []
             for n in sizes:
                 log(f"{system}: {n:,} objects")
+                bar.set_postfix_str(f"{system} {n:,}")
                 try:
                     r = (run_kvpool if system == "kvpool" else run_mooncake)(n, args, tmp)
                 except Exception as exc:  # a failing system is reported, not fatal
@@ -553,14 +610,20 @@ def main(argv: list[str] | None = None) -> int:
                     r = {"objects": n, "error": f"failed: {str(exc).splitlines()[0] if str(exc) else exc!r}"}
                 results[system].append(r)
                 log(f"  {r}")
+                bar.update(1)
         if not args.no_restart:
             log(f"restart with {max(sizes):,} objects on the SSD tier")
+            bar.set_postfix_str("restart")
             results["restart"] = run_restart(max(sizes), args, tmp)
             log(f"  {results['restart']}")
+            bar.update(1)
             blocks = 256 if args.quick else 1024
             log(f"SSD-tier reads of {blocks} blocks of {BLOCK_VALUE >> 20} MiB")
+            bar.set_postfix_str("SSD blocks")
             results["ssd_blocks"] = run_ssd_blocks(blocks, args, tmp)
             log(f"  {results['ssd_blocks']}")
+            bar.update(1)
+        bar.close()
     text = table(results)
     tgt_rows = targets(results)
     results["target_results"] = [{"target": t, "measured": v, "met": ok} for t, v, ok in tgt_rows]

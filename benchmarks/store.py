@@ -74,9 +74,10 @@ from typing import Any
 
 import numpy as np
 from common import (
-    DOCS_PATH, RESULTS_DIR, choose, fmt, machine_info, markdown_table, percentile, provenance, replace_docs_section,
-    write_json,
+    DOCS_PATH, RESULTS_DIR, choose, fmt, machine_info, markdown_table, percentile, progress, provenance, pyplot,
+    replace_docs_section, say, write_json,
 )
+from plotting import COLORS, finish
 
 from kvpool.testing.launch import PoolServer
 from kvpool.testing.proc import tail
@@ -600,9 +601,96 @@ def update_docs(results: dict[str, Any], text_table: str, target_lines: list[str
         ]),
         "Targets (issue 3):",
         "\n".join(f"- {line}" for line in target_lines),
+        "![Store throughput per backend: put and get GB/s per value size, and the 64-key lookup]"
+        "(results/store.png)",
         f"Reproduce: `.venv/bin/python benchmarks/store.py` ({results['runtime_s']:.0f} s here; "
         "`--quick` for a smoke run).",
     ])
+
+
+# Short names for the plot's axis (the table's LABELS are sentences).
+SHORT = {"memcpy": "memcpy", "shm": "shared_memory", "local": "local", "server": "server", "redis": "redis",
+         "mooncake": "mooncake (TCP)", "yuanrong": "yuanrong", "memcache": "memcache"}
+
+
+def plot(results: dict[str, Any], path: Path) -> Path | None:
+    """Throughput per backend (put and get GB/s for each value size, grouped bars with the min-max
+    of the rounds) and the 64-key lookup per backend, from a store.json dict, at `path` (None:
+    matplotlib is not installed)."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    cases = results["cases"]
+    sizes = list(results["parameters"]["value_sizes"])
+    order = [c for c in CASES if c in cases]
+    fig, (ax, lk) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 1.3]})
+    bars = [(op, size) for size in sizes for op in ("put", "get")]
+    width = 0.8 / len(bars)
+    shades = {("put", 0): "#9ecae1", ("get", 0): "#3182bd", ("put", 1): "#fdae6b", ("get", 1): "#e6550d"}
+    top = max((e["sizes"][s][f"{op}_gbps_max"] for e in cases.values() if e.get("status") == "ok"
+               for op, s in bars), default=1.0)
+    for k, (op, size) in enumerate(bars):
+        xs, ys, lo, hi = [], [], [], []
+        for i, case in enumerate(order):
+            e = cases[case]
+            if e.get("status") != "ok":
+                continue
+            v = e["sizes"][size]
+            xs.append(i - 0.4 + width * (k + 0.5))
+            ys.append(v[f"{op}_gbps"])
+            lo.append(v[f"{op}_gbps"] - v[f"{op}_gbps_min"])
+            hi.append(v[f"{op}_gbps_max"] - v[f"{op}_gbps"])
+        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=f"{op} {size}",
+               color=shades.get((op, sizes.index(size) % 2), None), error_kw={"lw": 0.8})
+    for i, case in enumerate(order):
+        e = cases[case]
+        if e.get("status") != "ok":  # say why there is no bar, instead of a gap that reads as 0
+            ax.text(i, top * 0.04, f"{e.get('status', 'not run')}" + (f":\n{e['why'][:40]}" if e.get("why") else ""),
+                    ha="center", va="bottom", fontsize=7, color="grey", rotation=90)
+    ws = results["parameters"]
+
+    def tick(c: str) -> str:
+        if cases[c].get("status") != "ok":
+            return SHORT.get(c, c)
+        procs = "1 process" if c in ("memcpy", "local") else "2 processes"
+        return f"{SHORT.get(c, c)}\n{procs}\n{(cases[c].get('working_set') or ws['working_set']) // MiB} MiB/round"
+
+    ax.set_xticks(range(len(order)), [tick(c) for c in order], fontsize=8)
+    ax.set_ylabel("GB/s (1 GB = 10^9 bytes), median round; bars: min-max")
+    ax.set_title(f"put and get throughput, batches of {ws['batch']} keys", fontsize=10)
+    ax.set_ylim(0, top * 1.1)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, ncol=len(bars), loc="upper right")
+
+    first = sizes[0]
+    looked = [c for c in order if cases[c].get("status") == "ok"
+              and f"lookup_lease_median_ms" in cases[c]["sizes"].get(first, {})]
+    for k, (mode, hatch) in enumerate((("lease", None), ("no_lease", "//"))):
+        meds = [cases[c]["sizes"][first][f"lookup_{mode}_median_ms"] for c in looked]
+        p99 = [cases[c]["sizes"][first][f"lookup_{mode}_p99_ms"] for c in looked]
+        lk.bar([i - 0.2 + 0.4 * k for i in range(len(looked))], meds, 0.4,
+               yerr=[[0] * len(meds), [max(0.0, p - m) for p, m in zip(p99, meds)]], capsize=2,
+               color=[COLORS.get(c, "tab:gray") for c in looked], hatch=hatch, edgecolor="white",
+               error_kw={"lw": 0.8})
+    lk.axhline(LOOKUP_TARGET_MS, color="k", ls="--", lw=0.8)
+    # The bars take each backend's colour; the legend shows only what the hatching means.
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    lk.legend(handles=[Patch(facecolor="grey", label="with lease (as the connector looks up)"),
+                       Patch(facecolor="grey", hatch="//", edgecolor="white", label="no lease"),
+                       Line2D([], [], color="k", ls="--", lw=0.8, label=f"target {LOOKUP_TARGET_MS} ms (server)")],
+              fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2))
+    lk.set_yscale("log")
+    from matplotlib.ticker import FormatStrFormatter, LogLocator
+    lk.yaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))  # 0.02, 0.05, 0.1 rather than 2x10^-2
+    lk.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    lk.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    lk.set_xticks(range(len(looked)), [SHORT.get(c, c).split(" ")[0] for c in looked], fontsize=8, rotation=30)
+    lk.set_ylabel("ms, median; whisker: p99 (log)")
+    lk.set_title(f"lookup: batch_exists of {results['parameters']['lookup_keys']} stored keys", fontsize=10)
+    kind = "quick run" if results["parameters"].get("quick") else "full run"
+    return finish(plt, fig, f"Store throughput per backend ({kind}, benchmarks/store.py)", results, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -659,19 +747,27 @@ def main(argv: list[str] | None = None) -> int:
             for op in ("put_gbps", "get_gbps"):
                 memcpy_raw[label][op] += raw[op]
 
+    # One step per case and value size, plus the memcpy blocks between them: the steps a full run
+    # spends its minutes on.
+    bar = progress(len(cases) * len(SIZES) + len(cases) + 1, "store", unit="step")
     memcpy_block()
+    bar.update(1)
     for case in cases:
+        bar.set_postfix_str(case)
         if case == "server" and not server_available():
             results["cases"][case] = {"status": "not available"}
-            print(f"{case}: not available ({SERVER_MODULE} does not exist yet)", flush=True)
+            say(f"{case}: not available ({SERVER_MODULE} does not exist yet)")
+            bar.update(len(SIZES) + 1)
             continue
         if case == "memcache":  # see docs/backends.md: its client cannot start without an NPU
             results["cases"][case] = {"status": "not available", "why": MEMCACHE_WHY.split(": ", 1)[1]}
-            print(f"{case}: {MEMCACHE_WHY}", flush=True)
+            say(f"{case}: {MEMCACHE_WHY}")
+            bar.update(len(SIZES) + 1)
             continue
         entry: dict[str, Any] = {"status": "ok", "sizes": {},
                                  "working_set": dist_ws if case in DISTRIBUTED else working_set}
         t_case = time.monotonic()
+        measured = 0
         try:
             if case == "yuanrong":
                 yr_pool.append(YuanrongPool(dist_ws))
@@ -682,11 +778,13 @@ def main(argv: list[str] | None = None) -> int:
                 raw.pop("lookup_ms", None)  # summarised above; thousands of samples do not belong in git
                 results["raw"].setdefault(case, {})[label] = raw
                 s = entry["sizes"][label]
-                print(f"{case:8s} {label:7s} put {s['put_gbps']:6.2f} GB/s  get {s['get_gbps']:6.2f} GB/s"
-                      f"  ({time.monotonic() - t:.1f} s)", flush=True)
+                say(f"{case:8s} {label:7s} put {s['put_gbps']:6.2f} GB/s  get {s['get_gbps']:6.2f} GB/s"
+                    f"  ({time.monotonic() - t:.1f} s)")
+                bar.update(1)
+                measured += 1
         except _Skip as exc:
             entry = {"status": "not available", "why": str(exc)}
-            print(f"{case}: not available: {exc}", flush=True)
+            say(f"{case}: not available: {exc}")
         except Exception as exc:
             # The distributed backends are reported, not fatal: the table says why one failed.
             if case not in DISTRIBUTED:
@@ -699,7 +797,10 @@ def main(argv: list[str] | None = None) -> int:
                 yr_pool.pop().close()
         entry["case_s"] = time.monotonic() - t_case
         results["cases"][case] = entry
+        bar.update(len(SIZES) - measured)  # the sizes a failure or a missing service skipped
         memcpy_block()
+        bar.update(1)
+    bar.close()
     results["raw"]["memcpy"] = memcpy_raw
     results["cases"]["memcpy"] = {"status": "ok", "sizes": {label: _summary(memcpy_raw[label]) for label in SIZES}}
     for label in SIZES:
@@ -719,7 +820,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nruntime {results['runtime_s']:.1f} s; {working_set // MiB} MiB working set "
           f"({dist_ws // MiB} MiB for {', '.join(DISTRIBUTED)}), {rounds} rounds")
     write_json(out, results)
-    print(f"wrote {out}")
+    png = plot(results, out.with_suffix(".png"))
+    print(f"wrote {out}" + (f" and {png}" if png else " (no plot: matplotlib not installed)"))
     if not args.quick and not args.no_docs and not failed and not args.cases:
         update_docs(results, text, lines)
         print(f"updated {DOCS_PATH} ({SECTION[3:]} section)")

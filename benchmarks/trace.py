@@ -68,6 +68,7 @@ from common import (
     markdown_table, package_version, percentile, progress, provenance, pyplot, random_token_ids, replace_docs_section,
     start_together, unwind_on_sigterm, vllm_server, wait_quiet, write_json,
 )
+from plotting import COLORS, finish, no_data
 
 from kvpool.proxy.config import ADMIN_TOKEN_ENV
 from kvpool.testing.launch import OpenAIServer, PoolServer, ProxyServer, stream_completion
@@ -464,29 +465,65 @@ def table(entry: dict[str, Any]) -> str:
 
 
 def plot(results: dict[str, Any], path: Path) -> Path | None:
+    """From a trace.json dict, at `path` (None: matplotlib is not installed): per trace, the token
+    hit rate of each configuration against the infinite-cache bound and `kvpool plan`'s
+    prediction, and the distribution of every request's TTFT (one line per configuration)."""
     plt = pyplot()
     if plt is None:
         return None
+    from matplotlib.ticker import FormatStrFormatter, LogLocator
+
     traces = list(results["traces"])
-    fig, axes = plt.subplots(1, 2 * len(traces), figsize=(6 * len(traces), 3.6))
-    for t_i, trace in enumerate(traces):
+    fig, axes = plt.subplots(max(1, len(traces)), 2, figsize=(13, 4.2 * max(1, len(traces))), squeeze=False,
+                             gridspec_kw={"width_ratios": [1, 1.6]})
+    if not traces:
+        for ax in axes[0]:
+            no_data(ax, "no trace replayed")
+    for (ax_hit, ax_ttft), trace in zip(axes, traces):
         entry = results["traces"][trace]
         names = [n for n, c in entry["configs"].items() if "summary" in c]
-        ax_hit, ax_ttft = axes[2 * t_i], axes[2 * t_i + 1]
-        ax_hit.bar(names, [entry["configs"][n]["summary"]["hit_rate"] for n in names], color="tab:blue")
-        ax_hit.axhline(entry["bound_hit_rate"], color="k", ls="--", lw=1, label="infinite cache")
-        ax_hit.set_title(f"{trace}: token hit rate")
-        ax_hit.legend(fontsize=8)
-        for k, q in enumerate(("ttft_p50_ms", "ttft_p90_ms")):
-            ax_ttft.bar([i + 0.4 * k for i in range(len(names))],
-                        [entry["configs"][n]["summary"][q] for n in names], width=0.4, label=q[5:8])
-        ax_ttft.set_xticks([i + 0.2 for i in range(len(names))], names)
-        ax_ttft.set_title(f"{trace}: TTFT (ms)")
-        ax_ttft.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        failed = [n for n, c in entry["configs"].items() if "summary" not in c]
+        colors = [COLORS.get(n, "tab:gray") for n in names]
+        rates = [entry["configs"][n]["summary"]["hit_rate"] for n in names]
+        ax_hit.bar(names, rates, 0.6, color=colors)
+        for i, v in enumerate(rates):  # the bars end within a few points of each other: say the number
+            ax_hit.text(i, v / 2, f"{v:.3f}", ha="center", va="center", color="white", fontsize=9)
+        ax_hit.axhline(entry["bound_hit_rate"], color="k", ls="--", lw=1, label="infinite-cache bound")
+        plan = (entry.get("plan") or {}).get("hit_rate") or {}
+        for i, n in enumerate(names):  # the planner's prediction where it models the configuration
+            if PLAN_POLICIES.get(n) in plan:
+                ax_hit.scatter([i], [plan[PLAN_POLICIES[n]]], marker="_", s=600, color="tab:red", zorder=3,
+                               label="kvpool plan's prediction" if n == "kvpool" or "kvpool" not in names else None)
+        ax_hit.set_ylim(0, 1.05)
+        ax_hit.set_ylabel("token hit rate (cached / prompt tokens)")
+        s = entry["sampling"]
+        ax_hit.set_title(f"{trace}: {s['requests']} requests, {s['conversations']} conversations, "
+                         f"x{s['speedup']:.0f} time", fontsize=10)
+        ax_hit.legend(fontsize=7, loc="lower right")
+        ax_hit.tick_params(axis="x", labelsize=8)
+        for n, color in zip(names, colors):
+            ttfts = sorted(smp["ttft_ms"] for smp in entry["configs"][n]["samples"] if smp.get("ttft_ms") is not None)
+            if ttfts:
+                ax_ttft.plot(ttfts, [(k + 1) / len(ttfts) for k in range(len(ttfts))], color=color,
+                             drawstyle="steps-post", lw=2 if n in ("kvpool", "routed") else 1.4,
+                             label=f"{n}: p50 {entry['configs'][n]['summary']['ttft_p50_ms']:.0f} ms, "
+                                   f"p90 {entry['configs'][n]['summary']['ttft_p90_ms']:.0f} ms")
+        for q in (0.5, 0.9):
+            ax_ttft.axhline(q, color="grey", lw=0.6, ls=":")
+        ax_ttft.set_xscale("log")
+        ax_ttft.xaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))
+        ax_ttft.xaxis.set_major_formatter(FormatStrFormatter("%g"))  # 200, 500, 1000 rather than 10^3
+        ax_ttft.xaxis.set_minor_formatter(FormatStrFormatter("%g"))
+        ax_ttft.set_xlabel("TTFT, ms (log)")
+        ax_ttft.set_ylabel("share of requests")
+        ax_ttft.set_ylim(0, 1.0)
+        ax_ttft.grid(True, alpha=0.3)
+        ax_ttft.legend(fontsize=7, loc="upper left")
+        ax_ttft.set_title(f"{trace}: TTFT of every request" + (f" (failed: {', '.join(failed)})" if failed else ""),
+                          fontsize=10)
+    kind = "quick run" if results.get("quick") else "full run"
+    return finish(plt, fig, f"Trace replay on two vLLM instances (benchmarks/trace.py, {kind}): prefix cache alone, "
+                  "a shared kvpool server, prefix-aware routing, Mooncake Store", results, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -560,7 +597,8 @@ def main(argv: list[str] | None = None) -> int:
     write_json(out_path, results)
     png = plot(results, out_path.with_suffix(".png"))
     if png is not None:
-        blocks.append(f"![trace replay](results/{png.name})")
+        blocks.append("![Trace replay: each configuration's hit rate against the bound and the planner, and every "
+                      f"request's TTFT](results/{png.name})")
     if not args.quick and not args.no_docs:
         replace_docs_section(SECTION, blocks)
     log(f"wrote {out_path}" + (f" and {png}" if png else ""))

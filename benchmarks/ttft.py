@@ -67,9 +67,10 @@ from typing import Any
 import httpx
 from common import (
     BLOCK_SIZE, RESULTS_DIR, choose, count_params, cpu_snapshot, cpu_split, engine_dtype, loadavg1, log, machine_info,
-    markdown_table, package_version, pyplot, random_token_ids, unwind_on_sigterm, vllm_server, wait_quiet,
+    markdown_table, package_version, progress, pyplot, random_token_ids, unwind_on_sigterm, vllm_server, wait_quiet,
     write_json,
 )
+from plotting import COLORS, finish
 
 from kvpool.testing.launch import DEFAULT_ENV, OpenAIServer, ServerError
 from kvpool.testing.model import SPECS, build_model
@@ -294,6 +295,9 @@ def run_config(plan: ServerPlan, sizes: list[str], reps: int, model_dir: Path, w
                            "max_num_batched_tokens": plan.max_num_batched_tokens or args.max_num_batched_tokens}
     vocab = SPECS["bench"].vocab_size
     ext_crash: dict[str, Any] | None = None
+    # A bar over this configuration's prompts (each: cold, hit, +1 and partial requests, and the
+    # retakes of a disturbed one): a configuration takes minutes.
+    bar = progress(len(sizes) * reps, plan.name, unit="prompt")
     try:
         for size in sizes:
             n = SIZES[size]
@@ -379,9 +383,11 @@ def run_config(plan: ServerPlan, sizes: list[str], reps: int, model_dir: Path, w
                         sample["disturbed"] = disturbed
                         entry[kind].append(sample)
                     break
+                bar.update(1)
                 if stop_size:
                     break
     finally:
+        bar.close()
         runner.stop()
     out["server_starts"] = runner.starts
     out["startup_s"] = runner.startup_s
@@ -601,33 +607,75 @@ def served_dtype(results: dict[str, Any]) -> str | None:
     return None
 
 
-def plot(summary: dict[str, Any], sizes: list[str], path: Path) -> str | None:
-    """Median TTFT against prompt length, one line per system and request kind, at `path`
-    (None: matplotlib is not installed)."""
+# The systems of the plot, as (column prefix for the cold panel, for the hit panels, the
+# configuration that ran them, label, colour key).
+PLOT_SYSTEMS = [
+    ("vllm", "prefix", "vllm", "vLLM alone (cold) / vLLM prefix cache (hits)", "vllm"),
+    ("kvpool", "kvpool", "kvpool", "kvpool", "kvpool"),
+    ("serial", "serial", "kvpool_serial", "kvpool, copy_threads 1", "kvpool_serial"),
+    ("staged", "staged", "kvpool_staged", "kvpool, staged path (accelerator path on CPU)", "kvpool_staged"),
+    ("example", "example", "example", "ExampleConnector", "example"),
+    ("exampleu", "exampleu", "example_unchunked", "ExampleConnector, no chunked prefill", "example_unchunked"),
+    ("mooncake", "mooncake", "mooncake", "MooncakeStoreConnector", "mooncake"),
+]
+
+
+def plot(report: dict[str, Any], path: Path) -> Path | None:
+    """Median TTFT against prompt length per system, from a ttft.json dict, at `path` (None:
+    matplotlib is not installed): one panel per request kind (cold, the same prompt again, the
+    prompt + its generated token, the prompt + 1024 new tokens), one line per system."""
     plt = pyplot()
     if plt is None:
         return None
-    lines = [("vllm_cold", "vLLM cold"), ("kvpool_cold", "kvpool cold"), ("prefix_ext", "vLLM prefix cache +1"),
-             ("kvpool_ext", "kvpool +1"), ("staged_ext", "kvpool staged +1"), ("mooncake_ext", "MooncakeStore +1"),
-             ("example_ext", "ExampleConnector +1"), ("prefix_part", f"vLLM prefix cache +{PART_NEW_TOKENS}"),
-             ("kvpool_part", f"kvpool +{PART_NEW_TOKENS}")]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    xs = [SIZES[s] for s in sizes]
-    for col, label in lines:
-        ys = [summary["medians"][s][col].get("median_ms") for s in sizes]
-        if any(y is not None for y in ys):
-            ax.plot(xs, [float("nan") if y is None else y for y in ys], marker="o", label=label,
-                    linestyle="--" if col.endswith("_cold") else "-")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(xs, sizes)
-    ax.set_yscale("log")
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("median TTFT, ms (log)")
-    ax.set_title("TTFT against prompt length")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return str(path)
+    sizes = list(report["sizes"])
+    tokens = [report["sizes"][s] for s in sizes]
+    med = report["medians"]
+    panels = [("cold", "cold: the first time a server sees the prompt"),
+              ("hit", "hit: the same prompt again"),
+              ("ext", "+1: the prompt + its generated token\n(like for like: every cache can serve all of it)"),
+              ("part", f"partial hit: the prompt + {PART_NEW_TOKENS} new tokens")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(16, 5))
+    handles: dict[str, Any] = {}
+    for ax, (kind, title) in zip(axes, panels):
+        for cold_col, hit_col, cfg, label, color in PLOT_SYSTEMS:
+            col = f"{cold_col if kind == 'cold' else hit_col}_{kind}"
+            cells = [med[s].get(col, {}) for s in sizes]
+            ys = [c.get("median_ms") for c in cells]
+            if all(y is None for y in ys):
+                continue
+            # A size where the server crashed, errored or missed is a gap in the line, and says so.
+            bad = sorted({f"{c['status']} at {s}" for s, c in zip(sizes, cells)
+                          if c.get("status") not in ("ok", "not_run", None)})
+            (line,) = ax.plot(tokens, [float("nan") if y is None else y for y in ys], marker="o",
+                              color=COLORS.get(color), lw=2.2 if cfg == "kvpool" else 1.4,
+                              ls="--" if cfg == "vllm" else "-", label=label)
+            handles.setdefault(label, line)
+            if bad:
+                ax.annotate(", ".join(bad), (tokens[-1], next(y for y in reversed(ys) if y is not None)),
+                            fontsize=7, color=COLORS.get(color), xytext=(4, 0), textcoords="offset points")
+        if kind == "ext" and report.get("memcpy_ms"):
+            # The issue's yardstick: a pool hit may add one single-threaded memcpy of the KV bytes.
+            base = [med[s].get("prefix_ext", {}).get("median_ms") for s in sizes]
+            bound = [float("nan") if b is None or s not in report["memcpy_ms"] else b + report["memcpy_ms"][s]
+                     for b, s in zip(base, sizes)]
+            (line,) = ax.plot(tokens, bound, color="grey", ls=":", lw=1.2,
+                              label="target: prefix cache + one memcpy of the KV")
+            handles.setdefault(line.get_label(), line)
+        ax.set_title(title, fontsize=9)
+        ax.set_xticks(tokens, sizes)
+        ax.set_xlim(0, max(tokens) * 1.08)
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("prompt tokens")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel(f"median TTFT, ms ({report.get('prompts_per_size', '?')} prompts per size)")
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(4, len(handles)), fontsize=8,
+               frameon=False)
+    model = report.get("environment", {}).get("model", {})
+    about = [f"{model['params'] / 1e6:.0f}M parameters"] if model.get("params") else []
+    about += [f"served in {model['served_dtype']}"] if model.get("served_dtype") else []
+    what = "bench model" + (f" ({', '.join(about)})" if about else "")
+    return finish(plt, fig, f"TTFT against prompt length per system, {what}, max_tokens 1 (benchmarks/ttft.py)",
+                  report, path, bottom=0.1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -730,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
     if mooncake[2] is not None:
         report["mooncake_unavailable"] = mooncake[2]
     write_json(out_path, report)
-    png = plot(summary, sizes, out_path.with_suffix(".png"))
+    png = plot(report, out_path.with_suffix(".png"))
 
     print()
     print(f"TTFT on the bench model ({env['model']['params'] / 1e6:.1f}M params, served as {dtype}), vLLM {env['vllm']}, "

@@ -7,11 +7,15 @@ that KV loaded from the pool gives exactly the numbers that recomputing it gives
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import random
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 # Text for the tokenizer: the spec's two questions plus generated prose, so BPE learns
 # English-like merges. Byte-level BPE encodes any input, whatever the training text was.
@@ -81,6 +85,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int) -> None:
         vocab_size=vocab_size,
         special_tokens=["<s>", "</s>", "<unk>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,  # build_model's own bar covers this step
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
@@ -91,17 +96,79 @@ def build_tokenizer(out_dir: Path, vocab_size: int) -> None:
     fast.save_pretrained(str(out_dir))
 
 
+class _Steps:
+    """The build's steps as one progress bar on stderr, shown on a terminal only (tests, the demo
+    under a pipe and logs stay quiet). tqdm comes with transformers, which a build imports anyway;
+    where it is missing there is no bar, and nothing else changes."""
+
+    def __init__(self, total: int, what: str) -> None:
+        self.what = what
+        self.bar: Any = None
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        self.bar = tqdm(total=total, desc=what, unit="step", file=sys.stderr, leave=False, disable=None,
+                        bar_format="{desc} {n}/{total} {bar} {elapsed}")
+
+    @contextlib.contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        if self.bar is not None:
+            self.bar.set_description_str(f"{self.what}: {name}")
+        yield
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' own bar for writing the shards, off while ours runs (two bars interleave on
+    a terminal, and transformers draws its bar in a log file too); restored afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def build_model(out_dir: str | os.PathLike, spec: ModelSpec = ModelSpec()) -> Path:
     """Write a seeded random Llama and its tokenizer to `out_dir` (skipped if already built)."""
     out = Path(out_dir)
     marker = out / "kvpool_model_spec.json"
     if marker.exists() and json.loads(marker.read_text()) == dataclasses.asdict(spec):
         return out
+    steps = _Steps(4, f"building model in {out}")
+    try:
+        with steps.step("importing torch and transformers"):  # seconds of their own on a cold start
+            import torch  # noqa: F401
+            import transformers  # noqa: F401
+
+        out.mkdir(parents=True, exist_ok=True)
+        with steps.step("training the tokenizer"):
+            build_tokenizer(out, spec.vocab_size)
+        with steps.step("random weights"):
+            model = _random_llama(spec)
+        with steps.step("writing safetensors"), _quiet_transformers():
+            model.save_pretrained(str(out), safe_serialization=True)
+    finally:
+        steps.close()
+    marker.write_text(json.dumps(dataclasses.asdict(spec)))
+    return out
+
+
+def _random_llama(spec: ModelSpec) -> Any:
+    """The seeded random-weight Llama of `spec`, in memory."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(out, spec.vocab_size)
     torch.manual_seed(spec.seed)
     config = LlamaConfig(
         vocab_size=spec.vocab_size,
@@ -122,10 +189,7 @@ def build_model(out_dir: str | os.PathLike, spec: ModelSpec = ModelSpec()) -> Pa
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.05)
-    model = model.to(getattr(torch, spec.dtype))
-    model.save_pretrained(str(out), safe_serialization=True)
-    marker.write_text(json.dumps(dataclasses.asdict(spec)))
-    return out
+    return model.to(getattr(torch, spec.dtype))
 
 
 def main(argv: list[str] | None = None) -> None:
