@@ -34,6 +34,8 @@ Configurations (one server each, in this order):
   kvpool    KVPoolConnector, backend local (in-process pool, 8GB), prefix caching off
   kvpool_serial  the same with `copy_threads: 1`: every copy on the worker's own thread
   kvpool_staged  the same with `transfer_path: staged`: the accelerator staging path on CPU
+  kvpool_layerwise  the same with `use_layerwise: true`: loads layer by layer beside the forward
+            pass (`wait_for_layer_load`), saves as each layer is written (`save_kv_layer`)
   example   vLLM's ExampleConnector (safetensors files on disk), prefix caching off. A server
             that crashes is recorded as `crashed` for that size and restarted for the next;
             sizes where it crashed are rerun without chunked prefill (`example_unchunked`)
@@ -78,7 +80,7 @@ from kvpool.testing.services import MooncakeMaster, ServiceError, mooncake_maste
 
 MAX_MODEL_LEN = 8448  # 8192 prompt tokens + 1 generated, rounded up to whole blocks
 SIZES = {"1K": 1024, "4K": 4096, "8K": 8192}
-CONFIG_ORDER = ("vllm", "kvpool", "kvpool_serial", "kvpool_staged", "example", "mooncake")
+CONFIG_ORDER = ("vllm", "kvpool", "kvpool_serial", "kvpool_staged", "kvpool_layerwise", "example", "mooncake")
 PART_NEW_TOKENS = 1024  # `part`: the prompt from a cache, then this many new tokens
 # The targets: (name, text, ratio key in `ratios`, sizes it applies to, the bound).
 TARGETS = [
@@ -157,7 +159,8 @@ def build_plans(workdir: Path, configs: list[str], mooncake: tuple[str | None, s
     if "vllm" in configs:
         plans["vllm"] = ServerPlan("vllm", prefix_caching=True, kv_transfer_config=None)
     for name, extra in (("kvpool", {}), ("kvpool_serial", {"copy_threads": 1}),
-                        ("kvpool_staged", {"transfer_path": "staged"})):
+                        ("kvpool_staged", {"transfer_path": "staged"}),
+                        ("kvpool_layerwise", {"use_layerwise": True})):
         if name in configs:
             plans[name] = ServerPlan(name, prefix_caching=False, kv_transfer_config={
                 "kv_connector": "KVPoolConnector", "kv_role": "kv_both",
@@ -406,7 +409,8 @@ COLUMNS = [
     (f"{col}_{kind}", cfg, kind)
     for kind in KINDS
     for col, cfg in (("vllm" if kind == "cold" else "prefix", "vllm"), ("kvpool", "kvpool"),
-                     ("serial", "kvpool_serial"), ("staged", "kvpool_staged"), ("example", "example"), ("exampleu", "example_unchunked"),
+                     ("serial", "kvpool_serial"), ("staged", "kvpool_staged"),
+                     ("layerwise", "kvpool_layerwise"), ("example", "example"), ("exampleu", "example_unchunked"),
                      ("mooncake", "mooncake"))
 ]
 
@@ -472,7 +476,8 @@ def summarize(results: dict[str, Any], sizes: list[str], memcpy_ms: dict[str, fl
                         "kvpool_ext/kvpool_cold": ratio("kvpool_ext", "kvpool_cold"),
                         "kvpool_cold/vllm_cold": ratio("kvpool_cold", "vllm_cold"),
                         "staged_ext/kvpool_ext": ratio("staged_ext", "kvpool_ext"),
-                        "serial_ext/kvpool_ext": ratio("serial_ext", "kvpool_ext")}
+                        "serial_ext/kvpool_ext": ratio("serial_ext", "kvpool_ext"),
+                        "layerwise_ext/kvpool_ext": ratio("layerwise_ext", "kvpool_ext")}
         for kind in ("hit", "ext", "part"):
             for peer in ("prefix", "example", "exampleu", "mooncake"):
                 ratios[size][f"kvpool_{kind}/{peer}_{kind}"] = ratio(f"kvpool_{kind}", f"{peer}_{kind}")
@@ -519,9 +524,10 @@ def _fmt_ms(cell: dict[str, Any], with_cached: bool = False) -> str:
 
 def format_tables(summary: dict[str, Any], sizes: list[str], show_exampleu: bool) -> str:
     med, ratios = summary["medians"], summary["ratios"]
-    peers = ["kvpool", "serial", "staged", "example"] + (["exampleu"] if show_exampleu else []) + ["mooncake"]
+    peers = ["kvpool", "serial", "staged", "layerwise", "example"] + (["exampleu"] if show_exampleu else []) + ["mooncake"]
     names = {"vllm": "vLLM, no connector", "prefix": "vLLM prefix cache", "kvpool": "kvpool",
-             "serial": "kvpool 1 copy thread", "staged": "kvpool staged", "example": "ExampleConnector", "exampleu": "Example, unchunked",
+             "serial": "kvpool 1 copy thread", "staged": "kvpool staged",
+             "layerwise": "kvpool layerwise", "example": "ExampleConnector", "exampleu": "Example, unchunked",
              "mooncake": "MooncakeStore"}
     out = ["Cold: first time the server sees the prompt. Median TTFT, ms"]
     cols = ["vllm"] + peers
@@ -538,7 +544,8 @@ def format_tables(summary: dict[str, Any], sizes: list[str], show_exampleu: bool
             ("kvpool_ext/prefix_ext", "+1/prefix"), ("added_ms", "+1 added ms"),
             ("added/memcpy", "added/memcpy"), ("kvpool_ext/mooncake_ext", "+1/Mooncake"),
             ("kvpool_ext/example_ext", "+1/Example"), ("kvpool_part/prefix_part", "part/prefix"),
-            ("staged_ext/kvpool_ext", "staged/direct +1"), ("serial_ext/kvpool_ext", "1 thread/default +1")]
+            ("staged_ext/kvpool_ext", "staged/direct +1"), ("serial_ext/kvpool_ext", "1 thread/default +1"),
+            ("layerwise_ext/kvpool_ext", "layerwise/default +1")]
     out += ["", "Ratios of medians, kvpool over the other (below 1: kvpool faster; hit = same prompt, "
             "+1 = prompt + 1 token, part = prompt + new tokens). memcpy: one single-threaded copy of "
             "the prompt's KV bytes, ms: " + ", ".join(f"{s} {summary['memcpy_ms'].get(s, 0):.2f}" for s in sizes)]
@@ -614,6 +621,7 @@ PLOT_SYSTEMS = [
     ("kvpool", "kvpool", "kvpool", "kvpool", "kvpool"),
     ("serial", "serial", "kvpool_serial", "kvpool, copy_threads 1", "kvpool_serial"),
     ("staged", "staged", "kvpool_staged", "kvpool, staged path (accelerator path on CPU)", "kvpool_staged"),
+    ("layerwise", "layerwise", "kvpool_layerwise", "kvpool, layerwise", "kvpool_layerwise"),
     ("example", "example", "example", "ExampleConnector", "example"),
     ("exampleu", "exampleu", "example_unchunked", "ExampleConnector, no chunked prefill", "example_unchunked"),
     ("mooncake", "mooncake", "mooncake", "MooncakeStoreConnector", "mooncake"),
