@@ -421,9 +421,10 @@ class PoolWorker:
         depth = self._transfer.depth() + (self._layer_loader.depth() if self._layer_loader is not None else 0)
         with self._lock:
             snap = self._stats.take()
-        if snap.is_empty() and depth == self._reported_depth:
-            return None
-        snap.data["transfer_queue_depth"] = self._reported_depth = depth
+        # A level is sent when it changed too, so a queue that drained reads 0, not its last depth.
+        report = not snap.is_empty() or depth != self._reported_depth
+        if report:
+            snap.data["transfer_queue_depth"] = self._reported_depth = depth
         self._log_stats.aggregate(snap)
         now = time.monotonic()
         if now - self._last_log >= self.config.stats_log_interval_s:
@@ -432,7 +433,7 @@ class PoolWorker:
                             ", ".join(f"{k}={v}" for k, v in self._log_stats.reduce().items()))
             self._log_stats = KVPoolStats()
             self._last_log = now
-        return snap
+        return snap if report else None
 
     def shutdown(self) -> None:
         if self._layer_loader is not None:
