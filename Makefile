@@ -17,9 +17,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	$(BIN)/pip install -q -e ".[test,bench,redis,mooncake,yuanrong,memcache]"
 	# Services and libraries the backend tests need (Debian; run as root): redis-server, and
-	# libibverbs1 for Mooncake's transfer engine. Skipped when already installed.
-	dpkg -s redis-server libibverbs1 >/dev/null 2>&1 || { apt-get update -q && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server libibverbs1; }
+	# libibverbs1 for Mooncake's transfer engine; iproute2 and curl for the multi-host test
+	# (network namespaces, and docs/deploy.md's checks). Skipped when already installed.
+	dpkg -s redis-server libibverbs1 iproute2 curl >/dev/null 2>&1 || { apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server libibverbs1 iproute2 curl; }
 	touch $(STAMP)
 
 setup: $(STAMP)
