@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,12 +17,14 @@ import argparse
 
 import numpy as np
 import pytest
-from srvutil import payload, payload_ok
+from srvutil import arena_files, payload, payload_ok
 
 from kvpool.errors import ConfigError, ErrorCode
 from kvpool.server import daemon
 from kvpool.server import protocol as P
-from kvpool.testing.proc import wait_for
+from kvpool.server import shm
+from kvpool.server.client import PoolClient
+from kvpool.testing.proc import expect, wait_for
 
 OK = 0
 MiB = 1 << 20
@@ -182,12 +185,78 @@ def test_one_process_cannot_take_every_connection(start_server, make_client):
     assert all(c.wait_connected(5) for c in mine)
     s = raw_connect(server.socket_path)
     try:
-        P.send_frame(s, P.Hello("one-too-many", os.getpid()))
+        # The kernel's pid counts, not what the client says: a process id of its own buys nothing.
+        P.send_frame(s, P.Hello("one-too-many", os.getpid(), process="another-process"))
         reply = read_reply(s)
         assert isinstance(reply, P.Error) and reply.code == int(ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS)
         assert "max_connections_per_client" in reply.message
     finally:
         s.close()
+
+
+def _in_new_pid_namespace(*argv: str, **kwargs) -> subprocess.Popen:
+    """`argv` as pid 1 of a PID namespace of its own, as in a container or pod (SIGKILLed if
+    the `unshare` around it dies first)."""
+    return subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", *argv], **kwargs)
+
+
+def _stop_namespaced(proc: subprocess.Popen) -> None:
+    """SIGTERM to the namespace's pid 1 itself (`unshare` passes no signal on), then wait."""
+    try:
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    except OSError:
+        children = []
+    for child in children:
+        os.kill(int(child), signal.SIGTERM)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _accepts(path: str) -> bool:
+    try:
+        raw_connect(path).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_quotas_tell_apart_identical_containers(sock_dir, sock_path):
+    """A server in its own PID namespace (a host-pool pod) gets no pid from the kernel for
+    clients of other namespaces (vLLM pods), and each of those reports pid 1, as identical
+    containers do. Each must still be a process of its own: with one connection allowed per
+    process, both connect, and the server lists two owners, not one."""
+    log = open(os.path.join(sock_dir, "server.log"), "w")
+    server = _in_new_pid_namespace(sys.executable, "-m", "kvpool.server.daemon", "--socket", sock_path,
+                                   "--memory-size", "16MB", "--max_connections_per_client", "1",
+                                   stdout=log, stderr=subprocess.STDOUT)
+    pods: list[subprocess.Popen] = []
+    try:
+        expect(lambda: _accepts(sock_path), "the namespaced server's socket", timeout=15)
+        for _ in range(2):
+            pods.append(_in_new_pid_namespace(sys.executable, HOSTILE, "conns", sock_path, "1",
+                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        for pod in pods:
+            assert pod.stdout.readline().strip() == "READY"
+            assert json.loads(pod.stdout.readline())["connected"] == 1
+        observer = PoolClient(sock_path, "observer")
+        try:
+            stats, clients = observer.server_stats()
+        finally:
+            observer.close()
+        pods_seen = [c for c in clients if c["name"].startswith("hostile")]
+        assert [c["pid"] for c in pods_seen] == [0, 0]  # the kernel could not say: the premise holds
+        assert len({c["owner"] for c in pods_seen}) == 2 and all(c["owner"].startswith("pid:1@") for c in pods_seen)
+        assert stats["refused_connections"] == 0
+    finally:
+        for pod in pods:
+            finish(pod)
+        _stop_namespaced(server)
+        log.close()
+        for name in arena_files(sock_path):
+            shm.unlink(name)
 
 
 # ---- what a stranger costs before its handshake -------------------------------------------------------

@@ -283,10 +283,11 @@ def render(source: Source, s: dict[str, Any], rates: Rates | None = None) -> Non
     console.print(table)
     if clients:
         ct = Table(title="clients")
-        for col in ("client id", "pid", "requests"):
+        # `owner`: the process its quotas count against (pid@id for a client in another PID namespace).
+        for col in ("client id", "process", "requests"):
             ct.add_column(col)
         for c in clients:
-            ct.add_row(str(c.get("client_id")), str(c.get("pid")), str(c.get("requests")))
+            ct.add_row(str(c.get("client_id")), str(c.get("owner") or c.get("pid")), str(c.get("requests")))
         console.print(ct)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -115,6 +116,17 @@ def _chunks(items: list[Any], size_of: Any = None, max_bytes: int = P.MAX_INLINE
 
 
 _SERIAL = CopyEngine(1)  # copies on the calling thread
+
+_process_id: tuple[int, str] = (0, "")
+
+
+def process_id() -> str:
+    """A random id of this process (`Hello.process`), drawn anew in a forked child."""
+    global _process_id
+    pid = os.getpid()
+    if _process_id[0] != pid:
+        _process_id = (pid, secrets.token_hex(8))
+    return _process_id[1]
 
 # Admits a call's copies to and from the caller's buffers: a context manager that yields False
 # when the caller has stopped waiting (the backend's deadline passed), so the buffers must be
@@ -594,7 +606,7 @@ class PoolClient:
                                  f"in this client's trust domain ({peers.domain(self.allowed_gid)}); not "
                                  f"connecting. Start `kvpool server` as this user, or set allowed_gid for "
                                  f"group sharing")
-            P.send_frame(sock, P.Hello(self.name, os.getpid()))
+            P.send_frame(sock, P.Hello(self.name, os.getpid(), process=process_id()))
             body = P.recv_frame(sock, P.MAX_REPLY_FRAME)
             if body is None:
                 raise ConnectionError("server closed the connection during the handshake")

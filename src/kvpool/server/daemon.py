@@ -156,6 +156,24 @@ def _peer_pid(sock: socket.socket) -> int:
 # ---- connections --------------------------------------------------------------------------
 
 
+def _owner(peer_pid: int, hello: P.Hello) -> str:
+    """The client process a connection's quotas count against.
+
+    The kernel's pid (SO_PEERCRED) when it gives one: a client cannot pick it, so opening more
+    connections, or claiming another pid, buys no more quota. It gives 0 for a peer in a PID
+    namespace the server cannot see (another pod or container than the server's), and there
+    the only ids are the client's own words: its pid inside its container, which identical pods
+    share (every one's first worker is the same pid), and the random id its process drew
+    (`Hello.process`), which tells them apart. A client that lies there could have claimed
+    another pid before; quotas keep honest neighbours apart, and the trust domain (one uid)
+    is what keeps out the rest.
+    """
+    if peer_pid > 0:
+        return f"pid:{peer_pid}"
+    return f"pid:{hello.pid}@{hello.process}" if hello.process else f"pid:{hello.pid}"
+
+
+
 @dataclasses.dataclass
 class _Conn:
     sock: socket.socket
@@ -163,7 +181,7 @@ class _Conn:
     peer_pid: int
     client_id: str = ""
     name: str = ""
-    owner_pid: int = 0  # the client process this connection counts against, once handshaken
+    owner: str = ""  # the client process this connection counts against, once handshaken (`_owner`)
     connected_at: float = dataclasses.field(default_factory=time.time)
     accepted_at: float = dataclasses.field(default_factory=time.monotonic)  # the handshake deadline's start
     evicted: bool = False  # closed by the server to admit a newer stranger
@@ -187,7 +205,7 @@ class Server:
         self._conns: dict[int, _Conn] = {}
         # Connections that have not finished their Hello, oldest first (seq order).
         self._strangers: dict[int, _Conn] = {}
-        self._per_pid: dict[int, int] = {}  # handshaken connections per client process
+        self._per_owner: dict[str, int] = {}  # handshaken connections per client process (`_owner`)
         self._handshaken = 0
         self._threads: set[threading.Thread] = set()
         self._state = threading.Lock()
@@ -449,7 +467,7 @@ class Server:
         if hello.version != P.PROTOCOL_VERSION:
             return P.Error(int(ErrorCode.INVALID_PARAMS),
                            f"protocol version {hello.version} unsupported; server speaks {P.PROTOCOL_VERSION}")
-        pid = conn.peer_pid or hello.pid
+        owner = _owner(conn.peer_pid, hello)
         cfg = self.config
         with self._state:
             if conn.evicted:
@@ -458,26 +476,26 @@ class Server:
             if self._handshaken >= cfg.max_connections:
                 refusal = (f"server at --max_connections={cfg.max_connections} connected clients; "
                            f"retry later or raise it")
-            elif self._per_pid.get(pid, 0) >= cfg.max_connections_per_client:
-                refusal = (f"process {pid} already has --max_connections_per_client="
+            elif self._per_owner.get(owner, 0) >= cfg.max_connections_per_client:
+                refusal = (f"process {owner} already has --max_connections_per_client="
                            f"{cfg.max_connections_per_client} connections; close some or raise it")
             self._strangers.pop(conn.seq, None)
             if refusal:
                 self._counters["refused_connections"] += 1
             else:
                 conn.name = hello.client_name or "client"
-                conn.client_id = f"{conn.name}:{pid}:{conn.seq}"
-                conn.owner_pid = pid
-                self._per_pid[pid] = self._per_pid.get(pid, 0) + 1
+                conn.client_id = f"{conn.name}:{conn.peer_pid or hello.pid}:{conn.seq}"
+                conn.owner = owner
+                self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
                 self._handshaken += 1
             connected = self._handshaken
         if refusal:
-            logger.warning("refusing a client (pid %d): %s", pid, refusal)
+            logger.warning("refusing a client (%s): %s", owner, refusal)
             return P.Error(int(ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS), refusal)
         # Quotas are per client process, not per connection: opening more connections buys none.
-        self.engine.bind_client(conn.client_id, f"pid:{pid}")
+        self.engine.bind_client(conn.client_id, owner)
         self.engine.ping(conn.client_id)
-        logger.info("client connected: %s (pid %d, %d connected)", conn.client_id, pid, connected)
+        logger.info("client connected: %s (%s, %d connected)", conn.client_id, owner, connected)
         return P.HelloReply(conn.client_id, self.arena.name, cfg.memory_size, cfg.default_kv_lease_ttl_ms,
                             cfg.client_ttl_s, os.getpid())
 
@@ -488,11 +506,11 @@ class Server:
             self._threads.discard(threading.current_thread())
             if conn.client_id:
                 self._handshaken -= 1
-                left_pid = self._per_pid.get(conn.owner_pid, 1) - 1
-                if left_pid > 0:
-                    self._per_pid[conn.owner_pid] = left_pid
+                left = self._per_owner.get(conn.owner, 1) - 1
+                if left > 0:
+                    self._per_owner[conn.owner] = left
                 else:
-                    self._per_pid.pop(conn.owner_pid, None)
+                    self._per_owner.pop(conn.owner, None)
             left = self._handshaken
         try:
             conn.sock.close()
@@ -619,18 +637,18 @@ class Server:
         if conn.warned_quota or int(ErrorCode.NO_AVAILABLE_HANDLE) not in codes:
             return
         assert self.engine is not None
-        held, holds = self.engine.holding(f"pid:{conn.owner_pid}")
+        held, holds = self.engine.holding(conn.owner)
         cfg = self.config
         share = int(cfg.client_pool_share * cfg.memory_size)
         if held + (1 << 20) < share and (not cfg.client_max_leases or holds < cfg.client_max_leases):
             return  # the pool itself is full, not this client's quota
         conn.warned_quota = True
         logger.warning(
-            "client %s (pid %d) is at its quota: it holds %d bytes in %d leases/allocations "
+            "client %s (%s) is at its quota: it holds %d bytes in %d leases/allocations "
             "(--client_pool_share=%s: %d bytes, --client_max_leases=%d); allocations past them are "
             "refused with NO_AVAILABLE_HANDLE until it commits or aborts, and leases past the share "
             "are granted without pinning",
-            conn.client_id, conn.owner_pid, held, holds, cfg.client_pool_share, share, cfg.client_max_leases)
+            conn.client_id, conn.owner, held, holds, cfg.client_pool_share, share, cfg.client_max_leases)
 
     # ---- introspection --------------------------------------------------------------------------
 
@@ -660,8 +678,8 @@ class Server:
             conns = [c for c in self._conns.values() if c.client_id]
         out = []
         for c in conns:
-            held, holds = self.engine.holding(f"pid:{c.owner_pid}")
-            out.append({"client_id": c.client_id, "name": c.name, "pid": c.peer_pid,
+            held, holds = self.engine.holding(c.owner)
+            out.append({"client_id": c.client_id, "name": c.name, "pid": c.peer_pid, "owner": c.owner,
                         "connected_at": c.connected_at, "requests": c.requests,
                         "held_bytes": held, "holds": holds})
         return out

@@ -57,6 +57,9 @@ class Hello(Message):
     client_name: Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
     pid: Annotated[int, msgspec.Meta(ge=0)]
     version: int = PROTOCOL_VERSION
+    # A random id the client process drew: tells apart processes of other PID namespaces that
+    # report the same pid (identical containers), where the kernel gives the server no pid.
+    process: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 class Ping(Message):
