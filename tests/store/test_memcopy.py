@@ -156,3 +156,24 @@ def test_copies_are_checked_against_their_checksums_on_the_copying_threads() -> 
         engine.close()
     assert isinstance(results[2], CorruptCopy)
     assert all(r is None for i, r in enumerate(results) if i != 2)
+
+
+@pytest.mark.parametrize("sizes", [[SEG], [SEG, 0, 3, SEG + 5], [1, 1, 1], [0, 7]])
+def test_one_pass_copy_and_hash_equals_copy_then_hash(sizes: list[int]) -> None:
+    """`scatter_summed` and `gather_summed` copy exactly what `scatter` and `gather` copy, and
+    their sum is `checksum` of the value's buffers, whatever their sizes (empty ones too)."""
+    from kvpool.store.buffers import checksum, gather, gather_summed, scatter, scatter_summed
+
+    rng = np.random.default_rng(len(sizes) * 31 + sum(sizes))
+    src = rng.integers(0, 256, sum(sizes), dtype=np.uint8)
+    summed = [np.zeros(n, dtype=np.uint8) for n in sizes]
+    plain = [np.zeros(n, dtype=np.uint8) for n in sizes]
+    got = scatter_summed(src, summed)
+    scatter(src, plain)
+    assert [b.tobytes() for b in summed] == [b.tobytes() for b in plain]
+    assert got == checksum(plain) == checksum([src])
+    out = np.zeros(src.size, dtype=np.uint8)
+    assert gather_summed(plain, out) == checksum(plain)
+    assert out.tobytes() == gather(plain).tobytes() == src.tobytes()
+    with pytest.raises(ValueError):  # sizes that do not add up: nothing is hashed or published
+        scatter_summed(src, [np.zeros(src.size + 1, dtype=np.uint8)])

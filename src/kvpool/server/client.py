@@ -46,7 +46,7 @@ from kvpool.server import peers
 from kvpool.server import protocol as P
 from kvpool.server import shm
 from kvpool.store.buffers import as_u8 as _u8
-from kvpool.store.buffers import checksum, gather
+from kvpool.store.buffers import gather_summed
 from kvpool.store.memcopy import CopyEngine, CorruptCopy
 
 logger = logging.getLogger(__name__)
@@ -389,9 +389,8 @@ class PoolClient:
                     aborting.append(handle)
                     continue
                 try:
-                    gather(segs, arena[offset : offset + size])
-                    # Of our own bytes, not of the arena's (which any client may write).
-                    sums.append(checksum(segs))
+                    # The sum is of our own bytes, not of the arena's (which any client may write).
+                    sums.append(gather_summed(segs, arena[offset : offset + size]))
                 except Exception:  # e.g. a buffer freed under us: never publish a partial copy
                     logger.exception("kvpool put: copying into the arena failed; aborting that key")
                     codes[i] = int(ErrorCode.INVALID_PARAMS)
