@@ -173,7 +173,6 @@ def _owner(peer_pid: int, hello: P.Hello) -> str:
     return f"pid:{hello.pid}@{hello.process}" if hello.process else f"pid:{hello.pid}"
 
 
-
 @dataclasses.dataclass
 class _Conn:
     sock: socket.socket
