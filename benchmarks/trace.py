@@ -21,6 +21,12 @@ trace's last, partial block; and vLLM always computes at least one token). Arriv
 kept and time compressed by one factor, so that the slice arrives in `--duration-s`. Each
 request asks for `--max-tokens` greedy tokens (decode is not what is measured).
 
+The defaults suit a CPU with native bf16 (an AVX-512/AMX Xeon prefills the `bench` model at
+about 1,500 tokens/s a core). Where the CPU emulates bf16 (AVX2), serve it in `--dtype float32`
+and give the slice the time that CPU needs: an AVX2 EPYC prefilled about 110 tokens/s per
+instance under this load, so the quick slice's 45 s left every request queued for minutes
+(TTFT p50 98 s) and measured nothing but the queue; scale `--duration-s` by the ratio.
+
 Configurations (the same schedule for each; two vLLM instances, one pinned to each core,
 `bench` model, vLLM's prefix cache on everywhere, each instance's KV cache `--local-blocks`
 blocks, far less than the slice's working set, as an accelerator's memory is against a day's
@@ -236,7 +242,7 @@ def start_deployment(name: str, model_dir: Path, workdir: Path, args: argparse.N
                 env={"VLLM_CPU_OMP_THREADS_BIND": str(i), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                      "VLLM_CPU_KVCACHE_SPACE": str(args.kvcache_gib), "VLLM_RPC_BASE_PATH": str(rpc_dir),
                      "PYTHONHASHSEED": "0", **env_extra},
-                extra_args=["--num-gpu-blocks-override", str(args.local_blocks)],
+                extra_args=["--num-gpu-blocks-override", str(args.local_blocks), "--dtype", args.dtype],
             ))
         start_together(dep.servers)
         policy = "prefix_aware" if name == "routed" else "round_robin"
@@ -385,7 +391,12 @@ def run_trace(trace: str, model_dir: Path, workdir: Path, args: argparse.Namespa
 # The planner's prediction for the same slice
 
 
-KV_BYTES_PER_TOKEN = 12 * 1024  # the bench model in bf16: 12 layers x 2 x 4 KV heads x 64 x 2 bytes
+def kv_bytes_per_token(dtype: str) -> int:
+    """The bench model's KV per token: 12 layers x 2 x 4 KV heads x 64 x the element's bytes
+    (`auto` serves it in bf16 on CPU)."""
+    return 12 * 2 * 4 * 64 * (4 if dtype == "float32" else 2)
+
+
 PLAN_POLICIES = {"kvpool": "round_robin", "routed": "prefix_aware"}
 
 
@@ -394,9 +405,10 @@ def plan_prediction(slice_path: Path, args: argparse.Namespace, speedup: float, 
     instances of `--local-blocks` blocks each, one pool of `--pool-size`; its service-time model
     at this machine's speed in the trace's own (uncompressed) time."""
     out = workdir / f"plan-{slice_path.stem}.json"
+    kv_bytes = kv_bytes_per_token(args.dtype)
     cmd = [sys.executable, "-m", "kvpool.cli", "plan", str(slice_path),
-           "--kv-bytes-per-token", str(KV_BYTES_PER_TOKEN), "--memory", args.pool_size,
-           "--instances", "2", "--local-cache", str(args.local_blocks * args.block_tokens * KV_BYTES_PER_TOKEN),
+           "--kv-bytes-per-token", str(kv_bytes), "--memory", args.pool_size,
+           "--instances", "2", "--local-cache", str(args.local_blocks * args.block_tokens * kv_bytes),
            "--policies", ",".join(PLAN_POLICIES.values()), "--traffic", "split", "--object-overhead", "1KB",
            "--prefill-tokens-per-s", str(round(args.plan_prefill_tokens_per_s / speedup, 3)),
            "--decode-ms-per-token", str(round(args.plan_decode_ms_per_token * speedup, 3)), "--json", str(out)]
@@ -549,6 +561,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the planner's service-time model: decode time per token here")
     ap.add_argument("--max-model-len", type=int, help="default: what the longest prompt needs")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                    help="vLLM's --dtype (auto: bf16 on CPU; float32 where the CPU has no native bf16)")
     ap.add_argument("--request-timeout-s", type=float, default=600.0)
     ap.add_argument("--quiet-wait-s", type=float, default=60.0, help="before each replay, wait up to this long for idle CPUs")
     ap.add_argument("--workdir", help="logs, sockets (default: a new temp dir)")
