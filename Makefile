@@ -32,7 +32,7 @@ demo: $(STAMP)
 # the real-vLLM and store-service tests one at a time (engines and services fight for the cores).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -rs -n 2 -m "not vllm and not services" tests
-	$(BIN)/python -m pytest -q -p no:cacheprovider -rs -m "vllm or services" tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -rs --durations=15 -m "vllm or services" tests
 
 # Unit, engine, server, proxy and conformance tests of `local`/`server`: no vLLM engine and no
 # store service is started (under a minute), for quick iteration.
