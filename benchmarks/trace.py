@@ -25,7 +25,9 @@ The defaults suit a CPU with native bf16 (an AVX-512/AMX Xeon prefills the `benc
 about 1,500 tokens/s a core). Where the CPU emulates bf16 (AVX2), serve it in `--dtype float32`
 and give the slice the time that CPU needs: an AVX2 EPYC prefilled about 110 tokens/s per
 instance under this load, so the quick slice's 45 s left every request queued for minutes
-(TTFT p50 98 s) and measured nothing but the queue; scale `--duration-s` by the ratio.
+(TTFT p50 98 s), and even 400 s left the instances saturated (p90 25-50 s). A replay measures
+the pool at the load it is replayed at (docs/benchmarks.md, "Trace replay"): size
+`--duration-s` so that the `prefix` configuration is not saturated.
 
 Configurations (the same schedule for each; two vLLM instances, one pinned to each core,
 `bench` model, vLLM's prefix cache on everywhere, each instance's KV cache `--local-blocks`
