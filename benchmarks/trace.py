@@ -244,7 +244,7 @@ def start_deployment(name: str, model_dir: Path, workdir: Path, args: argparse.N
                 env={"VLLM_CPU_OMP_THREADS_BIND": str(i), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                      "VLLM_CPU_KVCACHE_SPACE": str(args.kvcache_gib), "VLLM_RPC_BASE_PATH": str(rpc_dir),
                      "PYTHONHASHSEED": "0", **env_extra},
-                extra_args=["--num-gpu-blocks-override", str(args.local_blocks), "--dtype", args.dtype],
+                extra_args=["--num-gpu-blocks-override", str(args.local_blocks)], dtype=args.dtype,
             ))
         start_together(dep.servers)
         policy = "prefix_aware" if name == "routed" else "round_robin"

@@ -7,7 +7,8 @@
 On the `bench` model (~96M-parameter random Llama, built locally, nothing downloaded) it starts
 one vLLM OpenAI server at a time, every one with the same pinned CPU threads
 (`VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0`) and vLLM's own defaults
-otherwise (`--dtype auto`, i.e. bf16 on CPU; prefill chunks of 2048 tokens), and sends prompts
+otherwise (`--dtype auto`, i.e. bf16 on CPU, or `--dtype float32` on a CPU without native bf16;
+prefill chunks of 2048 tokens), and sends prompts
 of random token ids (exact lengths) with `max_tokens=1`, streaming: TTFT is the time from
 sending the request to the first generated token. For every prompt P:
 
@@ -221,6 +222,7 @@ class Runner:
             max_num_batched_tokens=self.plan.max_num_batched_tokens or self.args.max_num_batched_tokens,
             request_timeout_s=self.args.request_timeout_s,
             env={"VLLM_CPU_KVCACHE_SPACE": str(self.args.kvcache_gib), **self.plan.env},
+            dtype=self.args.dtype,
         )
         try:
             srv.start()
@@ -693,6 +695,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, help="distinct prompts per size (default 3; 1 with --quick)")
     p.add_argument("--configs", default=",".join(CONFIG_ORDER), help=f"subset of {','.join(CONFIG_ORDER)}")
     p.add_argument("--wait-s", type=float, default=0.5, help="pause between the cold and the hit request")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="vLLM's --dtype for every server (auto: bf16 on CPU; float32 where the CPU has no "
+                        "native bf16, which it emulates 10-30x slower)")
     p.add_argument("--kvcache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE for every server")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="prefill chunk size for every server; default 2048, vLLM's own default for the "
