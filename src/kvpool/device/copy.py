@@ -33,6 +33,7 @@ import torch
 
 from kvpool.device.layout import KVLayout
 from kvpool.errors import OK, ConfigError
+from kvpool.store import streamcopy
 
 # A backend's batch call: keys and, per key, the value's buffers -> one code per key.
 BatchCall = Callable[[list[str], list[list[np.ndarray]]], list[int]]
@@ -90,7 +91,7 @@ class DirectCopier:
         return codes
 
     def describe(self) -> str:
-        return "direct copies between the pool and the host-memory KV cache"
+        return f"direct copies between the pool and the host-memory KV cache ({streamcopy.describe()})"
 
 
 class StagedCopier:

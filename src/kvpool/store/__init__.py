@@ -2,7 +2,8 @@
 
 Plain Python + numpy on purpose: the same code runs in-process (``local``
 backend) and inside the host-shared daemon, neither of which may import vLLM or
-torch.
+torch. One copy kernel (``streamcopy``) is compiled by llvmlite where it is
+installed; without it the copies are numpy's.
 """
 
 from kvpool.store.allocator import OffsetAllocator

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import xxhash
+
+from kvpool.store import streamcopy
 
 
 def as_u8(buf: Any, writable: bool = False) -> np.ndarray:
@@ -84,6 +87,8 @@ def _gather(bufs: Sequence[Any], out: Any, h: Any) -> np.ndarray:
     dst = np.empty(total, dtype=np.uint8) if out is None else as_u8(out, writable=True)
     if dst.size != total:
         raise ValueError(f"gather: the buffers hold {total} bytes, the destination {dst.size}")
+    if h is None and _streamed(dst, segs, into_segments=False):
+        return dst
     pos = 0
     for s in segs:
         if s.size:
@@ -92,6 +97,24 @@ def _gather(bufs: Sequence[Any], out: Any, h: Any) -> np.ndarray:
             if h is not None:
                 h.update(s)
     return dst
+
+
+def _streamed(value: np.ndarray, segs: list[np.ndarray], into_segments: bool) -> bool:
+    """Copy between one contiguous value and its segments (sizes already checked) with the
+    non-temporal kernel, in one call; False, having copied nothing, where that does not apply
+    (a small value, or no kernel on this machine). Only for unhashed copies: a hashed copy
+    reads each segment right back, so its bytes should stay in the caches."""
+    if value.size < streamcopy.MIN_BYTES or streamcopy.kernel() is None:
+        return False
+    used = [s for s in segs if s.size]
+    sizes = [int(s.size) for s in used]
+    runs = list(itertools.accumulate(sizes[:-1], initial=streamcopy.address(value)))
+    parts = [streamcopy.address(s) for s in used]
+    if into_segments:
+        streamcopy.copy_segments(parts, runs, sizes)
+    else:
+        streamcopy.copy_segments(runs, parts, sizes)
+    return True
 
 
 def scatter(src: Any, bufs: Sequence[Any]) -> None:
@@ -116,6 +139,8 @@ def _scatter(src: Any, bufs: Sequence[Any], h: Any) -> None:
     total = sum(o.size for o in outs)
     if total != data.size:
         raise ValueError(f"scatter: the value has {data.size} bytes, the buffers {total}")
+    if h is None and _streamed(data, outs, into_segments=True):
+        return
     pos = 0
     for o in outs:
         if o.size:
