@@ -169,7 +169,8 @@ def kernel() -> _Kernel | None:
 def describe() -> str:
     """One phrase for start-up logs: how values are copied."""
     if kernel() is not None:
-        return f"values of {MIN_BYTES >> 10} KiB and more copied with non-temporal stores"
+        return (f"unhashed copies of values of {MIN_BYTES >> 10} KiB and more (the local backend's) "
+                "use non-temporal stores")
     return f"numpy copies ({_why_not})"
 
 
