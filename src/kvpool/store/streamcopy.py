@@ -40,6 +40,26 @@ logger = logging.getLogger(__name__)
 MIN_BYTES = 16 << 10
 
 _IR = r"""
+; Bytes [from, to) one at a time, with ordinary stores: the parts of a segment outside whole lines.
+define internal void @copy_bytes(ptr %dst, ptr %src, i64 %from, i64 %to) nounwind alwaysinline {
+entry:
+  br label %check
+check:
+  %b = phi i64 [%from, %entry], [%b_next, %byte]
+  %more = icmp ult i64 %b, %to
+  br i1 %more, label %byte, label %done
+byte:
+  %s = getelementptr i8, ptr %src, i64 %b
+  %d = getelementptr i8, ptr %dst, i64 %b
+  %v = load i8, ptr %s, align 1
+  store i8 %v, ptr %d, align 1
+  %b_next = add i64 %b, 1
+  br label %check
+done:
+  ret void
+}
+
+; One segment: the bytes up to dst's first 64-byte line, whole lines with non-temporal stores, the rest.
 define internal void @copy_one(ptr %dst, ptr %src, i64 %n) nounwind alwaysinline {
 entry:
   %addr = ptrtoint ptr %dst to i64
@@ -48,26 +68,13 @@ entry:
   %short = icmp ult i64 %n, %to_line
   %head = select i1 %short, i64 %n, i64 %to_line
   %rest = sub i64 %n, %head
-  %lines = lshr i64 %rest, 6
-  %body = shl i64 %lines, 6
+  %body = and i64 %rest, -64
   %tail_at = add i64 %head, %body
-  br label %head_loop
-head_loop:
-  %h = phi i64 [0, %entry], [%h_next, %head_byte]
-  %h_more = icmp ult i64 %h, %head
-  br i1 %h_more, label %head_byte, label %lines_check
-head_byte:
-  %hs = getelementptr i8, ptr %src, i64 %h
-  %hd = getelementptr i8, ptr %dst, i64 %h
-  %hb = load i8, ptr %hs, align 1
-  store i8 %hb, ptr %hd, align 1
-  %h_next = add i64 %h, 1
-  br label %head_loop
-lines_check:
-  %none = icmp eq i64 %lines, 0
-  br i1 %none, label %tail_loop, label %line
+  call void @copy_bytes(ptr %dst, ptr %src, i64 0, i64 %head)
+  %none = icmp eq i64 %body, 0
+  br i1 %none, label %tail, label %line
 line:
-  %i = phi i64 [0, %lines_check], [%i_next, %line]
+  %i = phi i64 [0, %entry], [%i_next, %line]
   %off = add i64 %head, %i
   %s = getelementptr i8, ptr %src, i64 %off
   %d = getelementptr i8, ptr %dst, i64 %off
@@ -75,23 +82,12 @@ line:
   store <8 x i64> %v, ptr %d, align 64, !nontemporal !0
   %i_next = add i64 %i, 64
   %l_more = icmp ult i64 %i_next, %body
-  br i1 %l_more, label %line, label %tail_loop
-tail_loop:
-  %t = phi i64 [%tail_at, %lines_check], [%tail_at, %line], [%t_next, %tail_byte]
-  %t_more = icmp ult i64 %t, %n
-  br i1 %t_more, label %tail_byte, label %done
-tail_byte:
-  %ts = getelementptr i8, ptr %src, i64 %t
-  %td = getelementptr i8, ptr %dst, i64 %t
-  %tb = load i8, ptr %ts, align 1
-  store i8 %tb, ptr %td, align 1
-  %t_next = add i64 %t, 1
-  br label %tail_loop
-done:
+  br i1 %l_more, label %line, label %tail
+tail:
+  call void @copy_bytes(ptr %dst, ptr %src, i64 %tail_at, i64 %n)
   ret void
 }
 
-; Copies k segments: dst[j] <- src[j], sizes[j] bytes, j < k (three arrays of k addresses/sizes).
 define void @kvpool_stream_copy(ptr %dsts, ptr %srcs, ptr %sizes, i64 %k) nounwind {
 entry:
   %any = icmp ne i64 %k, 0
