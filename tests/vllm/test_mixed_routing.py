@@ -145,8 +145,6 @@ def test_every_catalog_series_is_on_the_live_pool_proxy_and_instances(mixed_depl
     loads it from the pool."""
     proxy, servers, pool = mixed_deployment
     prompt = tokens(300, seed=9301)
-    for s in servers:
-        assert s.complete(prompt, max_tokens=2).cached_tokens == (0 if s is servers[0] else whole(prompt))
     pool_url = "http://127.0.0.1:" + pool.log().split("metrics http://127.0.0.1:")[1].split()[0]
     labels = {"model_name": "model", "engine": "0"}
 
@@ -162,6 +160,12 @@ def test_every_catalog_series_is_on_the_live_pool_proxy_and_instances(mixed_depl
                 return text
             time.sleep(0.2)
 
+    saved_before = value(scrape(servers[0].base_url), "vllm:kvpool_blocks_total", op="save", result="ok", **labels)
+    assert servers[0].complete(prompt, max_tokens=2).cached_tokens == 0
+    # Instance 0 saves after it answers: instance 1 asks once those blocks are in the pool.
+    settled(servers[0].base_url, "vllm:kvpool_blocks_total", saved_before + whole(prompt) // BLOCK,
+            op="save", result="ok", **labels)
+    assert servers[1].complete(prompt, max_tokens=2).cached_tokens == whole(prompt)
     saved = settled(servers[0].base_url, "vllm:kvpool_blocks_total", 2, op="save", result="ok", **labels)
     loaded = settled(servers[1].base_url, "vllm:kvpool_blocks_total", 2, op="load", result="ok", **labels)
     for text in (saved, loaded):
