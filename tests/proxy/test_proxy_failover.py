@@ -215,3 +215,40 @@ def test_instances_can_be_added_listed_and_removed(make_peer, start_proxy):
     proxy.admin("/instances/remove", {"type": "prefill", "host": "127.0.0.1", "port": p2.port})
     resp = proxy.post("/v1/completions", BODY)
     assert resp.status_code == 503 and "no prefill instance" in resp.json()["error"]["message"]
+
+
+def test_a_slow_health_probe_takes_an_instance_out_only_after_several_in_a_row():
+    import asyncio
+
+    from kvpool.proxy.config import Endpoint
+    from kvpool.proxy.health import HealthChecker
+    from kvpool.proxy.registry import Registry, Role
+
+    answers: list[object] = []  # what each probe meets: an HTTP status or an exception to raise
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return httpx.Response(answer)
+
+    registry = Registry(instances=[Endpoint("127.0.0.1", 9)])
+    (inst,) = registry.instances(Role.MIXED)
+
+    async def probes(*outcomes: object) -> list[bool]:
+        answers.extend(outcomes)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            checker = HealthChecker(registry, client, interval=1, timeout=0.1, timeouts_allowed=3)
+            return [await checker.probe(inst) for _ in outcomes]
+
+    slow = httpx.ReadTimeout("slow")
+    # Two timeouts, an answer (the count starts again), two more: in rotation throughout.
+    assert asyncio.run(probes(slow, slow, 200, slow, slow)) == [True] * 5
+    assert inst.healthy and inst.failures == 0 and inst.probe_timeouts == 2
+    # The third in a row takes it out; it stays out while probes time out, and one 200 brings it back.
+    assert asyncio.run(probes(slow, httpx.ConnectTimeout("slow"))) == [False, False]
+    assert not inst.healthy and inst.failures == 1 and "4 time(s) in a row" in inst.last_error
+    assert asyncio.run(probes(200)) == [True] and inst.healthy and inst.probe_timeouts == 0
+    # A refused connection or an error status is an answer: out at the first one.
+    assert asyncio.run(probes(httpx.ConnectError("refused"))) == [False] and not inst.healthy
+    assert asyncio.run(probes(200, 503)) == [True, False] and not inst.healthy and inst.failures == 3

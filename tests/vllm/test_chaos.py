@@ -14,13 +14,14 @@ import os
 import pytest
 
 from kvpool.testing.chaos import FAULT_KINDS, ChaosConfig, ChaosRun
+from kvpool.testing.launch import IN_PROCESS_WORKER_ENV
 
 pytestmark = pytest.mark.vllm
 
 
 def test_chaos_under_load(model_dir, tmp_path, reference):
     cfg = ChaosConfig(model_dir=model_dir, work_dir=str(tmp_path / "chaos"), duration_s=36, fault_every_s=5,
-                      seed=1, log=print)
+                      seed=1, log=print, server_env=IN_PROCESS_WORKER_ENV)
     run = ChaosRun(cfg)
     # The session's reference engine (vLLM alone, same model and dtype) instead of a server of
     # the run's own: token ids only are compared, which a different cache split leaves equal.

@@ -28,7 +28,7 @@ import pytest
 
 from harness import BLOCK, tokens, whole
 from kvpool.metrics import catalog
-from kvpool.testing.launch import OpenAIServer, PoolServer, ProxyServer, stream_completion
+from kvpool.testing.launch import IN_PROCESS_WORKER_ENV, OpenAIServer, PoolServer, ProxyServer, stream_completion
 from kvpool.testing.metrics import dashboard_problems, families, scrape_problems, value
 
 pytestmark = pytest.mark.vllm
@@ -50,7 +50,7 @@ def mixed_deployment(model_dir, tmp_path_factory):
     servers = [
         OpenAIServer(model_dir, served_model_name="model", block_size=BLOCK, prefix_caching=True, dtype="float32",
                      max_num_batched_tokens=512, log_path=tmp / f"mixed{i}.log", startup_timeout_s=600,
-                     env={"VLLM_RPC_BASE_PATH": str(tmp)},
+                     env={"VLLM_RPC_BASE_PATH": str(tmp), **IN_PROCESS_WORKER_ENV},
                      kv_transfer_config={
                          "kv_connector": "KVPoolConnector", "kv_role": "kv_both",
                          "kv_load_failure_policy": "recompute",

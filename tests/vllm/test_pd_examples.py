@@ -32,7 +32,7 @@ import httpx
 import pytest
 
 from kvpool.demo.run import LONG_QUESTION, SHORT_QUESTION
-from kvpool.testing.launch import free_port
+from kvpool.testing.launch import IN_PROCESS_WORKER_ENV, free_port
 
 pytestmark = pytest.mark.vllm
 
@@ -141,10 +141,13 @@ class Deployment:
 
     def up(self) -> "Deployment":
         self.start_pool()
+        # The prefill node runs in vLLM's default layout (the model in a Worker process of its
+        # own, apart from the scheduler); the other two in the engine core's process, which
+        # starts sooner (IN_PROCESS_WORKER_ENV). The scripts are the same either way.
         nodes = [
             self.start("multi_producer", PORT=str(self.prefill_port), LOOKUP_RPC_PORT="0"),
-            self.start("multi_consumer", PORT=str(self.decode_port), LOOKUP_RPC_PORT="1"),
-            self.start("pd_mix", PORT=str(self.mix_port), LOOKUP_RPC_PORT="2"),
+            self.start("multi_consumer", PORT=str(self.decode_port), LOOKUP_RPC_PORT="1", **IN_PROCESS_WORKER_ENV),
+            self.start("pd_mix", PORT=str(self.mix_port), LOOKUP_RPC_PORT="2", **IN_PROCESS_WORKER_ENV),
         ]
         self.mix = nodes[2]
         for n in nodes:

@@ -81,7 +81,8 @@ class ProxyState:
         self.forwarder = Forwarder(self.registry, self.client, config, self.router)
         self.metrics = ProxyMetrics(self.registry, self.router)
         self.health = HealthChecker(self.registry, self.client, config.health_interval,
-                                    timeout=min(5.0, config.timeout, config.connect_timeout + 1.0))
+                                    timeout=min(5.0, config.timeout, config.connect_timeout + 1.0),
+                                    timeouts_allowed=config.health_timeouts)
 
     async def aclose(self) -> None:
         await self.client.aclose()

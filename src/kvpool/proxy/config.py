@@ -103,6 +103,11 @@ class ProxyConfig:
     retry_delay: float = 0.2
     # Seconds between background `GET /health` probes of every instance.
     health_interval: float = 2.0
+    # Consecutive probes that time out before an instance leaves rotation. A server busy with a
+    # long prefill, or on a starved host, can answer a probe late while it is serving fine;
+    # taking it out at once would send all traffic to the others (and its prefix cache with it).
+    # A refused connection or a non-200 answer takes it out at the first probe.
+    health_timeouts: int = 3
     # Seconds to wait for a TCP connection to an instance.
     connect_timeout: float = 10.0
     # Seconds an instance may stay silent: the wait for a non-streaming answer, or between
@@ -247,6 +252,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-interval", type=float, default=d.health_interval,
                         help="seconds between GET /health probes; a failed instance returns to rotation "
                              f"when a probe succeeds (default {d.health_interval})")
+    parser.add_argument("--health-timeouts", type=int_arg, default=d.health_timeouts,
+                        help="consecutive GET /health probes that time out before an instance leaves rotation; "
+                             "a refused connection or a non-200 answer takes it out at once "
+                             f"(default {d.health_timeouts})")
     parser.add_argument("--connect-timeout", type=float, default=d.connect_timeout,
                         help=f"seconds to wait for a connection to an instance (default {d.connect_timeout})")
     parser.add_argument("--timeout", type=float, default=d.timeout,
@@ -284,6 +293,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
             raise ConfigError("--" + name.replace("_", "-"), value, "expected a number of seconds > 0")
+    if args.health_timeouts < 1:
+        raise ConfigError("--health-timeouts", args.health_timeouts, "expected a whole number >= 1")
     if args.max_body_bytes < 1024:
         raise ConfigError("--max-body-bytes", args.max_body_bytes, "expected a number of bytes >= 1024")
     prefillers = endpoints("prefiller", args.prefiller_hosts, args.prefiller_ports)
@@ -323,6 +334,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         max_retries=args.max_retries,
         retry_delay=args.retry_delay,
         health_interval=args.health_interval,
+        health_timeouts=args.health_timeouts,
         connect_timeout=args.connect_timeout,
         timeout=args.timeout,
         log_level=args.log_level,

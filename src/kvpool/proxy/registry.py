@@ -61,6 +61,7 @@ class Instance:
     failures: int = 0  # attempts that failed (connection error, timeout, 5xx)
     last_error: str | None = None
     down_since: float | None = None
+    probe_timeouts: int = 0  # health probes in a row that timed out (health.py)
     # Added with POST /instances/add rather than given on the command line: such an instance
     # gets the client's Authorization header only with --forward-authorization all.
     added_at_runtime: bool = False
@@ -84,6 +85,7 @@ class Instance:
             "requests": self.requests,
             "failures": self.failures,
             "last_error": self.last_error,
+            "probe_timeouts": self.probe_timeouts,
             "added_at_runtime": self.added_at_runtime,
         }
 

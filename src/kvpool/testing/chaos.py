@@ -222,6 +222,7 @@ class ChaosConfig:
     reference_cores: str = "0-1"
     max_model_len: int = 2048
     log: Callable[[str], None] = lambda msg: None
+    server_env: dict[str, str] = dataclasses.field(default_factory=dict)  # more environment for both instances
 
 
 @dataclasses.dataclass
@@ -378,7 +379,7 @@ class ChaosRun:
             kv_transfer_config=kv, log_path=self.work / f"{name}.log", startup_timeout_s=600,
             request_timeout_s=self.cfg.hung_s,
             env={"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_KVCACHE_SPACE": "1",
-                 "VLLM_RPC_BASE_PATH": str(self.work)},
+                 "VLLM_RPC_BASE_PATH": str(self.work), **self.cfg.server_env},
         )
 
     def compute_reference(self) -> None:
