@@ -125,13 +125,14 @@ class Deployment:
             p.stop(grace_s=20)
 
     def wait_proxy_healthy(self, timeout_s: float = 30) -> None:
-        """Until the proxy's health probe has seen both instances up (GET /health: 200)."""
+        """Until the proxy's health probe has seen both instances up. A 200 from GET /health
+        alone says one is: the test's round robin needs both in rotation from its first request."""
         url = f"http://{self.hosts['A'].address}:{PORT['proxy']}/health"
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 r = httpx.get(url, timeout=2, trust_env=False)
-                if r.status_code == 200:
+                if r.status_code == 200 and r.json().get("healthy_mixed_instances") == len(self.instances):
                     return
             except httpx.HTTPError as exc:
                 r = exc
