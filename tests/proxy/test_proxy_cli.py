@@ -68,3 +68,15 @@ def test_kvpool_proxy_routes_pd_mixed_instances(make_peer, tmp_path):
         assert a.completions()[0].body == {"model": "m", "prompt": "Hello", "max_tokens": 3}
     assert proxy.returncode in (0, -signal.SIGTERM), proxy.log()
     assert "Traceback" not in proxy.log(), proxy.log()
+
+
+def test_a_proxy_counts_as_ready_once_every_instance_it_was_given_is_in_rotation():
+    from kvpool.testing.launch import every_instance_in_rotation
+
+    mixed = {"status": "ok", "mixed_instances": 2, "healthy_mixed_instances": 1, "requests_in_flight": 0}
+    assert not every_instance_in_rotation(mixed)  # a 200 already: one of the two is up
+    assert every_instance_in_rotation({**mixed, "healthy_mixed_instances": 2})
+    pd = {"prefill_instances": 1, "healthy_prefill_instances": 1, "decode_instances": 2, "healthy_decode_instances": 2}
+    assert every_instance_in_rotation(pd)
+    assert not every_instance_in_rotation({**pd, "healthy_decode_instances": 1})
+    assert not every_instance_in_rotation({"status": "unavailable"})

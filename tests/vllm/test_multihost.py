@@ -39,7 +39,7 @@ import pytest
 
 from harness import BLOCK, tokens, whole
 from kvpool.testing.docsteps import assigned_variables, doc_steps, used_variables
-from kvpool.testing.launch import DEFAULT_ENV, IN_PROCESS_WORKER_ENV, ChildProcess
+from kvpool.testing.launch import DEFAULT_ENV, IN_PROCESS_WORKER_ENV, ChildProcess, every_instance_in_rotation
 from kvpool.testing.netns import VirtualHost, VirtualNetwork, unavailable_reason
 
 pytestmark = pytest.mark.vllm
@@ -125,14 +125,14 @@ class Deployment:
             p.stop(grace_s=20)
 
     def wait_proxy_healthy(self, timeout_s: float = 30) -> None:
-        """Until the proxy's health probe has seen both instances up. A 200 from GET /health
-        alone says one is: the test's round robin needs both in rotation from its first request."""
+        """Until the proxy's health probe has seen both instances up (a 200 from GET /health
+        alone says one is): the test's round robin needs both from its first request."""
         url = f"http://{self.hosts['A'].address}:{PORT['proxy']}/health"
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 r = httpx.get(url, timeout=2, trust_env=False)
-                if r.status_code == 200 and r.json().get("healthy_mixed_instances") == len(self.instances):
+                if r.status_code == 200 and every_instance_in_rotation(r.json()):
                     return
             except httpx.HTTPError as exc:
                 r = exc

@@ -30,8 +30,8 @@ import httpx
 from kvpool.testing.proc import free_port, sigstop, tail
 
 __all__ = [
-    "DEFAULT_ENV", "IN_PROCESS_WORKER_ENV", "ChildProcess", "Completion", "OpenAIServer", "PoolServer", "ProxyServer", "ServerError",
-    "free_port", "parse_metric", "stream_completion",
+    "DEFAULT_ENV", "IN_PROCESS_WORKER_ENV", "ChildProcess", "Completion", "OpenAIServer", "PoolServer", "ProxyServer",
+    "ServerError", "every_instance_in_rotation", "free_port", "parse_metric", "stream_completion",
 ]
 
 # Every server gets the same thread setup. vLLM-CPU reserves one more core when a KV connector
@@ -583,7 +583,18 @@ class ProxyServer(ChildProcess):
 
     def _ready(self) -> bool:
         try:
-            return httpx.get(f"{self.base_url}/healthcheck", timeout=2, trust_env=False).status_code == 200
+            r = httpx.get(f"{self.base_url}/healthcheck", timeout=2, trust_env=False)
         except httpx.HTTPError:
             return False
+        return r.status_code == 200 and every_instance_in_rotation(r.json())
+
+
+def every_instance_in_rotation(health: Mapping[str, Any]) -> bool:
+    """Whether a proxy's `/healthcheck` answer has every instance it was given in rotation.
+
+    Its 200 says only that each role has one: the first requests after it would all go to that
+    one, which skews a benchmark's round robin and a test's expectation of where a request goes.
+    """
+    roles = [k[:-len("_instances")] for k in health if k.endswith("_instances") and not k.startswith("healthy_")]
+    return bool(roles) and all(health.get(f"healthy_{r}_instances") == health[f"{r}_instances"] for r in roles)
 
