@@ -476,7 +476,8 @@ def diagnostics(entry: dict[str, Any]) -> list[str]:
     if "kvpool" not in s or "prefix" not in s or not s["prefix"]["computed_tokens"]:
         return []
     k, p = s["kvpool"], s["prefix"]
-    if k.get("ttft_floor_ms") is None or p.get("ttft_floor_ms") is None:
+    if (k.get("ttft_floor_ms") is None or p.get("ttft_floor_ms") is None or not k["computed_tokens"]
+            or p["ttft_mean_ms"] <= p["ttft_floor_ms"]):
         return []
     above = (k["ttft_mean_ms"] - k["ttft_floor_ms"]) / (p["ttft_mean_ms"] - p["ttft_floor_ms"])
     c = k["computed_tokens"] / p["computed_tokens"]
