@@ -5,16 +5,45 @@ released whatever happens."""
 from __future__ import annotations
 
 import os
+import platform
 import threading
 
 import numpy as np
 import pytest
 
 from kvpool.errors import ErrorCode
-from kvpool.store import EngineConfig, PoolEngine
+from kvpool.store import EngineConfig, PoolEngine, streamcopy
+from kvpool.store.buffers import checksum
 from kvpool.store.memcopy import MIN_PARALLEL_BYTES, CopyEngine, auto_threads, process_cpus
 
 SEG = 64 * 1024  # bytes per destination segment
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+@pytest.fixture(params=["threads", "team"])
+def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Unhashed batches go to the caller's OpenMP team where it has one (vLLM's worker), and to
+    Python threads otherwise: every test taking this fixture runs on each path (on x86-64; the
+    team kernel is built nowhere else, so there both runs take the threads)."""
+    if request.param == "threads":
+        monkeypatch.setattr(streamcopy, "team_threads", lambda: 0)
+        return "threads"
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    request.addfinalizer(lambda: torch.set_num_threads(before))
+    if X86:
+        assert streamcopy.team_threads() >= 2
+    else:
+        assert streamcopy.team_threads() == 0
+    return "team"
+
+
+@pytest.fixture
+def threads_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For tests of the Python helper threads themselves."""
+    monkeypatch.setattr(streamcopy, "team_threads", lambda: 0)
 
 
 def make_jobs(n: int, segs: int, seed: int) -> tuple[list, list[list[np.ndarray]], list[np.ndarray]]:
@@ -26,7 +55,7 @@ def make_jobs(n: int, segs: int, seed: int) -> tuple[list, list[list[np.ndarray]
 
 @pytest.mark.parametrize("threads", [1, 2, 4, 7])
 @pytest.mark.parametrize("n", [1, 3, 32])
-def test_every_job_is_copied_exactly(threads: int, n: int) -> None:
+def test_every_job_is_copied_exactly(threads: int, n: int, copy_path: str) -> None:
     jobs, outs, srcs = make_jobs(n, segs=6, seed=n * 10 + threads)
     engine = CopyEngine(threads)
     try:
@@ -52,7 +81,7 @@ def test_work_is_split_by_bytes_across_threads() -> None:
     assert engine._split(small) == [range(8)]
 
 
-def test_copies_run_on_several_threads() -> None:
+def test_copies_run_on_several_threads(threads_only: None) -> None:
     seen: set[str] = set()
 
     jobs, _, _ = make_jobs(8, segs=4, seed=3)
@@ -71,7 +100,7 @@ def test_copies_run_on_several_threads() -> None:
     assert len(seen) == 2 and threading.current_thread().name in seen
 
 
-def test_a_bad_job_fails_alone() -> None:
+def test_a_bad_job_fails_alone(copy_path: str) -> None:
     jobs, outs, srcs = make_jobs(4, segs=2, seed=5)
     jobs[2] = (jobs[2][0], [np.zeros(SEG, dtype=np.uint8)])  # half the bytes' room
     engine = CopyEngine(3)
@@ -91,7 +120,7 @@ def test_thread_count_is_checked(threads: object) -> None:
         CopyEngine(threads)  # type: ignore[arg-type]
 
 
-def test_engine_batch_read_on_threads_is_exact_and_releases_leases() -> None:
+def test_engine_batch_read_on_threads_is_exact_and_releases_leases(copy_path: str) -> None:
     eng = PoolEngine(EngineConfig(memory_size=64 << 20, reap_interval_s=0))
     copies = CopyEngine(3)
     try:
@@ -141,8 +170,7 @@ def test_copy_helpers_run_on_every_cpu_of_the_process_not_the_callers_one():
         t.join()
 
 
-def test_copies_are_checked_against_their_checksums_on_the_copying_threads() -> None:
-    from kvpool.store.buffers import checksum
+def test_copies_are_checked_against_their_checksums_on_the_copying_threads(copy_path: str) -> None:
     from kvpool.store.memcopy import CorruptCopy
 
     jobs, outs, srcs = make_jobs(8, segs=3, seed=7)
@@ -177,3 +205,25 @@ def test_one_pass_copy_and_hash_equals_copy_then_hash(sizes: list[int]) -> None:
     assert out.tobytes() == gather(plain).tobytes() == src.tobytes()
     with pytest.raises(ValueError):  # sizes that do not add up: nothing is hashed or published
         scatter_summed(src, [np.zeros(src.size + 1, dtype=np.uint8)])
+
+
+def test_unhashed_batches_go_to_the_team_and_checked_ones_to_threads(copy_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = streamcopy.copy_segments_team
+    monkeypatch.setattr(streamcopy, "copy_segments_team",
+                        lambda d, s, n, threads: (calls.append(threads), real(d, s, n, threads)))
+    jobs, outs, srcs = make_jobs(6, segs=4, seed=13)
+    engine = CopyEngine(2)
+    try:
+        assert engine.scatter_all(jobs) == [None] * 6
+        on_team = bool(calls)
+        calls.clear()
+        assert engine.scatter_all(jobs, [None] * 5 + [checksum([srcs[5]])]) == [None] * 6
+        assert calls == []  # a checked copy is hashed on the thread that made it
+        assert engine.scatter_all([(srcs[0][:1024], [np.zeros(1024, np.uint8)])]) == [None]
+        assert calls == []  # too small a batch to be worth a second thread
+    finally:
+        engine.close()
+    assert on_team == (copy_path == "team" and X86)
+    for src, bufs in zip(srcs, outs):
+        assert np.concatenate(bufs).tobytes() == src.tobytes()

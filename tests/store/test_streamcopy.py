@@ -7,6 +7,7 @@ import platform
 import threading
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -106,3 +107,62 @@ def test_the_kernel_copies_segment_tables_exactly() -> None:
         assert v.tobytes() == src[s:s + n].tobytes()
     for home, v in zip(homes, views):
         assert home.sum() == v.sum()  # nothing written around the views
+
+
+# ---- the same copies on the caller's OpenMP team ------------------------------------------------
+
+
+def test_the_team_kernel_is_there_once_torch_has_loaded_its_openmp_runtime() -> None:
+    """vLLM's CPU worker copies a hit on the OpenMP threads it computes with: on x86-64 (every CI
+    machine) the team kernel must be built once torch is loaded, sized as torch's team, and
+    only for the main thread (another thread would start a team of its own)."""
+    import torch
+
+    if not X86:
+        assert streamcopy.team_threads() == 0
+        return
+    assert streamcopy.team_threads() == torch.get_num_threads() >= 1
+    seen: list[int] = []
+    t = threading.Thread(target=lambda: seen.append(streamcopy.team_threads()))
+    t.start()
+    t.join()
+    assert seen == [0]
+    assert "OpenMP team" in streamcopy.describe() or torch.get_num_threads() == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.one_of(st.integers(0, 200), st.integers(16 << 10, 100_000)), min_size=1, max_size=12),
+       threads=st.integers(1, 5), seed=st.integers(0, 2**32 - 1))
+def test_the_team_copies_every_segment_exactly_once(sizes: list[int], threads: int, seed: int) -> None:
+    """Any number of threads (more than the team has, or than there are segments), any sizes
+    and alignments: every segment lands whole and nothing around it is written."""
+    import torch  # noqa: F401 - loads the OpenMP runtime the team runs on
+
+    if not X86:
+        return
+    assert streamcopy.team_threads() >= 1
+    rng = np.random.default_rng(seed)
+    src_home = rng.integers(0, 256, sum(sizes) + 64, dtype=np.uint8)
+    at = int(rng.integers(0, 64))
+    src = src_home[at:at + sum(sizes)]
+    homes, views = _placed(rng, sizes, [int(o) for o in rng.integers(0, 130, len(sizes))])
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int)
+    base = streamcopy.address(src_home) + at
+    streamcopy.copy_segments_team([streamcopy.address(v) if v.size else 0 for v in views],
+                                  [base + int(s) for s in starts], sizes, threads)
+    for v, s, n in zip(views, starts, sizes):
+        assert v.tobytes() == src[s:s + n].tobytes()
+    for home, v in zip(homes, views):
+        assert home.sum() == v.sum()
+
+
+@pytest.mark.parametrize("sizes, parts, want", [
+    ([10, 10, 10, 10], 2, [0, 2, 4]),
+    ([40, 1, 1, 1, 1], 2, [0, 1, 5]),   # the big segment is a part of its own
+    ([1, 1, 1, 40], 2, [0, 3, 4]),      # the cut nearest half the bytes
+    ([5, 5, 5], 3, [0, 1, 2, 3]),
+    ([40, 1], 3, [0, 0, 1, 2]),         # more parts than the bytes can fill: an empty run
+    ([7], 1, [0, 1]),
+])
+def test_the_team_splits_by_bytes_into_runs_of_whole_segments(sizes: list[int], parts: int, want: list[int]) -> None:
+    assert streamcopy.split_bounds(sizes, parts).tolist() == want

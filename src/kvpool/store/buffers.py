@@ -106,15 +106,27 @@ def _streamed(value: np.ndarray, segs: list[np.ndarray], into_segments: bool) ->
     reads each segment right back, so its bytes should stay in the caches."""
     if value.size < streamcopy.MIN_BYTES or streamcopy.kernel() is None:
         return False
+    streamcopy.copy_segments(*_table(value, segs, into_segments))
+    return True
+
+
+def _table(value: np.ndarray, segs: list[np.ndarray], into_segments: bool
+           ) -> tuple[list[int], list[int], list[int]]:
+    """(destination addresses, source addresses, sizes) of the copies between one contiguous
+    value and its non-empty segments, in either direction."""
     used = [s for s in segs if s.size]
     sizes = [int(s.size) for s in used]
     runs = list(itertools.accumulate(sizes[:-1], initial=streamcopy.address(value)))
     parts = [streamcopy.address(s) for s in used]
-    if into_segments:
-        streamcopy.copy_segments(parts, runs, sizes)
-    else:
-        streamcopy.copy_segments(runs, parts, sizes)
-    return True
+    return (parts, runs, sizes) if into_segments else (runs, parts, sizes)
+
+
+def scatter_table(src: Any, bufs: Sequence[Any]) -> tuple[list[int], list[int], list[int]]:
+    """The copies `scatter` would make, as (destination addresses, source addresses, sizes), for a
+    caller that copies many values in one call (`streamcopy.copy_segments_team`); checked as
+    `scatter` checks them. The addresses are valid as long as ``src`` and ``bufs`` are alive."""
+    data, outs = _scatter_args(src, bufs)
+    return _table(data, outs, into_segments=True)
 
 
 def scatter(src: Any, bufs: Sequence[Any]) -> None:
@@ -133,12 +145,17 @@ def scatter_summed(src: Any, bufs: Sequence[Any]) -> int:
     return h.intdigest()
 
 
-def _scatter(src: Any, bufs: Sequence[Any], h: Any) -> None:
+def _scatter_args(src: Any, bufs: Sequence[Any]) -> tuple[np.ndarray, list[np.ndarray]]:
     data = as_u8(src)
     outs = [as_u8(b, writable=True) for b in bufs]
     total = sum(o.size for o in outs)
     if total != data.size:
         raise ValueError(f"scatter: the value has {data.size} bytes, the buffers {total}")
+    return data, outs
+
+
+def _scatter(src: Any, bufs: Sequence[Any], h: Any) -> None:
+    data, outs = _scatter_args(src, bufs)
     if h is None and _streamed(data, outs, into_segments=True):
         return
     pos = 0
