@@ -28,9 +28,10 @@ are the threads vLLM computes with, pinned one to a core, which busy-wait for th
 parallel region: copy threads of our own on their cores got half a core each, and a 4K hit's
 load (48 MiB) took 6.4 ms on two Python threads or one, 3.3 ms on the team of two.
 
-Invariant: after `copy_segments` or `copy_segments_team`, every destination range holds its source range's bytes, and
-they are visible to every thread. Callers (`buffers.scatter`, `buffers.gather`) fall back to
-numpy's copy where `kernel()` is None, with the same result.
+Invariant: after `copy_segments` or `copy_segments_team`, every destination range holds its
+source range's bytes, and they are visible to every thread. Callers (`buffers.scatter`,
+`buffers.gather`) fall back to numpy's copy where `kernel()` is None, with the same result;
+`CopyEngine` falls back to its own threads where `team_threads()` is below 2.
 """
 
 from __future__ import annotations
