@@ -37,6 +37,9 @@ Configurations (one server each, in this order):
   kvpool_staged  the same with `transfer_path: staged`: the accelerator staging path on CPU
   kvpool_layerwise  the same with `use_layerwise: true`: loads layer by layer beside the forward
             pass (`wait_for_layer_load`), saves as each layer is written (`save_kv_layer`)
+  kvpool_server  KVPoolConnector, backend server: a `kvpool server` (4GB, fresh for every
+            server start) as the host-wide pool several instances share; reads are checked
+            against their writer's checksum
   example   vLLM's ExampleConnector (safetensors files on disk), prefix caching off. A server
             that crashes is recorded as `crashed` for that size and restarted for the next;
             sizes where it crashed are rerun without chunked prefill (`example_unchunked`)
@@ -75,13 +78,14 @@ from common import (
 )
 from plotting import COLORS, finish
 
-from kvpool.testing.launch import DEFAULT_ENV, OpenAIServer, ServerError
+from kvpool.testing.launch import DEFAULT_ENV, OpenAIServer, PoolServer, ServerError
 from kvpool.testing.model import SPECS, build_model
 from kvpool.testing.services import MooncakeMaster, ServiceError, mooncake_master_binary
 
 MAX_MODEL_LEN = 8448  # 8192 prompt tokens + 1 generated, rounded up to whole blocks
 SIZES = {"1K": 1024, "4K": 4096, "8K": 8192}
-CONFIG_ORDER = ("vllm", "kvpool", "kvpool_serial", "kvpool_staged", "kvpool_layerwise", "example", "mooncake")
+CONFIG_ORDER = ("vllm", "kvpool", "kvpool_serial", "kvpool_staged", "kvpool_layerwise", "kvpool_server", "example",
+                "mooncake")
 PART_NEW_TOKENS = 1024  # `part`: the prompt from a cache, then this many new tokens
 # The targets: (name, text, ratio key in `ratios`, sizes it applies to, the bound).
 TARGETS = [
@@ -170,6 +174,19 @@ def build_plans(workdir: Path, configs: list[str], mooncake: tuple[str | None, s
                 "kv_connector_extra_config": {"backend": "local", "local_cpu_size": "8GB",
                                               "lookup_rpc_port": rpc_port, **extra},
             })
+    if "kvpool_server" in configs:
+        sock = workdir / "pool.sock"
+        n_pools = [0]
+
+        def pool_setup() -> Callable[[], None]:
+            # A fresh pool for every vLLM start, as for Mooncake: nothing an earlier one stored remains.
+            n_pools[0] += 1
+            return PoolServer(sock, memory_size="4GB", log_path=workdir / "logs" / f"pool-{n_pools[0]}.log").start().stop
+
+        plans["kvpool_server"] = ServerPlan("kvpool_server", prefix_caching=False, kv_transfer_config={
+            "kv_connector": "KVPoolConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"backend": "server", "server_socket": str(sock), "lookup_rpc_port": rpc_port},
+        }, setup=pool_setup)
     if "example" in configs:
         plans["example"] = example_plan(workdir / "example-storage")
     if "mooncake" in configs and mooncake[0] is not None:
@@ -412,7 +429,8 @@ COLUMNS = [
     for kind in KINDS
     for col, cfg in (("vllm" if kind == "cold" else "prefix", "vllm"), ("kvpool", "kvpool"),
                      ("serial", "kvpool_serial"), ("staged", "kvpool_staged"),
-                     ("layerwise", "kvpool_layerwise"), ("example", "example"), ("exampleu", "example_unchunked"),
+                     ("layerwise", "kvpool_layerwise"), ("server", "kvpool_server"), ("example", "example"),
+                     ("exampleu", "example_unchunked"),
                      ("mooncake", "mooncake"))
 ]
 
@@ -479,7 +497,9 @@ def summarize(results: dict[str, Any], sizes: list[str], memcpy_ms: dict[str, fl
                         "kvpool_cold/vllm_cold": ratio("kvpool_cold", "vllm_cold"),
                         "staged_ext/kvpool_ext": ratio("staged_ext", "kvpool_ext"),
                         "serial_ext/kvpool_ext": ratio("serial_ext", "kvpool_ext"),
-                        "layerwise_ext/kvpool_ext": ratio("layerwise_ext", "kvpool_ext")}
+                        "layerwise_ext/kvpool_ext": ratio("layerwise_ext", "kvpool_ext"),
+                        "server_ext/prefix_ext": ratio("server_ext", "prefix_ext"),
+                        "server_ext/kvpool_ext": ratio("server_ext", "kvpool_ext")}
         for kind in ("hit", "ext", "part"):
             for peer in ("prefix", "example", "exampleu", "mooncake"):
                 ratios[size][f"kvpool_{kind}/{peer}_{kind}"] = ratio(f"kvpool_{kind}", f"{peer}_{kind}")
@@ -526,10 +546,11 @@ def _fmt_ms(cell: dict[str, Any], with_cached: bool = False) -> str:
 
 def format_tables(summary: dict[str, Any], sizes: list[str], show_exampleu: bool) -> str:
     med, ratios = summary["medians"], summary["ratios"]
-    peers = ["kvpool", "serial", "staged", "layerwise", "example"] + (["exampleu"] if show_exampleu else []) + ["mooncake"]
+    peers = (["kvpool", "serial", "staged", "layerwise", "server", "example"] + (["exampleu"] if show_exampleu else [])
+             + ["mooncake"])
     names = {"vllm": "vLLM, no connector", "prefix": "vLLM prefix cache", "kvpool": "kvpool",
              "serial": "kvpool 1 copy thread", "staged": "kvpool staged",
-             "layerwise": "kvpool layerwise", "example": "ExampleConnector", "exampleu": "Example, unchunked",
+             "layerwise": "kvpool layerwise", "server": "kvpool server", "example": "ExampleConnector", "exampleu": "Example, unchunked",
              "mooncake": "MooncakeStore"}
     out = ["Cold: first time the server sees the prompt. Median TTFT, ms"]
     cols = ["vllm"] + peers
@@ -547,7 +568,8 @@ def format_tables(summary: dict[str, Any], sizes: list[str], show_exampleu: bool
             ("added/memcpy", "added/memcpy"), ("kvpool_ext/mooncake_ext", "+1/Mooncake"),
             ("kvpool_ext/example_ext", "+1/Example"), ("kvpool_part/prefix_part", "part/prefix"),
             ("staged_ext/kvpool_ext", "staged/direct +1"), ("serial_ext/kvpool_ext", "1 thread/default +1"),
-            ("layerwise_ext/kvpool_ext", "layerwise/default +1")]
+            ("layerwise_ext/kvpool_ext", "layerwise/default +1"), ("server_ext/prefix_ext", "server +1/prefix"),
+            ("server_ext/kvpool_ext", "server/local +1")]
     out += ["", "Ratios of medians, kvpool over the other (below 1: kvpool faster; hit = same prompt, "
             "+1 = prompt + 1 token, part = prompt + new tokens). memcpy: one single-threaded copy of "
             "the prompt's KV bytes, ms: " + ", ".join(f"{s} {summary['memcpy_ms'].get(s, 0):.2f}" for s in sizes)]
@@ -624,6 +646,7 @@ PLOT_SYSTEMS = [
     ("serial", "serial", "kvpool_serial", "kvpool, copy_threads 1", "kvpool_serial"),
     ("staged", "staged", "kvpool_staged", "kvpool, staged path (accelerator path on CPU)", "kvpool_staged"),
     ("layerwise", "layerwise", "kvpool_layerwise", "kvpool, layerwise", "kvpool_layerwise"),
+    ("server", "server", "kvpool_server", "kvpool, backend server (host-wide pool)", "kvpool_server"),
     ("example", "example", "example", "ExampleConnector", "example"),
     ("exampleu", "exampleu", "example_unchunked", "ExampleConnector, no chunked prefill", "example_unchunked"),
     ("mooncake", "mooncake", "mooncake", "MooncakeStoreConnector", "mooncake"),

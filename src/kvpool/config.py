@@ -649,7 +649,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
         "(wait_for_layer_load) and saves leave as each layer is written (save_kv_layer)"))] = False
     copy_threads: Annotated[int, Meta(ge=0, le=64, description=(
         "threads that copy one batch's values in parallel (`local`, `server`; in vLLM's CPU worker "
-        "the `local` backend's loads run on vLLM's own OpenMP threads, at most this many); 0: one "
+        "a synchronous load runs on vLLM's own OpenMP threads, at most this many); 0: one "
         "per CPU the worker process computes on, at most 4"))] = 0
     lookup_timeout_s: Annotated[float, Meta(ge=0.001, le=60, extra={"kind": "seconds"}, description=(
         "the longest a lookup waits for a store outside this process; then it is a miss and the "

@@ -210,3 +210,101 @@ def test_local_has_no_guard():
 
     assert not REGISTRY["local"].capabilities.remote
     assert all(spec.capabilities.remote for name, spec in REGISTRY.items() if name != "local")
+
+
+# ---- work handed back to the caller's thread ------------------------------------------------------
+
+
+def test_on_caller_runs_on_the_waiting_callers_thread_inside_buffers():
+    g = Guard("t", FAST, lambda: None)
+    ran: list[int] = []
+
+    def call() -> int:
+        with g.buffers() as admitted:
+            assert admitted
+            return g.on_caller(lambda: (ran.append(threading.get_ident()), 41)[1]) + 1
+
+    try:
+        assert g.call(call, 5) == 42
+        assert ran == [threading.get_ident()]  # this test's thread, not the guard's
+        # Outside `buffers()` and outside any call, the function runs where it was called.
+        assert g.call(lambda: g.on_caller(threading.get_ident), 5) != threading.get_ident()
+        assert g.on_caller(threading.get_ident) == threading.get_ident()
+    finally:
+        g.close()
+
+
+def test_on_caller_hands_an_exception_back_to_the_call():
+    g = Guard("t", FAST, lambda: None)
+
+    def boom() -> None:
+        raise KeyError("from the caller's thread")
+
+    def call() -> str:
+        with g.buffers():
+            try:
+                g.on_caller(boom)
+            except KeyError as exc:
+                return f"caught {exc.args[0]}"
+        return "not raised"
+
+    try:
+        assert g.call(call, 5) == "caught from the caller's thread"
+    finally:
+        g.close()
+
+
+def test_a_handed_job_past_the_deadline_still_runs_and_is_waited_for():
+    # The job is the copy into the caller's buffers: once it started, the caller may not leave.
+    g = Guard("t", FAST, lambda: None)
+    go = threading.Event()
+    dest = np.zeros(16, np.uint8)
+
+    def job() -> None:
+        go.wait(10)
+        dest[:] = 9
+
+    def call() -> str:
+        with g.buffers():
+            g.on_caller(job)
+        return "done"
+
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(g.call(call, FAST.transfer_timeout_s)))
+    t.start()
+    time.sleep(0.3)  # well past the deadline
+    assert not out
+    go.set()
+    t.join(10)
+    assert out == ["done"] and (dest == 9).all()
+    g.close()
+
+
+def test_a_guarded_backends_copies_run_on_the_callers_thread(monkeypatch):
+    """Through the backend: a guarded get's `CopyEngine` batch starts on the thread that called
+    the backend (vLLM's main thread, with its OpenMP team), not on the guard's."""
+    from kvpool.store import streamcopy
+
+    asked_from: list[int] = []
+    monkeypatch.setattr(streamcopy, "team_threads",
+                        lambda hashed=False: (asked_from.append(threading.get_ident()), 0)[1])
+
+    class Copying(Freezable):
+        def _get_into(self, keys, values):
+            self._store()
+            with self._buffers() as admitted:
+                assert admitted
+                src = np.frombuffer(self.data[keys[0]], dtype=np.uint8)
+                return [OK if e is None else RPC_FAIL for e in self._copies.scatter_all([(src, values[0])])]
+
+    b = Copying()
+    b.data["big"] = bytes(range(256)) * (8 << 10)  # 2 MiB: worth a second thread
+    b.use_guard(FAST)
+    b.use_copy_threads(2)
+    try:
+        dest = np.zeros(2 << 20, np.uint8)
+        assert b.batch_get_into(["big"], [[dest]]) == [OK]
+        assert dest.tobytes() == b.data["big"]
+        assert asked_from == [threading.get_ident()]
+    finally:
+        b.close()

@@ -22,11 +22,11 @@ X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 @pytest.fixture(params=["threads", "team"])
 def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Unhashed batches go to the caller's OpenMP team where it has one (vLLM's worker), and to
-    Python threads otherwise: every test taking this fixture runs on each path (on x86-64; the
-    team kernel is built nowhere else, so there both runs take the threads)."""
+    """Batches go to the caller's OpenMP team where it has one (vLLM's worker), and to Python
+    threads otherwise: every test taking this fixture runs on each path (on x86-64; the team
+    kernels are built nowhere else, so there both runs take the threads)."""
     if request.param == "threads":
-        monkeypatch.setattr(streamcopy, "team_threads", lambda: 0)
+        monkeypatch.setattr(streamcopy, "team_threads", lambda hashed=False: 0)
         return "threads"
     import torch
 
@@ -34,16 +34,16 @@ def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     torch.set_num_threads(max(2, before))
     request.addfinalizer(lambda: torch.set_num_threads(before))
     if X86:
-        assert streamcopy.team_threads() >= 2
+        assert streamcopy.team_threads() >= 2 and streamcopy.team_threads(hashed=True) >= 2
     else:
-        assert streamcopy.team_threads() == 0
+        assert streamcopy.team_threads() == streamcopy.team_threads(hashed=True) == 0
     return "team"
 
 
 @pytest.fixture
 def threads_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """For tests of the Python helper threads themselves."""
-    monkeypatch.setattr(streamcopy, "team_threads", lambda: 0)
+    monkeypatch.setattr(streamcopy, "team_threads", lambda hashed=False: 0)
 
 
 def make_jobs(n: int, segs: int, seed: int) -> tuple[list, list[list[np.ndarray]], list[np.ndarray]]:
@@ -207,23 +207,23 @@ def test_one_pass_copy_and_hash_equals_copy_then_hash(sizes: list[int]) -> None:
         scatter_summed(src, [np.zeros(src.size + 1, dtype=np.uint8)])
 
 
-def test_unhashed_batches_go_to_the_team_and_checked_ones_to_threads(copy_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-    real = streamcopy.copy_segments_team
+def test_batches_go_to_the_team_kernel_of_their_kind(copy_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unchecked batches to the streaming team kernel, batches with a checksum to the hashing
+    one (whole: a `server` read mixes checked values with inline ones), small ones to neither."""
+    calls: list[str] = []
+    copy, copy_hash = streamcopy.copy_segments_team, streamcopy.copy_hash_team
     monkeypatch.setattr(streamcopy, "copy_segments_team",
-                        lambda d, s, n, threads: (calls.append(threads), real(d, s, n, threads)))
+                        lambda *a: (calls.append("stream"), copy(*a))[1])
+    monkeypatch.setattr(streamcopy, "copy_hash_team",
+                        lambda *a: (calls.append("hash"), copy_hash(*a))[1])
     jobs, outs, srcs = make_jobs(6, segs=4, seed=13)
     engine = CopyEngine(2)
     try:
         assert engine.scatter_all(jobs) == [None] * 6
-        on_team = bool(calls)
-        calls.clear()
         assert engine.scatter_all(jobs, [None] * 5 + [checksum([srcs[5]])]) == [None] * 6
-        assert calls == []  # a checked copy is hashed on the thread that made it
         assert engine.scatter_all([(srcs[0][:1024], [np.zeros(1024, np.uint8)])]) == [None]
-        assert calls == []  # too small a batch to be worth a second thread
     finally:
         engine.close()
-    assert on_team == (copy_path == "team" and X86)
+    assert calls == (["stream", "hash"] if copy_path == "team" and X86 else [])
     for src, bufs in zip(srcs, outs):
         assert np.concatenate(bufs).tobytes() == src.tobytes()

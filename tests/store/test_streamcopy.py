@@ -156,6 +156,36 @@ def test_the_team_copies_every_segment_exactly_once(sizes: list[int], threads: i
         assert home.sum() == v.sum()
 
 
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(st.lists(st.one_of(st.integers(0, 200), st.integers(16 << 10, 100_000)), max_size=5),
+                       min_size=1, max_size=8),
+       threads=st.integers(1, 5), seed=st.integers(0, 2**32 - 1))
+def test_the_team_copies_and_hashes_every_value_exactly_once(values: list[list[int]], threads: int, seed: int) -> None:
+    """The hashing team kernel (`server` reads): values of any number of segments (none too),
+    any sizes, alignments and thread counts; every segment lands whole, nothing around it is
+    written, and each value's digest is `buffers.checksum` of its destination buffers."""
+    import torch  # noqa: F401 - loads the OpenMP runtime the team runs on
+
+    if not X86:
+        assert streamcopy.team_threads(hashed=True) == 0
+        return
+    assert streamcopy.team_threads(hashed=True) >= 1
+    rng = np.random.default_rng(seed)
+    sizes = [n for v in values for n in v]
+    src = rng.integers(0, 256, sum(sizes), dtype=np.uint8)
+    homes, views = _placed(rng, sizes, [int(o) for o in rng.integers(0, 130, len(sizes))])
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int) if sizes else []
+    firsts = np.concatenate([[0], np.cumsum([len(v) for v in values])]).astype(int).tolist()
+    digests = streamcopy.copy_hash_team([streamcopy.address(v) if v.size else 0 for v in views],
+                                        [streamcopy.address(src) + int(s) if n else 0 for s, n in zip(starts, sizes)],
+                                        sizes, firsts, threads)
+    for v, s, n in zip(views, starts, sizes):
+        assert v.tobytes() == src[s:s + n].tobytes()
+    for home, v in zip(homes, views):
+        assert home.sum() == v.sum()
+    assert digests.tolist() == [buffers.checksum(views[a:b]) for a, b in zip(firsts, firsts[1:])]
+
+
 @pytest.mark.parametrize("sizes, parts, want", [
     ([10, 10, 10, 10], 2, [0, 2, 4]),
     ([40, 1, 1, 1, 1], 2, [0, 1, 5]),   # the big segment is a part of its own

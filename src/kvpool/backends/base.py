@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -45,6 +45,7 @@ __all__ = ["Backend", "Buffers", "Reconnect", "gather", "scatter", "spans", "tot
 logger = logging.getLogger(__name__)
 
 Buffers = Sequence[np.ndarray]
+T = TypeVar("T")
 
 
 # A key no store holds: the breaker's probe asks for it (`Backend._probe`).
@@ -156,7 +157,7 @@ class _State:
         self.lock = threading.Lock()
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.link = Reconnect(backend._connect, backend.retry_first_s, backend.retry_cap_s)
-        self.copies = CopyEngine(1)
+        self.copies = CopyEngine(1, backend._on_caller)
         self.guard: Guard | None = None  # set by `use_guard` for stores outside this process
 
 
@@ -293,7 +294,7 @@ class Backend(abc.ABC):
     def use_copy_threads(self, threads: int) -> None:
         """Copy a batch's values on this many threads where the adapter copies them itself
         (`copy_threads`; `local` and `server`, whose bytes kvpool's own code moves)."""
-        old, self._state.copies = self._state.copies, CopyEngine(threads)
+        old, self._state.copies = self._state.copies, CopyEngine(threads, self._on_caller)
         old.close()
 
     def use_guard(self, settings: GuardSettings) -> None:
@@ -356,6 +357,12 @@ class Backend(abc.ABC):
     @property
     def _copies(self) -> CopyEngine:
         return self._state.copies
+
+    def _on_caller(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the thread that called the backend, where a guard runs the call on one of
+        its own (`Guard.on_caller`): copies use that thread's OpenMP team (`CopyEngine`)."""
+        guard = self._state.guard
+        return guard.on_caller(fn) if guard is not None else fn()
 
     def _buffers(self) -> AbstractContextManager[bool]:
         """Enter before an adapter reads or writes the caller's buffers; False means the

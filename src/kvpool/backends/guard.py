@@ -14,7 +14,8 @@ reading it for a put, writing it for a get) only inside `Guard.buffers()`, which
 if its caller still waits, and the caller, at the deadline, waits for a call already inside to
 leave. So once a caller has its answer, no abandoned call reads or writes its buffers again:
 vLLM may reuse those blocks at once. The part of a call inside `buffers()` is a copy (local
-memory or the store's data plane) and is bounded by the copy, not by the deadline.
+memory or the store's data plane) and is bounded by the copy, not by the deadline. Because the
+caller waits for that part, a call may hand it to the caller's own thread (`on_caller`).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class Timeout(Exception):
 class _Call:
     """One call's handshake between its caller and the thread running it."""
 
-    __slots__ = ("cond", "state", "result", "error", "finished")
+    __slots__ = ("cond", "state", "result", "error", "finished", "job", "job_out")
 
     def __init__(self) -> None:
         self.cond = threading.Condition(threading.Lock())
@@ -73,6 +74,22 @@ class _Call:
         self.result: Any = None
         self.error: BaseException | None = None
         self.finished = False
+        self.job: Callable[[], Any] | None = None  # handed to the caller by `Guard.on_caller`
+        self.job_out: tuple[Any, BaseException | None] | None = None  # its result, or its error
+
+    def run_job(self) -> None:
+        """The caller runs the job it was handed (with `cond` held on entry and exit)."""
+        job, self.job = self.job, None
+        assert job is not None
+        self.cond.release()  # the job may take milliseconds: the other side only waits for it
+        try:
+            out: tuple[Any, BaseException | None] = (job(), None)
+        except BaseException as exc:  # noqa: BLE001 - handed back to the thread that asked
+            out = (None, exc)
+        finally:
+            self.cond.acquire()
+        self.job_out = out
+        self.cond.notify_all()
 
 
 class Guard:
@@ -145,6 +162,9 @@ class Guard:
         deadline = self._clock() + timeout_s
         with c.cond:
             while not c.finished:
+                if c.job is not None:
+                    c.run_job()
+                    continue
                 left = deadline - self._clock()
                 if left <= 0:
                     if c.state == _INSIDE:
@@ -201,6 +221,33 @@ class Guard:
                 with c.cond:
                     c.state = _WAITING
                     c.cond.notify_all()
+
+    def on_caller(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the thread that made the running call, which waits for it; its result, or
+        its exception raised here. For work that belongs on the caller's thread: in vLLM's CPU
+        worker a load's copy runs on the main thread's OpenMP team (`streamcopy`), which a
+        guard thread does not have. Only inside an admitted `buffers()` (the caller then waits
+        for the call, deadline or not, so it is there to run `fn`); elsewhere, and outside a
+        guarded call, `fn()` runs on this thread."""
+        c: _Call | None = getattr(self._local, "call", None)
+        if c is None:
+            return fn()
+        with c.cond:
+            if c.state != _INSIDE:
+                handed = False
+            else:
+                handed = True
+                c.job, c.job_out = fn, None
+                c.cond.notify_all()
+                while c.job_out is None:
+                    c.cond.wait()
+                result, error = c.job_out
+                c.job_out = None
+        if not handed:
+            return fn()
+        if error is not None:
+            raise error
+        return result  # type: ignore[no-any-return]
 
     # ---- internals --------------------------------------------------------------------------
 

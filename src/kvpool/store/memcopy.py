@@ -7,12 +7,14 @@ During a synchronous load the forward pass is waiting, so the cores vLLM compute
 both copy through it, so the two backends share one copy path.
 
 Two ways to spread a batch. Where the calling thread has an OpenMP team (vLLM's CPU worker: the
-threads it computes with, one pinned to each core) and the copies are unhashed, the whole batch
-goes to that team in one call (`streamcopy.copy_segments_team`). vLLM's OpenMP threads
-busy-wait for their next parallel region, so a thread of our own scheduled on one of their
-cores gets half of it: inside vLLM two Python copy threads loaded a 4K hit no faster than one
-(6.4 ms each way), the team in 3.3 ms. Otherwise the jobs are split over the calling thread and
-`threads - 1` helpers.
+threads it computes with, one pinned to each core), the whole batch goes to that team in one
+call: `streamcopy.copy_segments_team` for unchecked copies (`local`), `copy_hash_team` where
+a copy is checked against its writer's checksum (`server`). vLLM's OpenMP threads busy-wait
+for their next parallel region, so a thread of our own scheduled on one of their cores gets
+half of it: inside vLLM two Python copy threads loaded a 4K hit no faster than one (6.4 ms
+each way), the team in 3.3 ms. Otherwise the jobs are split over the calling thread and
+`threads - 1` helpers. A store call that runs on a guard thread (`backends/guard.py`) hands
+its batch back to the thread waiting for it (``on_caller``), which has the team.
 
 Invariant: every job is copied exactly once, and `scatter_all` returns only when every job has
 finished or failed, so the caller may validate leases and release them right after it returns.
@@ -23,8 +25,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import numpy as np
 
@@ -45,6 +48,8 @@ class CorruptCopy(ValueError):
     def __init__(self) -> None:
         super().__init__("checksum mismatch")
 
+
+T = TypeVar("T")
 
 # One job: a value's bytes and the buffers they are copied into, back to back.
 Job = tuple[np.ndarray, Sequence[np.ndarray]]
@@ -89,13 +94,25 @@ def _spread(cpus: set[int]) -> None:
         pass  # not on Linux, or a CPU set we may not use: keep the inherited one
 
 
-class CopyEngine:
-    """Runs `scatter` for a batch of jobs on the calling thread plus `threads - 1` helpers."""
+# Runs a function on the thread the copy is for and returns its result (`Guard.on_caller`).
+OnCaller = Callable[[Callable[[], T]], T]
 
-    def __init__(self, threads: int = 1) -> None:
+
+def _here(fn: Callable[[], T]) -> T:
+    return fn()
+
+
+class CopyEngine:
+    """Runs `scatter` for a batch of jobs on the calling thread plus `threads - 1` helpers.
+
+    ``on_caller`` moves a batch to the thread that is waiting for it, where a store call runs
+    on a thread of its own (`Guard`) while vLLM's main thread, with its OpenMP team, waits."""
+
+    def __init__(self, threads: int = 1, on_caller: OnCaller = _here) -> None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"copy threads={threads!r}: a positive integer")
         self.threads = threads
+        self._on_caller = on_caller
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
@@ -103,13 +120,17 @@ class CopyEngine:
                     ) -> list[BaseException | None]:
         """Copy every job; per job, None or the exception its copy raised (its buffers may then
         hold part of the value: the caller reports that key as failed). With ``expect``, each
-        job's copy is also checked, on the thread that made it, against that checksum
-        (`buffers.checksum`; None: unchecked): a mismatch is `CorruptCopy`."""
+        job's copy is also checked against that checksum (`buffers.checksum` of what the
+        buffers now hold; None: unchecked): a mismatch is `CorruptCopy`."""
+        return self._on_caller(lambda: self._scatter_all(jobs, expect))
+
+    def _scatter_all(self, jobs: Sequence[Job], expect: Sequence[int | None] | None
+                     ) -> list[BaseException | None]:
         results: list[BaseException | None] = [None] * len(jobs)
         sums = list(expect) if expect is not None else [None] * len(jobs)
         team = self._team_size(jobs, sums)
         if team > 1:
-            self._scatter_on_team(jobs, results, team)
+            self._scatter_on_team(jobs, sums, results, team)
             return results
         groups = self._split(jobs)
         if len(groups) <= 1:
@@ -130,17 +151,18 @@ class CopyEngine:
 
     def _team_size(self, jobs: Sequence[Job], sums: Sequence[int | None]) -> int:
         """Threads of the caller's OpenMP team to copy this batch on, or 0 to use our own."""
-        if self.threads <= 1 or any(x is not None for x in sums):
+        if self.threads <= 1 or sum(int(src.size) for src, _ in jobs) < MIN_PARALLEL_BYTES:
             return 0
-        if sum(int(src.size) for src, _ in jobs) < MIN_PARALLEL_BYTES:
-            return 0
-        return min(self.threads, streamcopy.team_threads())
+        return min(self.threads, streamcopy.team_threads(hashed=any(x is not None for x in sums)))
 
     @staticmethod
-    def _scatter_on_team(jobs: Sequence[Job], results: list[BaseException | None], team: int) -> None:
+    def _scatter_on_team(jobs: Sequence[Job], sums: Sequence[int | None],
+                         results: list[BaseException | None], team: int) -> None:
         dsts: list[int] = []
         srcs: list[int] = []
         sizes: list[int] = []
+        firsts = [0]  # where each job's segments start in the table, then its end
+        copied: list[int] = []  # the jobs in the table
         for i, (src, outs) in enumerate(jobs):
             try:
                 d, s, n = scatter_table(src, outs)
@@ -150,8 +172,19 @@ class CopyEngine:
             dsts += d
             srcs += s
             sizes += n
-        if sizes:
+            firsts.append(len(sizes))
+            copied.append(i)
+        if not copied:
+            return
+        if all(sums[i] is None for i in copied):
             streamcopy.copy_segments_team(dsts, srcs, sizes, team)
+            return
+        # With one checked job the whole batch is hashed (and stored through the caches): a
+        # `server` read mixes values from the arena, checked, with ones its disk tier sent inline.
+        digests = streamcopy.copy_hash_team(dsts, srcs, sizes, firsts, team)
+        for i, digest in zip(copied, digests.tolist()):
+            if sums[i] is not None and digest != sums[i]:
+                results[i] = CorruptCopy()
 
     def _split(self, jobs: Sequence[Job]) -> list[range]:
         """Consecutive runs of jobs with about the same number of bytes, one per thread."""

@@ -28,8 +28,14 @@ are the threads vLLM computes with, pinned one to a core, which busy-wait for th
 parallel region: copy threads of our own on their cores got half a core each, and a 4K hit's
 load (48 MiB) took 6.4 ms on two Python threads or one, 3.3 ms on the team of two.
 
-Invariant: after `copy_segments` or `copy_segments_team`, every destination range holds its
-source range's bytes, and they are visible to every thread. Callers (`buffers.scatter`,
+A third, `copy_hash_team`, is the team copy of a `server` read, which is checked against the
+checksum its writer committed: each member copies whole values with ordinary stores and hashes
+each segment (XXH3-64, xxhash's own C entry points) right after copying it, while it is still
+in the caches. In vLLM that read's Python copy threads had the same half cores.
+
+Invariant: after `copy_segments`, `copy_segments_team` or `copy_hash_team`, every destination
+range holds its source range's bytes, and they are visible to every thread; `copy_hash_team`'s
+digests are `buffers.checksum` of the destinations. Callers (`buffers.scatter`,
 `buffers.gather`) fall back to numpy's copy where `kernel()` is None, with the same result;
 `CopyEngine` falls back to its own threads where `team_threads()` is below 2.
 """
@@ -37,6 +43,7 @@ source range's bytes, and they are visible to every thread. Callers (`buffers.sc
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import platform
 import threading
@@ -188,22 +195,137 @@ entry:
 }
 """
 
+# Copy and hash on the team: for a `server` read, whose copy is checked against the checksum its
+# writer committed (`buffers.scatter_summed`, XXH3-64 of the reader's own destination buffers).
+# Each member takes a run of whole values; a value's segments are copied with ordinary stores
+# (the hash reads each right back, so its bytes should stay in the caches) and hashed one by one
+# right after their copy. XXH3 comes from the xxhash module the rest of kvpool hashes with, so
+# the digests are the same by construction. Checked and rejected (48 / 96 MiB on the 2-vCPU Xeon,
+# two threads): non-temporal stores with the hash reading each segment back took 4.5 ms instead
+# of 2.5 for 48 MiB; hashing chunks in a cached bounce buffer and streaming them out with
+# non-temporal stores was 9% faster at 96 MiB of cold data and no faster at 48 MiB.
+_HASH_IR = r"""
+declare i32 @XXH3_64bits_reset(ptr)
+declare i32 @XXH3_64bits_update_dispatch(ptr, ptr, i64)
+declare i64 @XXH3_64bits_digest(ptr)
+declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)
+
+; Value v: copy and hash segments [firsts[v], firsts[v + 1]), its digest into digests[v].
+define internal void @hash_value(ptr %dp, ptr %sp, ptr %np, ptr %fp, ptr %gp, ptr %state, i64 %v) nounwind {
+entry:
+  call i32 @XXH3_64bits_reset(ptr %state)
+  %lo = call i64 @field(ptr %fp, i64 %v)
+  %v1 = add i64 %v, 1
+  %hi = call i64 @field(ptr %fp, i64 %v1)
+  br label %check
+check:
+  %j = phi i64 [%lo, %entry], [%j_next, %seg]
+  %more = icmp ult i64 %j, %hi
+  br i1 %more, label %seg, label %done
+seg:
+  %da = call i64 @field(ptr %dp, i64 %j)
+  %sa = call i64 @field(ptr %sp, i64 %j)
+  %n = call i64 @field(ptr %np, i64 %j)
+  %d = inttoptr i64 %da to ptr
+  %s = inttoptr i64 %sa to ptr
+  call void @llvm.memcpy.p0.p0.i64(ptr %d, ptr %s, i64 %n, i1 false)
+  call i32 @XXH3_64bits_update_dispatch(ptr %state, ptr %d, i64 %n)
+  %j_next = add i64 %j, 1
+  br label %check
+done:
+  %digest = call i64 @XXH3_64bits_digest(ptr %state)
+  %g = getelementptr i64, ptr %gp, i64 %v
+  store i64 %digest, ptr %g, align 8
+  ret void
+}
+
+; One member's share. The header is eight words: the dsts, srcs, sizes, firsts, bounds and
+; digests tables, the number of parts and the states table (one XXH3 state per member); part q
+; is values [bounds[q], bounds[q + 1]), taken t, t + n, ... as in @team_member.
+define internal void @hash_member(ptr %h) nounwind {
+entry:
+  %dp = call ptr @word(ptr %h, i64 0)
+  %sp = call ptr @word(ptr %h, i64 1)
+  %np = call ptr @word(ptr %h, i64 2)
+  %fp = call ptr @word(ptr %h, i64 3)
+  %bp = call ptr @word(ptr %h, i64 4)
+  %gp = call ptr @word(ptr %h, i64 5)
+  %parts = call i64 @field(ptr %h, i64 6)
+  %xp = call ptr @word(ptr %h, i64 7)
+  %t32 = call i32 @omp_get_thread_num()
+  %n32 = call i32 @omp_get_num_threads()
+  %t = zext i32 %t32 to i64
+  %n = zext i32 %n32 to i64
+  %state = call ptr @word(ptr %xp, i64 %t)
+  br label %check
+check:
+  %q = phi i64 [%t, %entry], [%q_next, %next]
+  %more = icmp ult i64 %q, %parts
+  br i1 %more, label %part, label %done
+part:
+  %lo = call i64 @field(ptr %bp, i64 %q)
+  %q1 = add i64 %q, 1
+  %hi = call i64 @field(ptr %bp, i64 %q1)
+  br label %vcheck
+vcheck:
+  %v = phi i64 [%lo, %part], [%v_next, %value]
+  %vmore = icmp ult i64 %v, %hi
+  br i1 %vmore, label %value, label %next
+value:
+  call void @hash_value(ptr %dp, ptr %sp, ptr %np, ptr %fp, ptr %gp, ptr %state, i64 %v)
+  %v_next = add i64 %v, 1
+  br label %vcheck
+next:
+  %q_next = add i64 %q, %n
+  br label %check
+done:
+  fence seq_cst
+  ret void
+}
+
+define internal ptr @word(ptr %h, i64 %i) nounwind alwaysinline {
+  %v = call i64 @field(ptr %h, i64 %i)
+  %p = inttoptr i64 %v to ptr
+  ret ptr %p
+}
+
+define void @kvpool_copy_hash_team(ptr %h, i32 %threads) nounwind {
+entry:
+  call void @GOMP_parallel(ptr @hash_member, ptr %h, i32 %threads, i32 0)
+  fence seq_cst
+  ret void
+}
+"""
+
 _Kernel = Callable[[int, int, int, int], None]
 _TeamKernel = Callable[[int, int], None]
 _OPENMP = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
+_XXH3 = ("XXH3_64bits_reset", "XXH3_64bits_update_dispatch", "XXH3_64bits_digest")
 _lock = threading.Lock()
 _team_lock = threading.Lock()
 _kernel: _Kernel | None = None
 _tried = False
-_team: tuple[_TeamKernel, Callable[[], int]] | None = None
+_team: _Team | None = None
 _team_failed = False  # no kernel, or the team kernel did not compile: never try again
 _engines: list[object] = []  # the JITs that own the kernels' code: kept alive as long as the process
 _why_not = ""
 
 
-def _compile(ir: str, symbols: dict[str, int], name: str) -> int:
-    """The address of function ``name`` in ``ir``, compiled for this CPU; ``symbols`` are the
-    external functions the IR calls, by address."""
+@dataclasses.dataclass
+class _Team:
+    """The team kernels and what they need from the process."""
+
+    copy: _TeamKernel
+    max_threads: Callable[[], int]
+    copy_hash: _TeamKernel | None  # None where xxhash's XXH3 entry points could not be resolved
+    new_state: Callable[[], int | None] | None
+    states: list[int] = dataclasses.field(default_factory=list)  # one XXH3 state per member, kept
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # one hashed call at a time
+
+
+def _compile(ir: str, symbols: dict[str, int], names: Sequence[str]) -> list[int]:
+    """The addresses of functions ``names`` in ``ir``, compiled for this CPU; ``symbols`` are
+    the external functions the IR calls, by address."""
     import llvmlite.binding as llvm
 
     llvm.initialize_native_target()
@@ -217,7 +339,7 @@ def _compile(ir: str, symbols: dict[str, int], name: str) -> int:
     engine = llvm.create_mcjit_compiler(module, target)
     engine.finalize_object()
     _engines.append(engine)
-    return int(engine.get_function_address(name))
+    return [int(engine.get_function_address(name)) for name in names]
 
 
 def _build() -> _Kernel | None:
@@ -232,7 +354,7 @@ def _build() -> _Kernel | None:
         _why_not = "llvmlite is not installed"
         return None
     try:
-        address = _compile(_IR, {}, "kvpool_stream_copy")
+        [address] = _compile(_IR, {}, ["kvpool_stream_copy"])
     except Exception as exc:  # noqa: BLE001 - any failure leaves numpy's copy in place
         _why_not = f"llvmlite could not compile the kernel: {exc}"
         logger.warning("kvpool: non-temporal copies are off (%s); numpy copies instead", _why_not)
@@ -241,30 +363,60 @@ def _build() -> _Kernel | None:
     return ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(address)
 
 
-def _build_team() -> tuple[_TeamKernel, Callable[[], int]] | None:
-    """The team kernel and the runtime's `omp_get_max_threads`, where the process has loaded an
+def _symbols(lib: ctypes.CDLL, names: Sequence[str]) -> dict[str, int]:
+    """The addresses of ``names`` in ``lib``; AttributeError where one is missing."""
+    found = {name: int(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0) for name in names}
+    if not all(found.values()):
+        raise AttributeError(f"no address for {[n for n, a in found.items() if not a]}")
+    return found
+
+
+def _xxh3() -> tuple[dict[str, int], Callable[[], int | None]] | None:
+    """XXH3's streaming entry points in the xxhash module kvpool hashes with, and its
+    `XXH3_createState`; None where that module does not export them."""
+    try:
+        import xxhash._xxhash as binding
+
+        lib = ctypes.CDLL(binding.__file__)
+        symbols = _symbols(lib, _XXH3)
+        create = lib.XXH3_createState
+    except (ImportError, AttributeError, OSError):
+        return None
+    create.restype, create.argtypes = ctypes.c_void_p, []
+    return symbols, create
+
+
+def _build_team() -> _Team | None:
+    """The team kernels and the runtime's `omp_get_max_threads`, where the process has loaded an
     OpenMP runtime into its global namespace (vLLM's CPU worker preloads torch's libgomp; torch
-    itself loads it globally); None without one."""
+    itself loads it globally); None without one. The hashing kernel is left out (None) where
+    xxhash's entry points are not found."""
     global _team_failed
     if kernel() is None:
         _team_failed = True
         return None
     try:
         runtime = ctypes.CDLL(None)
-        symbols = {name: int(ctypes.cast(getattr(runtime, name), ctypes.c_void_p).value or 0) for name in _OPENMP}
+        symbols = _symbols(runtime, _OPENMP)
         max_threads = runtime.omp_get_max_threads
     except (AttributeError, OSError):
         return None  # no OpenMP runtime in this process (yet): copies use Python threads
-    if not all(symbols.values()):
-        return None
     max_threads.restype, max_threads.argtypes = ctypes.c_int, []
+    xxh3 = _xxh3()
+    ir, names = _IR + _TEAM_IR, ["kvpool_stream_copy_team"]
+    if xxh3 is not None:
+        ir, names = ir + _HASH_IR, [*names, "kvpool_copy_hash_team"]
+        symbols.update(xxh3[0])
     try:
-        address = _compile(_IR + _TEAM_IR, symbols, "kvpool_stream_copy_team")
+        addresses = _compile(ir, symbols, names)
     except Exception as exc:  # noqa: BLE001 - the single-thread kernel and Python threads remain
         _team_failed = True
         logger.warning("kvpool: copies on the OpenMP team are off (could not compile: %s)", exc)
         return None
-    return ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32)(address), max_threads
+    kind = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32)
+    return _Team(copy=kind(addresses[0]), max_threads=max_threads,
+                 copy_hash=kind(addresses[1]) if xxh3 is not None else None,
+                 new_state=xxh3[1] if xxh3 is not None else None)
 
 
 def kernel() -> _Kernel | None:
@@ -278,18 +430,21 @@ def kernel() -> _Kernel | None:
     return _kernel
 
 
-def team_threads() -> int:
-    """How many threads `copy_segments_team` would copy on for the calling thread: the size of
-    its OpenMP team, or 0 where it cannot be used. Only the process's main thread uses its team:
-    in vLLM's CPU worker that is the thread whose team vLLM pinned one to a core and computes
-    with, while any other thread calling into OpenMP would start a team of its own."""
+def team_threads(hashed: bool = False) -> int:
+    """How many threads `copy_segments_team` (``hashed``: `copy_hash_team`) would copy on for
+    the calling thread: the size of its OpenMP team, or 0 where it cannot be used. Only the
+    process's main thread uses its team: in vLLM's CPU worker that is the thread whose team
+    vLLM pinned one to a core and computes with, while any other thread calling into OpenMP
+    would start a team of its own."""
     if threading.current_thread() is not threading.main_thread():
         return 0
     team = _team_kernel()
-    return 0 if team is None else max(0, int(team[1]()))
+    if team is None or (hashed and team.copy_hash is None):
+        return 0
+    return max(0, int(team.max_threads()))
 
 
-def _team_kernel() -> tuple[_TeamKernel, Callable[[], int]] | None:
+def _team_kernel() -> _Team | None:
     """Built once an OpenMP runtime is there; until then looked for again on each call (a few
     microseconds), so that a process that imports torch after its first copy still gets it."""
     global _team, _team_failed
@@ -300,6 +455,13 @@ def _team_kernel() -> tuple[_TeamKernel, Callable[[], int]] | None:
     return _team
 
 
+def _tables(dsts: list[int], srcs: list[int], sizes: list[int]) -> tuple[np.ndarray, list[int]]:
+    """The three tables as rows of one uint64 array, and the rows' addresses."""
+    table = np.array((dsts, srcs, sizes), dtype=np.uint64)
+    row = table.strides[0]
+    return table, [table.ctypes.data + i * row for i in range(3)]
+
+
 def copy_segments_team(dsts: list[int], srcs: list[int], sizes: list[int], threads: int) -> None:
     """`copy_segments` on the calling thread's OpenMP team of ``threads`` (the caller checked
     `team_threads()`), split into one run of consecutive segments per thread with about the same
@@ -307,14 +469,43 @@ def copy_segments_team(dsts: list[int], srcs: list[int], sizes: list[int], threa
     assert _team is not None
     if not sizes:
         return
-    fn = _team[0]
-    table = np.array((dsts, srcs, sizes), dtype=np.uint64)
+    table, rows = _tables(dsts, srcs, sizes)
     parts = max(1, min(threads, len(sizes)))
     bounds = split_bounds(table[2], parts)
-    row = table.strides[0]
-    header = np.array((table.ctypes.data, table.ctypes.data + row, table.ctypes.data + 2 * row,
-                       bounds.ctypes.data, parts), dtype=np.uint64)
-    fn(header.ctypes.data, parts)
+    header = np.array((*rows, bounds.ctypes.data, parts), dtype=np.uint64)
+    _team.copy(header.ctypes.data, parts)
+
+
+def copy_hash_team(dsts: list[int], srcs: list[int], sizes: list[int], firsts: list[int],
+                   threads: int) -> np.ndarray:
+    """Copy segments as `copy_segments` does (ordinary stores), on the calling thread's OpenMP
+    team of ``threads`` (the caller checked `team_threads(hashed=True)`), and return each
+    value's XXH3-64 of what its destinations now hold: `buffers.checksum` of them. Value v is
+    segments ``firsts[v]`` to ``firsts[v + 1]`` (``firsts`` has one entry more than there are
+    values); each thread takes a run of whole values with about the same number of bytes."""
+    team = _team
+    assert team is not None and team.copy_hash is not None and team.new_state is not None
+    values = len(firsts) - 1
+    digests = np.zeros(max(values, 0), dtype=np.uint64)
+    if values <= 0:
+        return digests
+    table, rows = _tables(dsts, srcs, sizes)
+    starts = np.asarray(firsts, dtype=np.uint64)
+    ends = np.concatenate(([0], np.cumsum(table[2], dtype=np.uint64)))  # bytes before segment j
+    value_bytes = ends[starts[1:].astype(np.intp)] - ends[starts[:-1].astype(np.intp)]
+    parts = max(1, min(threads, values))
+    bounds = split_bounds(value_bytes, parts)
+    with team.lock:
+        while len(team.states) < parts:
+            state = team.new_state()
+            if not state:
+                raise MemoryError("XXH3_createState returned NULL")
+            team.states.append(state)
+        states = np.array(team.states[:parts], dtype=np.uint64)
+        header = np.array((*rows, starts.ctypes.data, bounds.ctypes.data, digests.ctypes.data, parts,
+                           states.ctypes.data), dtype=np.uint64)
+        team.copy_hash(header.ctypes.data, parts)
+    return digests
 
 
 def split_bounds(sizes: Sequence[int] | np.ndarray, parts: int) -> np.ndarray:
@@ -335,7 +526,8 @@ def describe() -> str:
     """One phrase for start-up logs: how values are copied."""
     if kernel() is not None:
         team = team_threads()
-        where = (f"; a batch from the main thread runs on its OpenMP team of {team}" if team > 1 else "")
+        hashed = " (checked `server` reads too)" if team_threads(hashed=True) > 1 else ""
+        where = (f"; a batch from the main thread runs on its OpenMP team of {team}{hashed}" if team > 1 else "")
         return (f"unhashed copies of values of {MIN_BYTES >> 10} KiB and more (the local backend's) "
                 f"use non-temporal stores{where}")
     return f"numpy copies ({_why_not})"
@@ -356,7 +548,5 @@ def copy_segments(dsts: list[int], srcs: list[int], sizes: list[int]) -> None:
     segment: a call from Python costs about as much as copying a 16 KiB segment."""
     fn = kernel()
     assert fn is not None
-    table = np.array((dsts, srcs, sizes), dtype=np.uint64)
-    base = table.ctypes.data
-    row = table.strides[0]
-    fn(base, base + row, base + 2 * row, len(sizes))
+    table, rows = _tables(dsts, srcs, sizes)  # `table` holds the rows' memory until the call returns
+    fn(*rows, len(sizes))
