@@ -69,3 +69,47 @@ def test_commit_with_wrong_number_of_checksums_is_refused(start_server, make_cli
     assert isinstance(alloc, P.Allocated) and alloc.codes == [OK, OK]
     reply = c._call(P.Commit(alloc.handles, [1]), P.Codes, 2)
     assert isinstance(reply, P.Error)
+
+
+def test_a_guarded_read_on_the_openmp_team_is_checked_too(start_server, sock_path, make_client, monkeypatch):
+    """As in vLLM's worker: the backend behind its guard (as `create_backend` builds it), copy
+    threads > 1, called from the main thread with torch's OpenMP runtime loaded. The read is
+    handed back to this thread and copied and hashed on its team (on x86-64), and a tampered
+    value is still a counted miss while the rest of the batch lands exactly."""
+    import platform
+
+    import torch
+
+    from kvpool.backends.guard import GuardSettings
+    from kvpool.store import streamcopy
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    calls: list[int] = []
+    real = streamcopy.copy_hash_team
+    monkeypatch.setattr(streamcopy, "copy_hash_team", lambda *a: (calls.append(a[-1]), real(*a))[1])
+    start_server()
+    writer = ServerBackend(sock_path, "writer")
+    reader = ServerBackend(sock_path, "reader")
+    reader.use_guard(GuardSettings())
+    reader.use_copy_threads(2)
+    rogue = make_client(name="rogue")
+    try:
+        rng = np.random.default_rng(5)
+        values = [[rng.integers(0, 256, 128 << 10, dtype=np.uint8) for _ in range(4)] for _ in range(6)]
+        keys = [f"blk{i}" for i in range(6)]  # 6 x 512 KiB: a batch worth the team
+        assert writer.batch_put(keys, values) == [OK] * 6
+        assert rogue.wait_connected(10)
+        _tamper(rogue, "blk3")
+        dests = [[np.zeros(128 << 10, np.uint8) for _ in range(4)] for _ in range(6)]
+        codes = reader.batch_get_into(keys, dests)
+        assert codes == [OK, OK, OK, CHECKSUM_MISMATCH, OK, OK]
+        for i in (0, 1, 2, 4, 5):
+            assert np.concatenate(dests[i]).tobytes() == np.concatenate(values[i]).tobytes()
+        assert reader.stats()["corrupt_reads"] == 1
+        on_x86 = platform.machine().lower() in ("x86_64", "amd64")
+        assert calls == ([2] if on_x86 else [])
+    finally:
+        torch.set_num_threads(before)
+        writer.close()
+        reader.close()
