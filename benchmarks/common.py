@@ -299,9 +299,15 @@ def provenance(script: str, env: Mapping[str, Any], *versions: str) -> str:
             "at the start.")
 
 
+# Within a section a benchmark writes, this line and everything after it (to the next "## ")
+# are notes written by hand, which a rerun keeps below its new results.
+KEEP_MARKER = "<!-- notes below are written by hand; a rerun of the benchmark keeps them -->"
+
+
 def replace_docs_section(title: str, blocks: Sequence[str], path: Path = DOCS_PATH) -> None:
     """Put the section `title` (a "## " heading), its `blocks` separated by blank lines, in place
-    of that section of docs/benchmarks.md, or append it; nothing else in the file changes."""
+    of that section of docs/benchmarks.md, or append it; nothing else in the file changes. The
+    old section's `KEEP_MARKER` line and the notes after it stay, after the new blocks."""
     section = "\n\n".join([title, *blocks]) + "\n"
     old = path.read_text() if path.exists() else "# Benchmarks\n"
     start = old.find(title + "\n")
@@ -309,6 +315,10 @@ def replace_docs_section(title: str, blocks: Sequence[str], path: Path = DOCS_PA
         new = old.rstrip("\n") + "\n\n" + section
     else:
         nxt = old.find("\n## ", start + len(title))
+        end = len(old) if nxt < 0 else nxt + 1
+        kept = old.find(KEEP_MARKER, start, end)
+        if kept >= 0:
+            section += "\n" + old[kept:end].rstrip("\n") + "\n"
         new = old[:start] + section + ("" if nxt < 0 else "\n" + old[nxt + 1:])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(new)
