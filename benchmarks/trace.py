@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Trace replay on real vLLM: two instances, a production trace, with and without a shared pool.
 
-    .venv/bin/python benchmarks/trace.py            # full run: both traces (about 25 min)
+    .venv/bin/python benchmarks/trace.py            # full run: both traces (about 30 min)
     .venv/bin/python benchmarks/trace.py --quick    # smoke run: conversation trace, 3 conversations (< 10 min)
 
 The traces are Mooncake's FAST'25 release (`../shared/traces/`, or `--trace-dir`): per request an
@@ -35,6 +35,10 @@ blocks, far less than the slice's working set, as an accelerator's memory is aga
 prefixes):
 
   prefix    vLLM's prefix cache only; requests alternate between the instances (round robin)
+  roomy     a reference, not a pool: vLLM's prefix cache only, but each instance's KV cache holds
+            the slice's whole working set and requests go where their prefix is (prefix_aware),
+            so nearly every hit is local and costs no transfer: what the TTFT target's ratio
+            comes to for a cache whose hits are free
   kvpool    the same plus one shared `kvpool server` pool (`AscendStoreConnector`, kv_both)
   routed    `kvpool` with `--routing-policy prefix_aware` instead of round robin
   mooncake  vLLM's `MooncakeStoreConnector` on a local `mooncake_master`, round robin; each
@@ -84,9 +88,10 @@ from kvpool.testing.model import SPECS, build_model
 from kvpool.testing.services import MooncakeMaster
 
 SECTION = "## Trace replay"
-CONFIG_ORDER = ("prefix", "kvpool", "routed", "mooncake")
+CONFIG_ORDER = ("prefix", "roomy", "kvpool", "routed", "mooncake")
 DESCRIPTIONS = {
     "prefix": "vLLM prefix cache only, round robin",
+    "roomy": "vLLM prefix cache with room for the slice, prefix_aware (no pool)",
     "kvpool": "+ one shared kvpool server, round robin",
     "routed": "+ kvpool, kvpool proxy prefix_aware",
     "mooncake": "+ MooncakeStoreConnector, round robin",
@@ -210,8 +215,11 @@ class Deployment:
             self.master.stop()
 
 
-def start_deployment(name: str, model_dir: Path, workdir: Path, args: argparse.Namespace) -> Deployment:
+def start_deployment(name: str, model_dir: Path, workdir: Path, args: argparse.Namespace,
+                     roomy_blocks: int) -> Deployment:
+    """`roomy_blocks`: each instance's own KV cache in the `roomy` configuration."""
     dep = Deployment(name)
+    local_blocks = roomy_blocks if name == "roomy" else args.local_blocks
     logs = workdir / "logs"
     rpc_dir = workdir / f"rpc-{name}"
     rpc_dir.mkdir(parents=True, exist_ok=True)
@@ -244,15 +252,15 @@ def start_deployment(name: str, model_dir: Path, workdir: Path, args: argparse.N
                 env={"VLLM_CPU_OMP_THREADS_BIND": str(i), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                      "VLLM_CPU_KVCACHE_SPACE": str(args.kvcache_gib), "VLLM_RPC_BASE_PATH": str(rpc_dir),
                      "PYTHONHASHSEED": "0", **env_extra},
-                extra_args=["--num-gpu-blocks-override", str(args.local_blocks)], dtype=args.dtype,
+                extra_args=["--num-gpu-blocks-override", str(local_blocks)], dtype=args.dtype,
             ))
         start_together(dep.servers)
-        policy = "prefix_aware" if name == "routed" else "round_robin"
+        policy = "prefix_aware" if name in ("routed", "roomy") else "round_robin"
         dep.proxy = ProxyServer([], [], instance_ports=[s.port for s in dep.servers],
                                 extra_args=["--routing-policy", policy, "--routing-block-size", str(BLOCK_SIZE),
                                             # What it remembers per instance: about what that
                                             # instance's own cache holds.
-                                            "--routing-capacity-blocks", str(args.local_blocks)],
+                                            "--routing-capacity-blocks", str(local_blocks)],
                                 env={**os.environ, ADMIN_TOKEN_ENV: ADMIN_TOKEN},
                                 log_path=logs / f"{name}-proxy.log").start()
     except BaseException:
@@ -359,13 +367,16 @@ def run_trace(trace: str, model_dir: Path, workdir: Path, args: argparse.Namespa
     log(f"{trace}: {len(slice_)} requests of {args.conversations} conversations over {span_ms / 1000:.0f} s "
         f"compressed {speedup:.0f}x to {args.duration_s:.0f} s; {prompt_tokens} prompt tokens, infinite-cache bound "
         f"{entry['bound_hit_rate']:.1%}, {entry['unique_blocks']} unique blocks")
+    # Every block of the slice, plus room for two requests running at once.
+    roomy_blocks = entry["unique_blocks"] + 2 * (args.max_blocks + 1)
+    entry["roomy_blocks"] = roomy_blocks
     warm = [random_token_ids(f"kvpool-trace/warmup/{i}", 2 * args.block_tokens + 3, SPECS[MODEL].vocab_size)
             for i in range(2)]
     for name in configs:
         dep: Deployment | None = None
         try:
             log(f"{trace}/{name}: starting ({DESCRIPTIONS[name]})")
-            dep = start_deployment(name, model_dir, workdir, args)
+            dep = start_deployment(name, model_dir, workdir, args, roomy_blocks)
             for srv in dep.servers:  # warm-up, unrecorded: first-request costs are not the trace's
                 for p in warm:
                     srv.complete(p, max_tokens=2)
@@ -470,22 +481,33 @@ def targets(entry: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
 
 
 def diagnostics(entry: dict[str, Any]) -> list[str]:
-    """What explains the TTFT target's figure: the same ratio over the part of TTFT above each
-    configuration's floor (`summarize`), the part a cache can shorten."""
+    """What explains the TTFT target's figure: the target's ratio for every cache, `roomy` (hits
+    that cost no transfer) included, and kvpool's over the part of TTFT above each configuration's
+    floor (`summarize`), the part a cache can shorten."""
     s = {n: c["summary"] for n, c in entry["configs"].items() if "summary" in c}
-    if "kvpool" not in s or "prefix" not in s or not s["prefix"]["computed_tokens"]:
+    if "prefix" not in s or not s["prefix"]["computed_tokens"]:
         return []
-    k, p = s["kvpool"], s["prefix"]
+    p = s["prefix"]
+    out: list[str] = []
+    for name in ("roomy", "kvpool", "routed", "mooncake"):  # the target's ratio for every cache
+        if name in s and s[name]["computed_tokens"]:
+            t = s[name]["ttft_mean_ms"] / p["ttft_mean_ms"]
+            c = s[name]["computed_tokens"] / p["computed_tokens"]
+            out.append(f"mean TTFT {name}/prefix {t:.3f} for tokens computed {c:.3f} ({t / c:.2f}x)"
+                       + (" (hits that cost no transfer)" if name == "roomy" else ""))
+    if "kvpool" not in s:
+        return out
+    k = s["kvpool"]
     if (k.get("ttft_floor_ms") is None or p.get("ttft_floor_ms") is None or not k["computed_tokens"]
             or p["ttft_mean_ms"] <= p["ttft_floor_ms"]):
-        return []
+        return out
     above = (k["ttft_mean_ms"] - k["ttft_floor_ms"]) / (p["ttft_mean_ms"] - p["ttft_floor_ms"])
     c = k["computed_tokens"] / p["computed_tokens"]
-    return [f"TTFT floor (median TTFT of the requests that computed only their own suffix): prefix "
-            f"{p['ttft_floor_ms']:.1f} ms ({p['floor_requests']} requests), kvpool {k['ttft_floor_ms']:.1f} ms "
-            f"({k['floor_requests']} requests)",
-            f"mean TTFT above the floor, kvpool/prefix: {above:.3f}, against tokens computed {c:.3f} "
-            f"({above / c:.2f}x)"]
+    return out + [
+        f"TTFT floor (median TTFT of the requests that computed only their own suffix): prefix "
+        f"{p['ttft_floor_ms']:.1f} ms ({p['floor_requests']} requests), kvpool {k['ttft_floor_ms']:.1f} ms "
+        f"({k['floor_requests']} requests)",
+        f"mean TTFT above the floor, kvpool/prefix: {above:.3f}, against tokens computed {c:.3f} ({above / c:.2f}x)"]
 
 
 def table(entry: dict[str, Any]) -> str:
@@ -561,14 +583,16 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
                           fontsize=10)
     kind = "quick run" if results.get("quick") else "full run"
     return finish(plt, fig, f"Trace replay on two vLLM instances (benchmarks/trace.py, {kind}): prefix cache alone, "
-                  "a shared kvpool server, prefix-aware routing, Mooncake Store", results, path)
+                  "a local cache with room for the slice, a shared kvpool server, prefix-aware routing, "
+                  "Mooncake Store", results, path)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: the conversation trace, 3 conversations")
     ap.add_argument("--traces", help=f"comma-separated subset of {','.join(TRACES)} (default both; quick: conversation)")
-    ap.add_argument("--configs", help=f"comma-separated subset of {','.join(CONFIG_ORDER)} (default all)")
+    ap.add_argument("--configs", help=f"comma-separated subset of {','.join(CONFIG_ORDER)} "
+                                      "(default all; quick: all but roomy)")
     ap.add_argument("--trace-dir", default=str(REPO.parent / "shared" / "traces"), help="where the trace files are")
     ap.add_argument("--conversations", type=int, help="conversations sampled per trace (default 6; quick 3)")
     ap.add_argument("--max-blocks", type=int, default=24, help="leading hash ids kept per request")
@@ -601,7 +625,9 @@ def main(argv: list[str] | None = None) -> int:
     args.max_model_len = args.max_model_len or (args.max_blocks * args.block_tokens + args.suffix_tokens
                                                 + args.max_tokens + BLOCK_SIZE)
     traces = choose(ap, args.traces or ("conversation" if args.quick else ",".join(TRACES)), list(TRACES), "trace")
-    configs = choose(ap, args.configs or ",".join(CONFIG_ORDER), CONFIG_ORDER, "configuration")
+    # The quick run leaves out the reference, which only calibrates the TTFT target.
+    default = [c for c in CONFIG_ORDER if not (args.quick and c == "roomy")]
+    configs = choose(ap, args.configs or ",".join(default), CONFIG_ORDER, "configuration")
     out_path = args.out or RESULTS_DIR / ("trace-quick.json" if args.quick else "trace.json")
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvpool-trace-"))
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
