@@ -137,6 +137,14 @@ def test_request_before_hello_and_bad_hello(server, good):
     assert_still_serving(server, good)
 
 
+def test_a_version_1_client_is_served(server, good):
+    # Version 2 only added Lookup: a client of the version before it still works unchanged.
+    replies = exchange(server, bytes(P.encode_frame(P.Hello("v1", 1, version=1)))
+                       + bytes(P.encode_frame(P.Exists(["a"], True))))
+    assert isinstance(replies[0], P.HelloReply) and isinstance(replies[1], P.Found)
+    assert_still_serving(server, good)
+
+
 def test_unknown_op_and_invalid_fields_keep_the_connection(server, good):
     s = connect(server)
     try:

@@ -270,6 +270,29 @@ def test_lookup_lease_protects_until_ttl(make_engine, clock) -> None:
     assert engine.put(C, "new", [payload("new", 64)]) is ErrorCode.OK
 
 
+def test_a_handed_out_lookup_lease_is_extended_checked_and_kept(make_engine, clock) -> None:
+    engine = make_engine(memory_size=1024, eviction_high_watermark_ratio=1.0, default_kv_lease_ttl_ms=1000)
+    fill(engine, 16)
+    keys = [f"k{i}" for i in range(16)]
+    first = engine.lookup_leases(keys + ["absent", ""], C)
+    assert first[-2:] == [False, False]
+    leases = first[:-2]
+    assert all(isinstance(x, Lease) and x.from_lookup for x in leases)
+    clock.advance(0.6)
+    again = engine.lookup_leases(keys, C)  # the same lease, extended: no new one per lookup
+    assert [x.lease_id for x in again] == [x.lease_id for x in leases]
+    assert all(b.expires_at > a.expires_at for a, b in zip(leases, again))
+    clock.advance(0.6)  # past the first expiry, within the extended one
+    assert engine.batch_release(leases) == [ErrorCode.OK] * 16  # checked against the table's expiry
+    engine.release(leases[0])  # a reader cannot end it either
+    # Still protecting every hit: nothing can be evicted for a new object.
+    assert engine.put(C, "new", [payload("new", 64)]) is ErrorCode.NO_AVAILABLE_HANDLE
+    assert engine.stats()["hits"] == 16  # counted at the copies, not at the lookups
+    clock.advance(1.5)
+    assert engine.batch_release(again[:1]) == [ErrorCode.LEASE_EXPIRED]
+    assert engine.put(C, "new", [payload("new", 64)]) is ErrorCode.OK
+
+
 def test_dead_clients_leases_are_dropped_by_reap(make_engine, clock) -> None:
     engine = make_engine(
         memory_size=1024, eviction_high_watermark_ratio=1.0, client_ttl_s=2.0, default_kv_lease_ttl_ms=60_000

@@ -4,7 +4,9 @@ straight into and out of the server's shared-memory arena.
 Cost per batch: ``exists`` is one round trip; ``put`` two (allocate, whose per-key answer says
 which keys are stored already, then commit after copying into the arena; one when every key
 was there), so a save needs no ``exists`` first; ``get_into`` two (acquire leases, then release
-after copying out, which is also when the server says whether each copy was stable).
+after copying out, which is also when the server says whether each copy was stable), or one
+for keys a leased ``exists`` just found: that lookup's leases are kept and the copy runs under
+them (the scheduler looks up, then the worker loads, on the same client).
 ``requests`` counts the round trips by request type.
 
 Failure model: the client never raises for a server problem and never blocks longer than its
@@ -29,7 +31,7 @@ import secrets
 import socket
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -70,6 +72,29 @@ class _Link:
     hello: P.HelloReply
     lock: threading.Lock
     alive: bool = True
+
+
+@dataclass
+class _Held:
+    """A lookup lease the server handed back for one key (`Lookup`), kept for the load after."""
+
+    link: _Link
+    lease_id: int
+    offset: int
+    size: int
+    checksum: int | None
+    granted: float  # time.monotonic() when the Lookup was sent
+
+
+# One key's lease for a get: code, lease id, arena offset, size, inline bytes, checksum.
+_Row = tuple[int, int, int, int, bytes | None, int | None]
+
+# Release codes of a copy under a lookup lease that lapsed: worth one more try, acquired.
+_LOOKUP_LAPSED = frozenset({int(ErrorCode.LEASE_EXPIRED), int(ErrorCode.OBJECT_NOT_FOUND)})
+
+# Lookup leases kept for the loads that follow: at most this many (past it the oldest are
+# forgotten here; the server lets them expire), each used while younger than half the lease TTL.
+_MAX_HELD = 1 << 16
 
 
 
@@ -182,6 +207,8 @@ class PoolClient:
         # Round trips by request type ("Allocate", "Commit", ...): what a batch really cost.
         self.requests: Counter[str] = Counter()
         self._requests_lock = threading.Lock()
+        self._held: OrderedDict[str, _Held] = OrderedDict()
+        self._held_lock = threading.Lock()
         try:
             self._reconnect()
         except _Down:
@@ -248,12 +275,17 @@ class PoolClient:
     def exists(self, keys: Sequence[str], lease: bool = False) -> list[bool]:
         """Which keys are stored (in memory or the offload tier). Unreachable server: all False.
 
-        ``lease`` protects in-memory hits from eviction for the server's lease TTL.
+        ``lease`` protects in-memory hits from eviction for the server's lease TTL, and keeps
+        their leases here for a ``get_into`` of the same keys soon after, which then copies
+        without acquiring (``requests`` counts a Lookup instead of an Exists).
         """
         found = [False] * len(keys)
         todo = [(i, k) for i, k in enumerate(keys) if _valid_key(k)]
         for batch in _chunks(todo):
             try:
+                if lease:
+                    self._lookup(batch, found)
+                    continue
                 reply = self._call(P.Exists([k for _, k in batch], lease), P.Found, len(batch))
             except _Down:
                 return found
@@ -261,6 +293,49 @@ class PoolClient:
                 for (i, _), hit in zip(batch, reply.found):
                     found[i] = bool(hit)
         return found
+
+    def _lookup(self, batch: list[tuple[int, str]], found: list[bool]) -> None:
+        link = self._current()
+        sent = time.monotonic()
+        reply = self._call_on(link, P.Lookup([k for _, k in batch]), P.Looked, len(batch))
+        if not isinstance(reply, P.Looked):
+            return  # refused as a whole: misses
+        with self._held_lock:
+            held = self._held
+            for (i, key), hit, lease_id, offset, size, want in zip(
+                batch, reply.found, reply.lease_ids, reply.offsets, reply.sizes, reply.checksums
+            ):
+                found[i] = bool(hit)
+                if hit and lease_id:
+                    held.pop(key, None)
+                    held[key] = _Held(link, lease_id, offset, size, want, sent)
+            # Oldest first: drop those past the lease TTL (of no use any more), and past the bound.
+            stale = sent - link.hello.lease_ttl_ms / 1000.0
+            while held and (len(held) > _MAX_HELD or next(iter(held.values())).granted < stale):
+                held.popitem(last=False)
+
+    def _take_held(self, batch: list[tuple[int, str, list[np.ndarray], int]]
+                   ) -> tuple[_Link | None, dict[int, _Held]]:
+        """The current link and, by position in ``batch``, the lookup leases young enough to
+        copy under (granted less than half the lease TTL ago) on that link; each key once."""
+        link = self._link
+        if link is None or not link.alive:
+            return None, {}
+        young = time.monotonic() - link.hello.lease_ttl_ms / 2000.0
+        out: dict[int, _Held] = {}
+        seen: set[str] = set()
+        with self._held_lock:
+            for j, (_i, key, _outs, _size) in enumerate(batch):
+                h = self._held.get(key)
+                if h is not None and h.link is link and h.granted > young and key not in seen:
+                    out[j] = h
+                    seen.add(key)
+        return link, out
+
+    def _forget_held(self, keys: Sequence[str]) -> None:
+        with self._held_lock:
+            for key in keys:
+                self._held.pop(key, None)
 
     def put(self, keys: Sequence[str], values: Sequence[Sequence[Any]],
             buffers: BufferGate | None = None) -> list[int]:
@@ -407,13 +482,46 @@ class PoolClient:
         except _Down:
             pass  # uncommitted keys stay RPC_FAIL; the server frees their ranges at disconnect
 
+    def _leases_for(self, batch: list[tuple[int, str, list[np.ndarray], int]],
+                    lookups: bool) -> tuple[_Link, list[_Row], set[int]] | None:
+        """The link, and per key of ``batch`` its (code, lease id, offset, size, inline bytes,
+        checksum): from a recent lookup's lease where there is one (with ``lookups``), from one
+        Acquire for the other keys (none when every key has one). Also the positions served by
+        lookup leases. None when the server is down (codes stay RPC_FAIL)."""
+        link, held = self._take_held(batch) if lookups else (None, {})
+        try:
+            current = self._current()
+        except _Down:
+            return None
+        if link is not current:
+            held = {}  # reconnected: those leases were another server's
+        rows: list[_Row] = [(RPC_FAIL, 0, 0, 0, None, None)] * len(batch)
+        for j, h in held.items():
+            rows[j] = (OK, h.lease_id, h.offset, h.size, None, h.checksum)
+        rest = [j for j in range(len(batch)) if j not in held]
+        if rest:
+            try:
+                reply = self._call_on(current, P.Acquire([batch[j][1] for j in rest]), P.Acquired, len(rest))
+            except _Down:
+                return None
+            if isinstance(reply, P.Error):
+                for j in rest:
+                    rows[j] = (reply.code, 0, 0, 0, None, None)
+            else:
+                assert isinstance(reply, P.Acquired)
+                sums = reply.checksums if len(reply.checksums) == len(rest) else [None] * len(rest)
+                for j, row in zip(rest, zip(reply.codes, reply.lease_ids, reply.offsets, reply.sizes,
+                                            reply.data, sums)):
+                    rows[j] = row
+        return current, rows, set(held)
+
     def _get_batch(self, batch: list[tuple[int, str, list[np.ndarray], int]], codes: list[int],
-                   copies: CopyEngine, buffers: BufferGate) -> None:
-        first = self._first_phase(batch, codes, P.Acquire([b[1] for b in batch]), P.Acquired)
-        if first is None:
+                   copies: CopyEngine, buffers: BufferGate, lookups: bool = True) -> None:
+        got = self._leases_for(batch, lookups)
+        if got is None:
             return
-        link, reply = first
-        assert isinstance(reply, P.Acquired)
+        link, rows, from_lookup = got
+        lookup_keys = {batch[j][0] for j in from_lookup}
         arena = link.arena.array
         releasing: list[int] = []
         checked: list[int] = []  # index per lease in `releasing` whose code the release decides
@@ -427,10 +535,7 @@ class PoolClient:
         jobs: list[tuple[np.ndarray, list[np.ndarray]]] = []
         copying: list[tuple[int, int]] = []  # (key index, lease id; 0 for bytes sent inline)
         expected: list[int | None] = []  # per job: the checksum its copy must have
-        sums = reply.checksums if len(reply.checksums) == len(batch) else [None] * len(batch)
-        for (i, _key, outs, want), code, lease_id, offset, size, data, want_sum in zip(
-            batch, reply.codes, reply.lease_ids, reply.offsets, reply.sizes, reply.data, sums
-        ):
+        for (i, _key, outs, want), (code, lease_id, offset, size, data, want_sum) in zip(batch, rows):
             if code != OK:
                 codes[i] = code
                 continue
@@ -460,8 +565,16 @@ class PoolClient:
                 give_up(i, RPC_TIMEOUT, lease_id)
             errors = []
         corrupt: list[int] = []  # leases whose copy failed its checksum: the server checks those objects
+        mismatched: list[int] = []  # copies under lookup leases that failed it: the release says why
         for (i, lease_id), err in zip(copying, errors):
-            if isinstance(err, CorruptCopy):
+            if isinstance(err, CorruptCopy) and i in lookup_keys:
+                # Under a lookup lease that lapsed, the key may hold a newer value now: that
+                # is a lapse (tried again below), not a damaged object, if the release says so.
+                releasing.append(lease_id)
+                checked.append(i)
+                corrupt.append(lease_id)
+                mismatched.append(i)
+            elif isinstance(err, CorruptCopy):
                 self.checksum_failures += 1
                 give_up(i, CHECKSUM_MISMATCH, lease_id)
                 if lease_id:
@@ -483,6 +596,16 @@ class PoolClient:
         for i, c in zip(checked, self._codes_of(reply2, len(releasing))):
             if i >= 0:
                 codes[i] = c
+        for i in mismatched:
+            if codes[i] == OK:  # the lease held: the bytes were damaged
+                self.checksum_failures += 1
+                codes[i] = CHECKSUM_MISMATCH
+        # A lookup lease that did not hold (it expired, or the object was replaced or evicted
+        # since the lookup) is not the reader's failure: those keys go again, acquired.
+        again = [b for b in batch if b[0] in lookup_keys and codes[b[0]] in _LOOKUP_LAPSED]
+        if again:
+            self._forget_held([b[1] for b in again])
+            self._get_batch(again, codes, copies, buffers, lookups=False)
 
     @staticmethod
     def _codes_of(reply: P.Message, n: int) -> list[int]:
@@ -530,6 +653,9 @@ class PoolClient:
     def _shape_ok(reply: P.Message, n: int) -> bool:
         if isinstance(reply, P.Found):
             return len(reply.found) == n
+        if isinstance(reply, P.Looked):
+            return (len(reply.found) == len(reply.lease_ids) == len(reply.offsets) == len(reply.sizes)
+                    == len(reply.checksums) == n)
         if isinstance(reply, P.Codes):
             return len(reply.codes) == n
         if isinstance(reply, P.Allocated):

@@ -34,6 +34,7 @@ runtime directory, and every accepted connection's SO_PEERCRED must be our uid o
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import fcntl
 import logging
@@ -188,6 +189,9 @@ class _Conn:
     requests: int = 0
     pending: dict[int, Allocation] = dataclasses.field(default_factory=dict)
     leases: dict[int, Lease] = dataclasses.field(default_factory=dict)
+    # Lookup leases handed to this connection (`Lookup`), by id, oldest first: a Release checks
+    # them and leaves them to their TTL (one protects a hit for every request that looked it up).
+    lookups: collections.OrderedDict[int, Lease] = dataclasses.field(default_factory=collections.OrderedDict)
 
 
 class Server:
@@ -463,9 +467,10 @@ class Server:
 
     def _hello(self, conn: _Conn, hello: P.Hello) -> P.Message:
         assert self.engine is not None and self.arena is not None
-        if hello.version != P.PROTOCOL_VERSION:
+        if hello.version not in P.SUPPORTED_VERSIONS:
             return P.Error(int(ErrorCode.INVALID_PARAMS),
-                           f"protocol version {hello.version} unsupported; server speaks {P.PROTOCOL_VERSION}")
+                           f"protocol version {hello.version} unsupported; server speaks "
+                           f"{', '.join(map(str, sorted(P.SUPPORTED_VERSIONS)))}: upgrade the older of the two")
         owner = _owner(conn.peer_pid, hello)
         cfg = self.config
         with self._state:
@@ -550,6 +555,8 @@ class Server:
                 self._counters["lookup_keys"] += len(found)
                 self._counters["lookup_hits"] += sum(found)
             return P.Found(found)
+        if isinstance(req, P.Lookup):
+            return self._lookup(conn, req.keys)
         if isinstance(req, P.Allocate):
             if len(req.sizes) != len(req.keys):
                 return P.Error(int(ErrorCode.INVALID_PARAMS), "keys and sizes differ in length")
@@ -586,13 +593,16 @@ class Server:
         if isinstance(req, P.Release):
             codes = [int(ErrorCode.OBJECT_NOT_FOUND)] * len(req.lease_ids)
             reported = set(req.corrupt)
-            found = [(i, conn.leases.pop(lease_id, None)) for i, lease_id in enumerate(req.lease_ids)]
+            found = [(i, conn.leases.pop(lease_id, None) or conn.lookups.get(lease_id))
+                     for i, lease_id in enumerate(req.lease_ids)]
             found = [(i, lease) for i, lease in found if lease is not None]
+            # Checked before the reports are: a report may drop the object, and the code must
+            # say whether the lease held during the copy, not what the report did since.
+            for (i, _), rc in zip(found, engine.batch_release([lease for _, lease in found])):
+                codes[i] = int(rc)
             for _, lease in found:
                 if lease.lease_id in reported:
                     engine.check_reported(lease)
-            for (i, _), rc in zip(found, engine.batch_release([lease for _, lease in found])):
-                codes[i] = int(rc)
             return P.Codes(codes)
         if isinstance(req, P.Ping):
             return P.Codes([int(engine.ping(cid))])
@@ -603,6 +613,40 @@ class Server:
         if isinstance(req, P.Hello):
             return P.Error(int(ErrorCode.INVALID_PARAMS), "already said Hello")
         return P.Error(int(ErrorCode.INVALID_PARAMS), f"unsupported request {type(req).__name__}")
+
+    def _hold(self, conn: _Conn, lease: Lease) -> None:
+        """File a read lease under the connection, the only one that may release it."""
+        assert self.engine is not None
+        if len(conn.leases) >= _MAX_LEASES_PER_CONN:
+            oldest = next(iter(conn.leases))
+            self.engine.release(conn.leases.pop(oldest))
+        conn.leases[lease.lease_id] = lease
+
+    def _lookup(self, conn: _Conn, keys: Sequence[str]) -> P.Looked:
+        engine = self.engine
+        assert engine is not None
+        found, lease_ids, offsets, sizes, sums = [], [], [], [], []
+        lookups = conn.lookups
+        results = engine.lookup_leases(keys, conn.client_id)
+        now = engine.now()
+        for result in results:
+            lease = result if isinstance(result, Lease) else None
+            if lease is not None:
+                # The same id comes back while the lease lives (each lookup extends it).
+                lookups.pop(lease.lease_id, None)
+                lookups[lease.lease_id] = lease
+            found.append(lease is not None or result is True)
+            lease_ids.append(lease.lease_id if lease else 0)
+            offsets.append(lease.offset if lease else 0)
+            sizes.append(lease.size if lease else 0)
+            sums.append(lease.checksum if lease else None)
+        # Forget leases past their expiry (oldest first), and the oldest past the bound.
+        while lookups and (len(lookups) > _MAX_LEASES_PER_CONN or next(iter(lookups.values())).expires_at < now):
+            lookups.popitem(last=False)
+        with self._state:
+            self._counters["lookup_keys"] += len(found)
+            self._counters["lookup_hits"] += sum(found)
+        return P.Looked(found, lease_ids, offsets, sizes, sums)
 
     def _acquire(self, conn: _Conn, keys: Sequence[str]) -> P.Acquired:
         engine = self.engine
@@ -622,10 +666,7 @@ class Server:
                     inline += result.size
                     rows.append((0, 0, -1, result.size, result.data, None))
             else:
-                if len(conn.leases) >= _MAX_LEASES_PER_CONN:
-                    oldest = next(iter(conn.leases))
-                    engine.release(conn.leases.pop(oldest))
-                conn.leases[result.lease_id] = result
+                self._hold(conn, result)
                 rows.append((0, result.lease_id, result.offset, result.size, None, result.checksum))
         codes, lease_ids, offsets, sizes, data, sums = (list(col) for col in zip(*rows)) if rows else ([],) * 6
         self._note_refusals(conn, codes)

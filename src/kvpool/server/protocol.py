@@ -23,7 +23,10 @@ from typing import Annotated, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+# 2 added Lookup. A server speaks every version in SUPPORTED_VERSIONS (a client that says 1
+# never sends Lookup); a client speaks PROTOCOL_VERSION, so servers are upgraded first.
+PROTOCOL_VERSION = 2
+SUPPORTED_VERSIONS = frozenset({1, 2})
 
 HEADER = struct.Struct("!I")
 # Requests carry keys and numbers only; 16 MiB holds a batch of MAX_BATCH maximal keys.
@@ -71,6 +74,15 @@ class Exists(Message):
     lease: bool = False
 
 
+class Lookup(Message):
+    """Which keys are stored, with a read lease on each in-memory hit handed back (`Looked`):
+    the scheduler's lookup, whose leases the load that follows copies under, so a hit's load
+    needs no Acquire round trip. The leases are ordinary read leases (released by `Release`,
+    or expired after the lease TTL), so they also keep the hits from being evicted until then."""
+
+    keys: Keys
+
+
 class Allocate(Message):
     """Reserve room for each key (two-phase put, step 1)."""
 
@@ -102,7 +114,9 @@ class Acquire(Message):
 
 
 class Release(Message):
-    """End leases, reporting per lease whether the copy made under it is trustworthy.
+    """End leases, reporting per lease whether the copy made under it is trustworthy. A lookup
+    lease (`Lookup`) is only checked: it protects its hit until its TTL, for every request
+    that looked the key up.
     ``corrupt``: those of them whose copy did not match its checksum; the server checks each
     object itself and drops it if its arena bytes are damaged."""
 
@@ -118,7 +132,7 @@ class GetStats(Message):
     """Engine counters plus server facts (clients, arena, uptime)."""
 
 
-Request = Union[Hello, Ping, Exists, Allocate, Commit, Abort, Acquire, Release, Remove, GetStats]
+Request = Union[Hello, Ping, Exists, Lookup, Allocate, Commit, Abort, Acquire, Release, Remove, GetStats]
 
 
 # ---- replies ----------------------------------------------------------------------------
@@ -142,6 +156,18 @@ class Codes(Message):
 
 class Found(Message):
     found: list[bool]
+
+
+class Looked(Message):
+    """Per key of a `Lookup`: found or not; for an in-memory hit its lease id (0: found but not
+    leased, e.g. only on disk or refused by the quotas), arena offset, size and the checksum
+    its copy must have (None: its writer sent none)."""
+
+    found: list[bool]
+    lease_ids: list[int]
+    offsets: list[int]
+    sizes: list[int]
+    checksums: list[Union[int, None]]
 
 
 class Allocated(Message):
@@ -179,7 +205,7 @@ class Error(Message):
     message: str
 
 
-Reply = Union[HelloReply, Codes, Found, Allocated, Acquired, StatsReply, Error]
+Reply = Union[HelloReply, Codes, Found, Looked, Allocated, Acquired, StatsReply, Error]
 
 request_decoder = msgspec.msgpack.Decoder(Request)
 reply_decoder = msgspec.msgpack.Decoder(Reply)

@@ -204,6 +204,8 @@ class Lease:
     # The value's checksum (`buffers.checksum`) as its writer committed it, or as the engine
     # computed it when it copied the bytes in itself; None if the writer sent none.
     checksum: int | None = None
+    # A lookup lease (`lookup_leases`): releasing it only checks it, it stays until its TTL.
+    from_lookup: bool = False
 
 
 @dataclass(frozen=True)
@@ -222,7 +224,8 @@ class _Leases:
     __slots__ = ("table", "lookup", "pinning")
 
     def __init__(self) -> None:
-        # lease id -> (client id, expires_at); lookup leases have ids too, just unreturned.
+        # lease id -> (client id, expires_at); lookup leases have ids too (`lookup_leases`
+        # hands them out).
         self.table: dict[int, tuple[str, float]] = {}
         # client id -> its lookup lease id in ``table``. A repeated lookup extends that lease
         # instead of adding one: a hot prefix looked up many times per TTL would otherwise pile
@@ -673,6 +676,13 @@ class PoolEngine:
                 if rc is not ErrorCode.OK:
                     self._stats["lease_expired"] += 1
                 codes.append(rc)
+                if lease.from_lookup:
+                    # A lookup lease protects the hit for every reader of that lookup, so one
+                    # reader's copy under it does not end it; it expires with its TTL. Its hit
+                    # is counted here, at the copy, not at the lookup (lookups repeat).
+                    if rc is ErrorCode.OK:
+                        self._stats["hits"] += 1
+                    continue
                 self._release_locked(lease)
         return codes
 
@@ -694,8 +704,9 @@ class PoolEngine:
             return True
 
     def release(self, lease: Lease) -> None:
-        """End a read lease early so the object becomes evictable again. Idempotent."""
-        if not lease.lease_id:
+        """End a read lease early so the object becomes evictable again. Idempotent. A lookup
+        lease is not ended by a reader (``batch_release``): it expires with its TTL."""
+        if not lease.lease_id or lease.from_lookup:
             return
         with self._lock:
             self._release_locked(lease)
@@ -740,6 +751,41 @@ class PoolEngine:
                         key in self._spill or (self._disk is not None and self._disk.contains(key))
                     )
         return found
+
+    def now(self) -> float:
+        """The engine's clock, which lease expiries (``Lease.expires_at``) are on."""
+        return self._clock()
+
+    def lookup_leases(self, keys: Sequence[str], client_id: str) -> list[Lease | bool]:
+        """``exists(lease=True)`` that hands each in-memory hit's lookup lease back, so that a
+        reader can copy under it without acquiring again (the server's `Lookup`): per key the
+        Lease (``from_lookup``), True when found but not leased (only in the spill buffer or on
+        disk, or a lease the quotas refused: found but unprotected, as ``exists`` reports it),
+        False when absent.
+
+        It is the same lookup lease ``exists`` grants (one per object and client, extended by
+        each lookup), so handing it out adds no lease. ``batch_release`` of it only checks it:
+        it protects the hit for every request that looked it up, until its TTL.
+        """
+        now = self._clock()
+        out: list[Lease | bool] = []
+        with self._lock:
+            self._touch_client(client_id, now)
+            self._prune_locked(now)
+            for key in keys:
+                obj = self._objects.get(key) if isinstance(key, str) and key else None
+                if obj is None:
+                    out.append(isinstance(key, str) and bool(key) and (
+                        key in self._spill or (self._disk is not None and self._disk.contains(key))))
+                    continue
+                held = self._lookup_lease_locked(obj, client_id, now)
+                if held is None:
+                    out.append(True)
+                    continue
+                lease_id, expires_at = held
+                out.append(Lease(key, obj.offset, obj.size, obj.generation, expires_at, lease_id,
+                                 checksum=obj.checksum, from_lookup=True))
+        return out
 
     # ---- in-process convenience (the `local` backend) -------------------------
 
@@ -1278,22 +1324,33 @@ class PoolEngine:
                 hold.count += 1
         return lease_id, expires_at
 
-    def _lookup_lease_locked(self, obj: _Object, client_id: str, now: float) -> None:
+    def _lookup_lease_locked(self, obj: _Object, client_id: str, now: float) -> tuple[int, float] | None:
+        """The client's lookup lease on ``obj``, extended or made: (lease id, expires_at), or
+        None when the quotas refused it (a lookup lease that cannot pin protects nothing)."""
         state = obj.lease_state
         lease_id = state.lookup.get(client_id) if state is not None else None
         if state is not None and lease_id is not None and lease_id in state.table:
-            # Lookup lease ids are never handed out, so moving the expiry later is invisible
-            # to everyone but the evictor. The heap entry is re-filed when it comes up.
+            # Moving the expiry later is safe for a lease already handed out: a reader checks
+            # its copy against the table's expiry, which only grew. The heap entry is re-filed
+            # when it comes up.
             owner = self._owner(client_id)
             if not owner or self._may_pin_locked(owner, obj, now):
                 state.table[lease_id] = (client_id, now + self._ttl_s)
-            return
+            return lease_id, state.table[lease_id][1]
         added = self._add_lease_locked(obj, client_id, now, lookup=True)
-        if not isinstance(added, ErrorCode):
-            assert obj.lease_state is not None
-            obj.lease_state.lookup[client_id] = added[0]
+        if isinstance(added, ErrorCode):
+            return None
+        assert obj.lease_state is not None
+        obj.lease_state.lookup[client_id] = added[0]
+        return added
 
     def _validate_locked(self, lease: Lease, now: float) -> ErrorCode:
+        if lease.from_lookup:  # its expiry moves with every lookup: the table has the latest
+            obj = self._objects.get(lease.key)
+            entry = obj.leases.get(lease.lease_id) if obj is not None else None
+            if obj is None or obj.generation != lease.generation or entry is None or now > entry[1]:
+                return ErrorCode.LEASE_EXPIRED
+            return ErrorCode.OK
         if now > lease.expires_at:
             return ErrorCode.LEASE_EXPIRED
         if lease.data is not None:  # bytes from disk or the spill buffer: a private copy
