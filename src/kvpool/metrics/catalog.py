@@ -74,7 +74,8 @@ def _server(name: str, kind: Kind, help: str, stats: str | Mapping[tuple[str, ..
 TIERS = ("memory", "disk")
 
 # The server's protocol requests, as the ``op`` of kvpool_request_duration_seconds.
-SERVER_OPS = ("hello", "ping", "exists", "lookup", "allocate", "commit", "abort", "acquire", "release", "remove", "get_stats")
+SERVER_OPS = ("hello", "ping", "exists", "lookup", "allocate", "commit", "abort", "acquire", "release", "remove",
+              "get_stats")
 
 SERVER: tuple[Series, ...] = (
     Series("kvpool_build_info", "gauge", "Always 1: kvpool's version and the component serving this endpoint",

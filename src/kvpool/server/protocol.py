@@ -75,10 +75,11 @@ class Exists(Message):
 
 
 class Lookup(Message):
-    """Which keys are stored, with a read lease on each in-memory hit handed back (`Looked`):
-    the scheduler's lookup, whose leases the load that follows copies under, so a hit's load
-    needs no Acquire round trip. The leases are ordinary read leases (released by `Release`,
-    or expired after the lease TTL), so they also keep the hits from being evicted until then."""
+    """`Exists` with a lease: which keys are stored, each in-memory hit's lookup lease handed
+    back (`Looked`). The scheduler looks up, and the load that follows copies under those
+    leases, so it needs no `Acquire` round trip. A lookup lease is one per object and client,
+    extended by each lookup; `Release` only checks it, and it keeps the hit from eviction until
+    its TTL, for every request that looked the key up."""
 
     keys: Keys
 
