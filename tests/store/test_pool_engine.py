@@ -11,7 +11,7 @@ import pytest
 from store_helpers import payload
 
 from kvpool.errors import ConfigError, ErrorCode
-from kvpool.store import Allocation, DiskTier, EngineConfig, Lease, PoolEngine
+from kvpool.store import Allocation, DiskTier, EngineConfig, Lease, LookupLease, PoolEngine
 
 C = "client-a"
 
@@ -277,20 +277,21 @@ def test_a_handed_out_lookup_lease_is_extended_checked_and_kept(make_engine, clo
     first = engine.lookup_leases(keys + ["absent", ""], C)
     assert first[-2:] == [False, False]
     leases = first[:-2]
-    assert all(isinstance(x, Lease) and x.from_lookup for x in leases)
+    assert all(isinstance(x, LookupLease) for x in leases)
+    ids = [x.lease_id for x in leases]
     clock.advance(0.6)
-    again = engine.lookup_leases(keys, C)  # the same lease, extended: no new one per lookup
-    assert [x.lease_id for x in again] == [x.lease_id for x in leases]
-    assert all(b.expires_at > a.expires_at for a, b in zip(leases, again))
+    # The same lease, extended: no new one per lookup.
+    assert [x.lease_id for x in engine.lookup_leases(keys, C)] == ids
     clock.advance(0.6)  # past the first expiry, within the extended one
-    assert engine.batch_release(leases) == [ErrorCode.OK] * 16  # checked against the table's expiry
-    engine.release(leases[0])  # a reader cannot end it either
-    # Still protecting every hit: nothing can be evicted for a new object.
+    assert engine.check_lookup_leases(C, ids) == [ErrorCode.OK] * 16
+    assert engine.check_lookup_leases("client-b", ids[:1]) == [ErrorCode.OBJECT_NOT_FOUND]  # not its lease
+    # Checked, not ended: every hit is still protected, nothing can be evicted for a new object.
     assert engine.put(C, "new", [payload("new", 64)]) is ErrorCode.NO_AVAILABLE_HANDLE
     assert engine.stats()["hits"] == 16  # counted at the copies, not at the lookups
     clock.advance(1.5)
-    assert engine.batch_release(again[:1]) == [ErrorCode.LEASE_EXPIRED]
+    assert engine.check_lookup_leases(C, ids[:1]) in ([ErrorCode.LEASE_EXPIRED], [ErrorCode.OBJECT_NOT_FOUND])
     assert engine.put(C, "new", [payload("new", 64)]) is ErrorCode.OK
+    assert engine.check_lookup_leases(C, ids) == [ErrorCode.OBJECT_NOT_FOUND] * 16  # pruned
 
 
 def test_dead_clients_leases_are_dropped_by_reap(make_engine, clock) -> None:

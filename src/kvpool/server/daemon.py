@@ -34,7 +34,6 @@ runtime directory, and every accepted connection's SO_PEERCRED must be our uid o
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import fcntl
 import logging
@@ -60,7 +59,7 @@ from kvpool.paths import check_socket_dir, open_private_lock
 from kvpool.server import peers
 from kvpool.server import protocol as P
 from kvpool.server import shm
-from kvpool.store.engine import Allocation, Lease, PoolEngine
+from kvpool.store.engine import Allocation, Lease, LookupLease, PoolEngine
 from kvpool.server.metrics import MetricsServer, ServerMetrics
 
 logger = logging.getLogger("kvpool.server")
@@ -189,9 +188,6 @@ class _Conn:
     requests: int = 0
     pending: dict[int, Allocation] = dataclasses.field(default_factory=dict)
     leases: dict[int, Lease] = dataclasses.field(default_factory=dict)
-    # Lookup leases handed to this connection (`Lookup`), by id, oldest first: a Release checks
-    # them and leaves them to their TTL (one protects a hit for every request that looked it up).
-    lookups: collections.OrderedDict[int, Lease] = dataclasses.field(default_factory=collections.OrderedDict)
 
 
 class Server:
@@ -591,19 +587,7 @@ class Server:
         if isinstance(req, P.Acquire):
             return self._acquire(conn, req.keys)
         if isinstance(req, P.Release):
-            codes = [int(ErrorCode.OBJECT_NOT_FOUND)] * len(req.lease_ids)
-            reported = set(req.corrupt)
-            found = [(i, conn.leases.pop(lease_id, None) or conn.lookups.get(lease_id))
-                     for i, lease_id in enumerate(req.lease_ids)]
-            found = [(i, lease) for i, lease in found if lease is not None]
-            # Checked before the reports are: a report may drop the object, and the code must
-            # say whether the lease held during the copy, not what the report did since.
-            for (i, _), rc in zip(found, engine.batch_release([lease for _, lease in found])):
-                codes[i] = int(rc)
-            for _, lease in found:
-                if lease.lease_id in reported:
-                    engine.check_reported(lease)
-            return P.Codes(codes)
+            return self._release(conn, req)
         if isinstance(req, P.Ping):
             return P.Codes([int(engine.ping(cid))])
         if isinstance(req, P.Remove):
@@ -622,27 +606,37 @@ class Server:
             self.engine.release(conn.leases.pop(oldest))
         conn.leases[lease.lease_id] = lease
 
+    def _release(self, conn: _Conn, req: P.Release) -> P.Codes:
+        """This connection's acquired leases end; its lookup leases are only checked (they
+        protect their hits until their TTL). Each code says whether the lease held during the
+        copy: it is decided before the corruption reports are acted on (a report may drop the
+        object)."""
+        engine = self.engine
+        assert engine is not None
+        codes = [int(ErrorCode.OBJECT_NOT_FOUND)] * len(req.lease_ids)
+        reported = set(req.corrupt)
+        acquired = [(i, conn.leases.pop(lease_id)) for i, lease_id in enumerate(req.lease_ids)
+                    if lease_id in conn.leases]
+        for (i, _), rc in zip(acquired, engine.batch_release([lease for _, lease in acquired])):
+            codes[i] = int(rc)
+        for _, lease in acquired:
+            if lease.lease_id in reported:
+                engine.check_reported(lease)
+        taken = {i for i, _ in acquired}
+        looked_up = [(i, lease_id) for i, lease_id in enumerate(req.lease_ids) if i not in taken]
+        if looked_up:
+            checked = engine.check_lookup_leases(conn.client_id, [lease_id for _, lease_id in looked_up], reported)
+            for (i, _), rc in zip(looked_up, checked):
+                codes[i] = int(rc)
+        return P.Codes(codes)
+
     def _lookup(self, conn: _Conn, keys: Sequence[str]) -> P.Looked:
         engine = self.engine
         assert engine is not None
-        found, lease_ids, offsets, sizes, sums = [], [], [], [], []
-        lookups = conn.lookups
-        results = engine.lookup_leases(keys, conn.client_id)
-        now = engine.now()
-        for result in results:
-            lease = result if isinstance(result, Lease) else None
-            if lease is not None:
-                # The same id comes back while the lease lives (each lookup extends it).
-                lookups.pop(lease.lease_id, None)
-                lookups[lease.lease_id] = lease
-            found.append(lease is not None or result is True)
-            lease_ids.append(lease.lease_id if lease else 0)
-            offsets.append(lease.offset if lease else 0)
-            sizes.append(lease.size if lease else 0)
-            sums.append(lease.checksum if lease else None)
-        # Forget leases past their expiry (oldest first), and the oldest past the bound.
-        while lookups and (len(lookups) > _MAX_LEASES_PER_CONN or next(iter(lookups.values())).expires_at < now):
-            lookups.popitem(last=False)
+        # Per key (found, lease id, offset, size, checksum): a LookupLease is the last four.
+        rows = [(True, *r) if isinstance(r, LookupLease) else (r, 0, 0, 0, None)
+                for r in engine.lookup_leases(keys, conn.client_id)]
+        found, lease_ids, offsets, sizes, sums = (list(col) for col in zip(*rows)) if rows else ([],) * 5
         with self._state:
             self._counters["lookup_keys"] += len(found)
             self._counters["lookup_hits"] += sum(found)

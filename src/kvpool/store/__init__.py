@@ -8,7 +8,7 @@ installed; without it the copies are numpy's.
 
 from kvpool.store.allocator import OffsetAllocator
 from kvpool.store.disk import DiskPolicy, DiskTier
-from kvpool.store.engine import Allocation, EngineConfig, Lease, PoolEngine, ReapReport
+from kvpool.store.engine import Allocation, EngineConfig, Lease, LookupLease, PoolEngine, ReapReport
 
 __all__ = [
     "Allocation",
@@ -16,6 +16,7 @@ __all__ = [
     "DiskTier",
     "EngineConfig",
     "Lease",
+    "LookupLease",
     "OffsetAllocator",
     "PoolEngine",
     "ReapReport",

@@ -48,10 +48,10 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -204,8 +204,16 @@ class Lease:
     # The value's checksum (`buffers.checksum`) as its writer committed it, or as the engine
     # computed it when it copied the bytes in itself; None if the writer sent none.
     checksum: int | None = None
-    # A lookup lease (`lookup_leases`): releasing it only checks it, it stays until its TTL.
-    from_lookup: bool = False
+
+
+class LookupLease(NamedTuple):
+    """A hit's lookup lease as `lookup_leases` hands it out: what a reader copies under, then
+    has checked by id (`check_lookup_leases`). A tuple: lookups are many and must stay cheap."""
+
+    lease_id: int
+    offset: int
+    size: int
+    checksum: int | None
 
 
 @dataclass(frozen=True)
@@ -676,13 +684,6 @@ class PoolEngine:
                 if rc is not ErrorCode.OK:
                     self._stats["lease_expired"] += 1
                 codes.append(rc)
-                if lease.from_lookup:
-                    # A lookup lease protects the hit for every reader of that lookup, so one
-                    # reader's copy under it does not end it; it expires with its TTL. Its hit
-                    # is counted here, at the copy, not at the lookup (lookups repeat).
-                    if rc is ErrorCode.OK:
-                        self._stats["hits"] += 1
-                    continue
                 self._release_locked(lease)
         return codes
 
@@ -704,9 +705,8 @@ class PoolEngine:
             return True
 
     def release(self, lease: Lease) -> None:
-        """End a read lease early so the object becomes evictable again. Idempotent. A lookup
-        lease is not ended by a reader (``batch_release``): it expires with its TTL."""
-        if not lease.lease_id or lease.from_lookup:
+        """End a read lease early so the object becomes evictable again. Idempotent."""
+        if not lease.lease_id:
             return
         with self._lock:
             self._release_locked(lease)
@@ -752,23 +752,20 @@ class PoolEngine:
                     )
         return found
 
-    def now(self) -> float:
-        """The engine's clock, which lease expiries (``Lease.expires_at``) are on."""
-        return self._clock()
-
-    def lookup_leases(self, keys: Sequence[str], client_id: str) -> list[Lease | bool]:
+    def lookup_leases(self, keys: Sequence[str], client_id: str) -> list[LookupLease | bool]:
         """``exists(lease=True)`` that hands each in-memory hit's lookup lease back, so that a
         reader can copy under it without acquiring again (the server's `Lookup`): per key the
-        Lease (``from_lookup``), True when found but not leased (only in the spill buffer or on
+        `LookupLease`, True when found but not leased (only in the spill buffer or on
         disk, or a lease the quotas refused: found but unprotected, as ``exists`` reports it),
         False when absent.
 
         It is the same lookup lease ``exists`` grants (one per object and client, extended by
-        each lookup), so handing it out adds no lease. ``batch_release`` of it only checks it:
-        it protects the hit for every request that looked it up, until its TTL.
+        each lookup), so handing it out adds no lease. A reader does not end it, it only has its
+        copy checked (`check_lookup_leases`): the lease protects the hit for every request that
+        looked it up, until its TTL.
         """
         now = self._clock()
-        out: list[Lease | bool] = []
+        out: list[LookupLease | bool] = []
         with self._lock:
             self._touch_client(client_id, now)
             self._prune_locked(now)
@@ -782,10 +779,39 @@ class PoolEngine:
                 if held is None:
                     out.append(True)
                     continue
-                lease_id, expires_at = held
-                out.append(Lease(key, obj.offset, obj.size, obj.generation, expires_at, lease_id,
-                                 checksum=obj.checksum, from_lookup=True))
+                out.append(LookupLease(held[0], obj.offset, obj.size, obj.checksum))
         return out
+
+    def check_lookup_leases(self, client_id: str, lease_ids: Sequence[int],
+                            corrupt: Collection[int] = ()) -> list[ErrorCode]:
+        """After copies made under lookup leases ``client_id`` was handed (`lookup_leases`): per
+        lease OK when it held for the copy (unexpired, on the object it was taken on, which is
+        still the key's), LEASE_EXPIRED when it did not, OBJECT_NOT_FOUND for an id that is not
+        one of this client's lookup leases. The leases stay until their TTL. A hit is counted
+        here, at the copy, not at the lookup (lookups repeat). ``corrupt``: ids whose copy did
+        not match its checksum, checked after the codes are set, as ``check_reported`` does."""
+        now = self._clock()
+        codes: list[ErrorCode] = []
+        reported: list[Lease] = []
+        with self._lock:
+            for lease_id in lease_ids:
+                entry = self._lease_index.get(lease_id)
+                obj = entry[0] if entry is not None and entry[1] == client_id else None
+                state = obj.lease_state if obj is not None else None
+                if obj is None or state is None or state.lookup.get(client_id) != lease_id:
+                    codes.append(ErrorCode.OBJECT_NOT_FOUND)
+                    continue
+                if self._objects.get(obj.key) is not obj or now > state.table[lease_id][1]:
+                    self._stats["lease_expired"] += 1
+                    codes.append(ErrorCode.LEASE_EXPIRED)
+                    continue
+                self._stats["hits"] += 1
+                codes.append(ErrorCode.OK)
+                if lease_id in corrupt:
+                    reported.append(Lease(obj.key, obj.offset, obj.size, obj.generation, 0.0))
+        for lease in reported:
+            self.check_reported(lease)
+        return codes
 
     # ---- in-process convenience (the `local` backend) -------------------------
 
@@ -1330,8 +1356,8 @@ class PoolEngine:
         state = obj.lease_state
         lease_id = state.lookup.get(client_id) if state is not None else None
         if state is not None and lease_id is not None and lease_id in state.table:
-            # Moving the expiry later is safe for a lease already handed out: a reader checks
-            # its copy against the table's expiry, which only grew. The heap entry is re-filed
+            # Moving the expiry later is safe for a lease already handed out: a reader's copy is
+            # checked against the table's expiry (`check_lookup_leases`), which only grew. The heap entry is re-filed
             # when it comes up.
             owner = self._owner(client_id)
             if not owner or self._may_pin_locked(owner, obj, now):
@@ -1345,12 +1371,6 @@ class PoolEngine:
         return added
 
     def _validate_locked(self, lease: Lease, now: float) -> ErrorCode:
-        if lease.from_lookup:  # its expiry moves with every lookup: the table has the latest
-            obj = self._objects.get(lease.key)
-            entry = obj.leases.get(lease.lease_id) if obj is not None else None
-            if obj is None or obj.generation != lease.generation or entry is None or now > entry[1]:
-                return ErrorCode.LEASE_EXPIRED
-            return ErrorCode.OK
         if now > lease.expires_at:
             return ErrorCode.LEASE_EXPIRED
         if lease.data is not None:  # bytes from disk or the spill buffer: a private copy
