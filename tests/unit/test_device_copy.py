@@ -161,6 +161,27 @@ def test_values_cross_between_paths_and_layouts_of_equal_bytes():
             assert torch.equal(raw(dst_caches[name][:, t]), raw(src_caches[name][:, f]))
 
 
+@pytest.mark.parametrize(("last_dim", "moved"), [(8, torch.complex128), (4, torch.int64), (3, torch.int16)])
+def test_staged_moves_the_widest_element_that_tiles_a_block(last_dim, moved):
+    """On CPU the gathers and scatters index 16-byte elements where a block's rows allow it,
+    narrower ones where they do not, and every width moves every bit pattern unchanged."""
+    def caches(seed: int) -> dict[str, torch.Tensor]:
+        return {f"l{i}": random_tensor((NUM_BLOCKS, 2, BLOCK_SIZE, last_dim), torch.bfloat16, seed + i)
+                for i in range(2)}
+
+    src_caches, dst_caches = caches(10), caches(20)
+    src, dst = (KVLayout(c, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, num_layers_total=2, cache_layout="cpu")
+                for c in (src_caches, dst_caches))
+    store = DictStore()
+    assert staged(src, 2).save(["a", "b", "c"], [1, 2, 3], range(2), store.put) == [OK] * 3
+    copier = staged(dst, 2)
+    assert {t.dtype for t in copier._moved} == {moved}
+    assert copier.load(["a", "b", "c"], [7, 8, 9], range(2), store.get) == [OK] * 3
+    for name in src_caches:
+        for f, t in ((1, 7), (2, 8), (3, 9)):
+            assert torch.equal(raw(dst_caches[name][t]), raw(src_caches[name][f]))
+
+
 def test_budget_below_two_blocks_is_a_config_error():
     _, layout = layout_of("cpu", torch.float32, seed=0)
     with pytest.raises(ConfigError, match="staging_buffer_size.*two blocks"):

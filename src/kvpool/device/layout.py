@@ -60,9 +60,6 @@ class LayerView:
     blocks: torch.Tensor  # integer words, block dimension first, on the cache's device
     segments: list[np.ndarray]  # host caches only: each [num_blocks, segment_bytes], uint8 views
 
-    def block(self, block_id: int) -> list[np.ndarray]:
-        return [s[block_id] for s in self.segments]
-
 
 class KVLayout:
     """Byte views of every layer's KV cache, addressed by vLLM block id.
@@ -102,6 +99,12 @@ class KVLayout:
         self.layer_block_bytes = first_blocks[0].numel() * first_blocks.element_size()
         self.block_bytes = self.layer_block_bytes * len(self.layers)
         self._index = {layer.name: i for i, layer in enumerate(self.layers)}
+        # Every layer's segments in one list, and where each layer's start: a block's views for a
+        # range of layers are then one slice and one comprehension (a hit builds hundreds).
+        self._segments = [seg for layer in self.layers for seg in layer.segments]
+        self._first_segment = [0]
+        for layer in self.layers:
+            self._first_segment.append(self._first_segment[-1] + len(layer.segments))
         self.info = LayoutInfo(
             dtype=str(first.dtype).removeprefix("torch."),
             block_size=block_size,
@@ -129,4 +132,6 @@ class KVLayout:
         layer's in layerwise mode). Host caches only."""
         if not self.in_host_memory:
             raise ValueError(f"the KV cache is on {self.device}: its blocks move through the staging path")
-        return [seg for layer in self.layers[layer_range.start:layer_range.stop] for seg in layer.block(block_id)]
+        first = self._first_segment
+        start, stop = first[min(layer_range.start, len(self.layers))], first[min(layer_range.stop, len(self.layers))]
+        return [seg[block_id] for seg in self._segments[start:stop]]

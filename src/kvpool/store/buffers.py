@@ -12,8 +12,17 @@ import xxhash
 from kvpool.store import streamcopy
 
 
+_U8 = np.dtype(np.uint8)
+
+
 def as_u8(buf: Any, writable: bool = False) -> np.ndarray:
     """View ``buf`` as a 1-D uint8 array without copying; raises ValueError/TypeError if impossible."""
+    # The usual case first, in as few attribute lookups as possible: a hit's load validates each
+    # block segment's view (hundreds per request) on the way through the backend and the engine.
+    if type(buf) is np.ndarray and buf.dtype is _U8 and buf.ndim == 1:
+        flags = buf.flags
+        if flags.c_contiguous and (flags.writeable or not writable):
+            return buf
     if isinstance(buf, np.ndarray) and buf.ndim == 1 and buf.dtype == np.uint8:
         arr = buf
     else:
