@@ -159,18 +159,6 @@ class FakeLookupClient:
             hits += 1
         return hits
 
-    # The Backend base class is moving to hook methods wrapped by its public batch calls; this
-    # fake overrides the public calls (what the worker uses) and maps the hooks onto them, so it
-    # can be instantiated under either version of the base class.
-    def _exists(self, keys: list[str], lease: bool) -> list[bool]:
-        return self.batch_exists(keys, lease)
-
-    def _put(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
-        return self.batch_put(keys, values)
-
-    def _get_into(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
-        return self.batch_get_into(keys, values)
-
     def close(self) -> None:
         self.closed = True
 
@@ -238,9 +226,9 @@ class DictBackend(Backend):
             codes.append(int(ErrorCode.OK))
         return codes
 
-    # The Backend base class is moving to hook methods wrapped by its public batch calls; this
-    # fake overrides the public calls (what the worker uses) and maps the hooks onto them, so it
-    # can be instantiated under either version of the base class.
+    # The public calls are overridden, not the hooks, so that a raised error reaches the worker
+    # as an exception (a real adapter's errors become codes in the base class); the hooks, which
+    # the base class declares abstract, map onto them.
     def _exists(self, keys: list[str], lease: bool) -> list[bool]:
         return self.batch_exists(keys, lease)
 
