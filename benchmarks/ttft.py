@@ -22,6 +22,11 @@ sending the request to the first generated token. For every prompt P:
         P is block-aligned, so on `hit` a cache that works in whole blocks must recompute P's
         last 128-token block (vLLM always computes at least one prompt token), while kvpool
         serves all but one token; on `ext` every cache can serve all of P: like for like.
+        Sent `--ext-repeats` times (default 3), as long apart: the same request served the
+        same way each time (connector configurations run without vLLM's prefix cache, so
+        every repeat loads P again), and a +1 takes 30-60 ms, so its median is taken over
+        prompts x repeats samples at little cost. A vLLM-side wait of ~3 ms lands on some
+        steps and not others in every configuration; three samples do not average it out.
   part  P + 1024 new tokens, as long later: a partial hit (P from the cache, 1024 tokens computed)
 
 The usage record's `cached_tokens` says whether a hit really hit; it is recorded. At the end
@@ -348,24 +353,27 @@ def run_config(plan: ServerPlan, sizes: list[str], reps: int, model_dir: Path, w
                     # A retake uses a fresh prompt: the old one is cached by now.
                     index = i + 1000 * attempt
                     prompt = make_prompt(n, index, vocab)
-                    got: dict[str, dict[str, Any]] = {}
+                    got: dict[str, list[dict[str, Any]]] = {}
                     phase = "cold"
                     try:
                         quiet = wait_quiet(args.quiet_wait_s, window_s=10.0)
                         snap = cpu_snapshot()
-                        got["cold"], generated = measure_one(runner.server, prompt, index)
+                        cold, generated = measure_one(runner.server, prompt, index)
+                        got["cold"] = [cold]
                         time.sleep(args.wait_s)
                         phase = "hit"
-                        got["hit"], _ = measure_one(runner.server, prompt, index)
+                        got["hit"] = [measure_one(runner.server, prompt, index)[0]]
                         if entry["ext_status"] == "ok":
-                            time.sleep(args.wait_s)
                             phase = "ext"
-                            got["ext"], _ = measure_one(runner.server, prompt + generated[:1], index)
+                            for _ in range(args.ext_repeats):
+                                time.sleep(args.wait_s)
+                                got.setdefault("ext", []).append(
+                                    measure_one(runner.server, prompt + generated[:1], index)[0])
                         if entry["ext_status"] == "ok" and n + PART_NEW_TOKENS < MAX_MODEL_LEN:
                             time.sleep(args.wait_s)
                             phase = "part"
                             new = make_prompt(PART_NEW_TOKENS, 5000 + index, vocab)
-                            got["part"], _ = measure_one(runner.server, prompt + new, index)
+                            got["part"] = [measure_one(runner.server, prompt + new, index)[0]]
                         other = cpu_split(snap, cpu_snapshot())[1]
                     except (ServerError, httpx.HTTPError) as e:
                         srv = runner.server
@@ -381,9 +389,10 @@ def run_config(plan: ServerPlan, sizes: list[str], reps: int, model_dir: Path, w
                             f"{type(e).__name__}: {str(e)[:200]}")
                         if not alive:
                             runner.stop()
-                        for kind, sample in got.items():
-                            sample.update(quiet)
-                            entry[kind].append(sample)
+                        for kind, samples in got.items():
+                            for sample in samples:
+                                sample.update(quiet)
+                            entry[kind] += samples
                         if phase in ("ext", "part"):
                             entry["ext_status"], entry["ext_error"] = status, error
                             ext_crash = error
@@ -391,19 +400,22 @@ def run_config(plan: ServerPlan, sizes: list[str], reps: int, model_dir: Path, w
                         entry["status"], entry["error"] = status, error
                         stop_size = True  # the next size starts a fresh server if this one died
                         break
-                    for sample in got.values():
-                        sample.update(quiet, others_cpu=other, attempt=attempt)
+                    for samples in got.values():
+                        for sample in samples:
+                            sample.update(quiet, others_cpu=other, attempt=attempt)
                     disturbed = other > args.disturbed_threshold
-                    msg = "; ".join(f"{k} {v['ttft_ms']:.0f} ms" + (f" (cached {v['cached_tokens']}/{v['prompt_tokens']})" if k != "cold" else "")
-                                    for k, v in got.items())
+                    msg = "; ".join(f"{k} {'/'.join(format(v['ttft_ms'], '.0f') for v in vs)} ms"
+                                    + (f" (cached {vs[0]['cached_tokens']}/{vs[0]['prompt_tokens']})" if k != "cold" else "")
+                                    for k, vs in got.items())
                     log(f"{plan.name} {size} #{index}: {msg}; other jobs used {other:.0%} of the CPUs"
                         + (" (DISTURBED)" if disturbed else ""))
                     if disturbed and attempt < args.retakes:
                         entry["discarded"].append(got)
                         continue
-                    for kind, sample in got.items():
-                        sample["disturbed"] = disturbed
-                        entry[kind].append(sample)
+                    for kind, samples in got.items():
+                        for sample in samples:
+                            sample["disturbed"] = disturbed
+                        entry[kind] += samples
                     break
                 bar.update(1)
                 if stop_size:
@@ -718,6 +730,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, help="distinct prompts per size (default 3; 1 with --quick)")
     p.add_argument("--configs", default=",".join(CONFIG_ORDER), help=f"subset of {','.join(CONFIG_ORDER)}")
     p.add_argument("--wait-s", type=float, default=0.5, help="pause between the cold and the hit request")
+    p.add_argument("--ext-repeats", type=int, default=3,
+                   help="times the +1 request is sent per prompt (its median is over prompts x repeats)")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="vLLM's --dtype for every server (auto: bf16 on CPU; float32 where the CPU has no "
                         "native bf16, which it emulates 10-30x slower)")
@@ -801,6 +815,7 @@ def main(argv: list[str] | None = None) -> int:
         "sizes": {s: SIZES[s] for s in sizes},
         "prompts_per_size": reps,
         "wait_between_cold_and_hit_s": args.wait_s,
+        "ext_repeats": args.ext_repeats,
         "max_tokens": 1,
         "block_size": BLOCK_SIZE,
         "max_model_len": MAX_MODEL_LEN,
@@ -820,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"TTFT on the bench model ({env['model']['params'] / 1e6:.1f}M params, served as {dtype}), vLLM {env['vllm']}, "
           f"{env['cpu_count']} CPUs, {env['date_utc']}")
     print("NOTE: measured on a shared, noisy 2-core machine; medians of "
-          f"{reps} prompt(s) per size; cold and hit {args.wait_s:g} s apart")
+          f"{reps} prompt(s) per size (+1: {args.ext_repeats} sends of each); requests {args.wait_s:g} s apart")
     print()
     print(format_tables(summary, sizes, "example_unchunked" in results))
     print()
