@@ -560,7 +560,6 @@ class ServerClientSettings(BackendSettings, frozen=True, kw_only=True):
         "group sharing: also trust a server whose user is in this group (default: only our own uid)"))] | None = None
 
 
-
 class MooncakeSettings(BackendSettings, frozen=True, kw_only=True):
     """`backend: mooncake`: Mooncake Store; its own settings are in mooncake.json."""
 
@@ -583,6 +582,7 @@ class MemcacheSettings(BackendSettings, frozen=True, kw_only=True):
     backend: ClassVar[str] = "memcache"
     mmc_local_config_path: Annotated[str, Meta(extra={"kind": "file"}, description=(
         "mmc-local.conf (unset: $MMC_LOCAL_CONFIG_PATH)"))] | None = None
+
 
 class RedisSettings(BackendSettings, frozen=True, kw_only=True):
     """`backend: redis`: a Redis (or Valkey) server the operator already runs."""
