@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import threading
 
@@ -114,6 +115,19 @@ def test_external_arena_is_used_in_place(clock) -> None:
         PoolEngine(EngineConfig(memory_size=4096, reap_interval_s=0), arena=memoryview(backing))
     with pytest.raises(ConfigError):
         PoolEngine(EngineConfig(memory_size=1024, reap_interval_s=0), arena=memoryview(bytes(2048)))
+
+
+def test_own_arena_is_a_private_mapping_of_plain_pages(clock) -> None:
+    """The engine's own arena is an anonymous private mapping (zeroed, mapped lazily), not a
+    numpy allocation, which numpy would advise for huge pages (first writes then wait for the
+    kernel's compaction where THP defrag is `madvise`)."""
+    engine = PoolEngine(EngineConfig(memory_size=8 << 20, reap_interval_s=0), clock=clock)
+    arena = engine._arena
+    assert isinstance(arena.base.obj, mmap.mmap) and arena.size == 8 << 20 and arena.flags.writeable
+    assert not arena[:: 1 << 16].any()
+    assert engine.put(C, "k", [np.full(4096, 7, dtype=np.uint8)]) is ErrorCode.OK
+    assert bytes(read(engine, "k", 4096)) == bytes([7]) * 4096
+    engine.close()
 
 
 # ---- two-phase put --------------------------------------------------------------
