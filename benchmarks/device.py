@@ -18,7 +18,7 @@ difference), and torch's own baseline, one contiguous pinned-host <-> device cop
 number of bytes. Medians of several reps after warm-up.
 
 Run it on an accelerator machine from the repository root; it needs torch and numpy only (no
-vLLM, no msgspec, no pyzmq, nothing installed: it puts src/ on sys.path itself):
+vLLM, no msgspec, nothing installed: it puts src/ on sys.path itself):
 
     python3 benchmarks/device.py                  # 6 cases, 1 GiB per rep: a few minutes at most
     python3 benchmarks/device.py --quick          # seconds; on a CPU-only machine a smoke run
@@ -55,7 +55,7 @@ if str(REPO / "src") not in sys.path:  # run from a checkout, nothing installed
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-# Only the layers below kvpool.vllm: the accelerator machine has torch but no vLLM/msgspec/zmq.
+# Only the layers below kvpool.vllm: the accelerator machine has torch but no vLLM or msgspec.
 from host import cpu_model  # noqa: E402  (the standard library only)
 from plotting import finish, pyplot  # noqa: E402  (the standard library; matplotlib if installed)
 from kvpool.device.copy import StagedCopier  # noqa: E402

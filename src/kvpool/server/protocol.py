@@ -217,8 +217,11 @@ class FrameError(Exception):
     """The byte stream is not a valid frame sequence; the connection cannot continue."""
 
 
-def encode_frame(message: Message) -> bytearray:
-    """Length prefix and body in one buffer, so a frame goes out in one sendall."""
+def encode_frame(message: object) -> bytearray:
+    """Length prefix and body in one buffer, so a frame goes out in one sendall.
+
+    `message` is a `Message` here; the lookup channel (`kvpool.vllm.lookup`) frames plain
+    msgpack values (a list of block hashes, a hit count) the same way."""
     buf = bytearray(HEADER.size)
     _encoder.encode_into(message, buf, HEADER.size)
     HEADER.pack_into(buf, 0, len(buf) - HEADER.size)

@@ -1,10 +1,20 @@
 """The lookup channel between vLLM's scheduler process and worker rank 0.
 
 The scheduler asks "how many leading blocks of these hashes are pooled?"; worker rank 0 owns
-a backend client and answers. The channel is a ZMQ REQ/REP pair over an IPC socket whose name
-contains `lookup_rpc_port`, so two instances on one host need different values. A flock on a
-file beside the socket detects a clash at start-up (ZMQ would silently steal the socket) and is
-released by the kernel if the owner dies, so a crashed instance never blocks its successor.
+a backend client and answers. The channel is a Unix stream socket whose name contains
+`lookup_rpc_port`, so two instances on one host need different values, carrying the frames of
+`kvpool server`'s protocol (a length, then msgpack): the block hashes out, the hit count back.
+A flock on a file beside the socket detects a clash at start-up (a second bind would replace
+the socket's name silently) and is released by the kernel if the owner dies, so a crashed
+instance never blocks its successor.
+
+Every prompt is looked up before it is scheduled, so the round trip is on every request's time
+to first token. A plain socket read by a thread blocked in `select` wakes that thread straight
+from the kernel; a ZMQ REQ/REP pair passes each message through an I/O thread on both sides.
+Measured on a 2-vCPU Xeon with 64 block hashes, median round trip: 15 µs against 154 µs
+between two unpinned processes, 38 against 81 µs with each pinned to a core that other threads
+keep busy. (Inside vLLM on that machine each direction takes ~0.2 ms with either
+transport, so there something other than the transport sets that figure.)
 
 Socket and lock live in the per-user runtime directory (mode 0700, kvpool.paths), so no other
 user can connect, plant a socket there first or hold the lock; `VLLM_RPC_BASE_PATH`, when set,
@@ -16,14 +26,17 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import selectors
+import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import msgspec
-import zmq
 
 from kvpool.errors import ConfigError
 from kvpool.paths import check_socket_dir, open_private_lock, runtime_dir
+from kvpool.server.protocol import MAX_REQUEST_FRAME, FrameError, encode_frame, recv_frame
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +44,8 @@ logger = logging.getLogger(__name__)
 LOOKUP_TIMEOUT_MS = 2000
 # How often the server thread wakes to see whether close() was called (bounds close()'s wait).
 POLL_INTERVAL_MS = 200
+# A reply is one small integer.
+MAX_REPLY_FRAME = 64
 
 
 def lookup_socket_path(lookup_rpc_port: int, dp_rank: int = 0) -> str:
@@ -63,34 +78,60 @@ class LookupServer:
                 "give each instance its own lookup_rpc_port",
             ) from None
         self._count_hits = count_hits
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.REP)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(f"ipc://{self.path}")
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if os.path.exists(self.path):  # left by a process that died holding the lock we now hold
+            os.unlink(self.path)
+        self._listener.bind(self.path)
         os.chmod(self.path, 0o600)
+        self._listener.listen(8)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kvpool-lookup", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(POLL_INTERVAL_MS):
-                continue
-            try:
-                hashes = msgspec.msgpack.decode(self._sock.recv(), type=list[bytes])
-                hits = self._count_hits(hashes)
-            except Exception:  # a bad request or a backend error is a miss, never a dead server
-                logger.exception("kvpool lookup failed; answering 0 hits")
-                hits = 0
-            self._sock.send(msgspec.msgpack.encode(hits))
+        # One thread answers every connection in turn (normally there is one: the scheduler's).
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._listener, selectors.EVENT_READ)
+            while not self._stop.is_set():
+                for key, _ in sel.select(POLL_INTERVAL_MS / 1000):
+                    if key.fileobj is self._listener:
+                        try:
+                            conn, _ = self._listener.accept()
+                        except OSError:
+                            continue
+                        sel.register(conn, selectors.EVENT_READ)
+                    elif not self._answer(key.fileobj):
+                        sel.unregister(key.fileobj)
+                        key.fileobj.close()
+            for key in list(sel.get_map().values()):
+                if key.fileobj is not self._listener:
+                    key.fileobj.close()
+
+    def _answer(self, conn: socket.socket) -> bool:
+        """Answer one request on `conn`; False when the connection is closed or unusable."""
+        try:
+            body = recv_frame(conn, MAX_REQUEST_FRAME, deadline=time.monotonic() + LOOKUP_TIMEOUT_MS / 1000)
+        except (OSError, FrameError) as e:
+            logger.warning("kvpool lookup channel: dropping a connection (%s)", e)
+            return False
+        if body is None:
+            return False
+        try:
+            hits = self._count_hits(msgspec.msgpack.decode(body, type=list[bytes]))
+        except Exception:  # a bad request or a backend error is a miss, never a dead server
+            logger.exception("kvpool lookup failed; answering 0 hits")
+            hits = 0
+        try:
+            conn.settimeout(LOOKUP_TIMEOUT_MS / 1000)
+            conn.sendall(encode_frame(hits))
+        except OSError:  # the client gave up waiting (its timeout) and closed
+            return False
+        return True
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
-        self._sock.close()
-        self._ctx.term()
+        self._listener.close()
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -103,41 +144,49 @@ class LookupClient:
 
     def __init__(self, lookup_rpc_port: int, dp_rank: int = 0) -> None:
         self.path = lookup_socket_path(lookup_rpc_port, dp_rank)
-        self._ctx = zmq.Context()
-        self._sock: zmq.Socket | None = None
+        self._sock: socket.socket | None = None
 
-    def _socket(self) -> zmq.Socket:
+    def _socket(self) -> socket.socket:
         if self._sock is None:
-            s = self._ctx.socket(zmq.REQ)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.RCVTIMEO, LOOKUP_TIMEOUT_MS)
-            s.setsockopt(zmq.SNDTIMEO, LOOKUP_TIMEOUT_MS)
-            s.connect(f"ipc://{self.path}")
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.settimeout(LOOKUP_TIMEOUT_MS / 1000)
+                s.connect(self.path)
+            except BaseException:
+                s.close()
+                raise
             self._sock = s
         return self._sock
+
+    def _drop(self) -> None:
+        # A connection that missed a reply could deliver it as the next lookup's answer: start over.
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
     def lookup(self, block_hashes: Sequence[bytes]) -> int:
         """Number of leading blocks pooled for every rank; 0 on any error."""
         if not block_hashes:
             return 0
+        deadline = time.monotonic() + LOOKUP_TIMEOUT_MS / 1000
         try:
             sock = self._socket()
-            sock.send(msgspec.msgpack.encode(list(block_hashes)))
-            hits = msgspec.msgpack.decode(sock.recv(), type=int)
-        except msgspec.DecodeError as e:
+            sock.settimeout(LOOKUP_TIMEOUT_MS / 1000)
+            sock.sendall(encode_frame(list(block_hashes)))
+            body = recv_frame(sock, MAX_REPLY_FRAME, deadline=deadline)
+            if body is None:
+                raise ConnectionResetError("the worker closed the lookup channel")
+            hits = msgspec.msgpack.decode(body, type=int)
+        except (msgspec.DecodeError, FrameError) as e:
             logger.warning("kvpool lookup on %s: a malformed reply (%s); treating as a miss", self.path, e)
+            self._drop()
             return 0
-        except zmq.ZMQError as e:
-            # A REQ socket that missed its reply is stuck in the wrong state: start a new one.
+        except OSError as e:  # no server yet, a timeout, a closed connection
             logger.warning("kvpool lookup on %s failed (%s); treating as a miss", self.path, e)
-            if self._sock is not None:
-                self._sock.close()
-                self._sock = None
+            self._drop()
             return 0
         # More hits than blocks asked about would have vLLM load blocks nobody stored.
         return hits if 0 <= hits <= len(block_hashes) else 0
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-        self._ctx.term()
+        self._drop()

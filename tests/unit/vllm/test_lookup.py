@@ -1,10 +1,11 @@
 """The lookup channel: LookupClient (scheduler) <-> LookupServer (worker rank 0) over the real
-ZMQ IPC socket, in this test's own VLLM_RPC_BASE_PATH; and the worker's hit count behind it.
+Unix socket, in this test's own VLLM_RPC_BASE_PATH; and the worker's hit count behind it.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
@@ -212,3 +213,44 @@ def test_an_impossible_hit_count_is_a_miss(closing, answer):
     client = closing(LookupClient(9))
     for _ in range(20):
         assert client.lookup(HASHES) == 0
+
+
+def test_a_long_prompts_lookup_is_answered_whole(closing):
+    # 100,000 hashes (3.5 MB): far beyond one socket buffer, as a million-token prompt in
+    # 16-token blocks would be.
+    hashes = [i.to_bytes(32, "big") for i in range(100_000)]
+    seen: list[list[bytes]] = []
+    closing(counting_server(17, set(hashes[:70_000]), seen))
+    assert closing(LookupClient(17)).lookup(hashes) == 70_000
+    assert seen == [hashes]
+
+
+def test_garbage_from_a_client_costs_only_its_connection(closing):
+    from kvpool.server.protocol import HEADER, MAX_REQUEST_FRAME, encode_frame, recv_frame
+
+    seen: list[list[bytes]] = []
+    server = closing(counting_server(18, set(HASHES), seen))
+    client = closing(LookupClient(18))
+    assert client.lookup(HASHES) == 5
+
+    def raw() -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.connect(server.path)
+        return s
+
+    # A well-framed body that is not a list of hashes: a miss, and the connection stays usable.
+    s = raw()
+    s.sendall(encode_frame({"not": "hashes"}))
+    assert recv_frame(s, 64) == encode_frame(0)[HEADER.size:]
+    s.sendall(encode_frame(HASHES[:2]))
+    assert recv_frame(s, 64) == encode_frame(2)[HEADER.size:]
+    # A length over the limit, and a frame cut short: the server drops that connection only.
+    s.sendall(HEADER.pack(MAX_REQUEST_FRAME + 1))
+    assert s.recv(1) == b""
+    s = raw()
+    s.sendall(HEADER.pack(100) + b"\x91")
+    s.close()
+    raw().close()  # connects and leaves without a word
+    assert client.lookup(HASHES) == 5
+    assert seen == [HASHES, HASHES[:2], HASHES]
