@@ -628,6 +628,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
         "load on a background thread; the request waits in WAITING_FOR_REMOTE_KVS"))] = False
     consumer_is_to_load: Annotated[bool, Meta(description="a kv_consumer looks up and loads from the pool")] = False
     consumer_is_to_put: Annotated[bool, Meta(description="a kv_consumer also saves KV to the pool")] = False
+    # As in the spec's AscendStore, where only the consumer role is gated: prefill nodes reuse
+    # each other's prefixes through the pool unless this is turned off.
     producer_is_to_load: Annotated[bool, Meta(description=(
         "a kv_producer looks up and loads pooled prefixes (false: it only saves)"))] = True
     save_sync: Annotated[bool, Meta(description=(
@@ -676,36 +678,16 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
 ALIASES = {"mooncake_rpc_port": "lookup_rpc_port", "default_kv_lease_ttl": "default_kv_lease_ttl_ms"}
 
 
-class KVPoolConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything kvpool reads from `kv_connector_extra_config` (and `kv_role`), validated."""
+class KVPoolConfig(ConnectorSettings, frozen=True, kw_only=True):
+    """Everything kvpool reads from `kv_connector_extra_config` (and `kv_role`), validated: the
+    shared keys with their role-dependent defaults resolved, the role, and the chosen backend's
+    own keys."""
 
     kv_role: str = "kv_both"
-    backend: str = "local"
-    lookup_rpc_port: int = 0
-    load_async: bool = False
-    consumer_is_to_load: bool = False
-    consumer_is_to_put: bool = False
-    # As in the spec's AscendStore, where only the consumer role is gated: prefill nodes reuse
-    # each other's prefixes through the pool unless this is turned off.
-    producer_is_to_load: bool = True
-    # Finish a step's saves before the step returns. On by default for producers: in PD
-    # disaggregation the proxy sends the decode request the moment the prefill answers, so the
-    # prefill's blocks must already be findable then.
+    # Resolved: `None` (the role's default) is on for a producer. In PD disaggregation the proxy
+    # sends the decode request the moment the prefill answers, so the prefill's blocks must
+    # already be findable then.
     save_sync: bool = False
-    prefill_pp_size: int | None = None
-    prefill_pp_layer_partition: tuple[int, ...] | None = None
-    discard_partial_chunks: bool = True
-    transfer_path: str = "auto"
-    staging_buffer_size: int = DEFAULT_STAGING_BYTES
-    use_layerwise: bool = False
-    copy_threads: int = 0
-    lookup_timeout_s: float = 0.3
-    transfer_timeout_s: float = 5.0
-    breaker_failures: int = 3
-    breaker_cooldown_s: float = 1.0
-    inject_load_failure_every: int = 0
-    stats_log_interval_s: float = 10.0
-    block_hash_log: str | None = None
     # The chosen backend's own keys (its `BackendSettings` subclass).
     backend_settings: BackendSettings = msgspec.field(default_factory=LocalSettings)
 
@@ -834,31 +816,9 @@ def _parse_config(extra: Mapping[str, Any] | None, kv_role: str | None) -> tuple
     if backend is None:
         return None, errors
     assert chosen is not None and backend is not None
-    return KVPoolConfig(
-        kv_role=role,
-        backend=backend,
-        lookup_rpc_port=common.lookup_rpc_port,
-        load_async=common.load_async,
-        consumer_is_to_load=common.consumer_is_to_load,
-        consumer_is_to_put=common.consumer_is_to_put,
-        producer_is_to_load=common.producer_is_to_load,
-        save_sync=common.save_sync if common.save_sync is not None else role == "kv_producer",
-        prefill_pp_size=common.prefill_pp_size,
-        prefill_pp_layer_partition=common.prefill_pp_layer_partition,
-        discard_partial_chunks=common.discard_partial_chunks,
-        transfer_path=common.transfer_path,
-        staging_buffer_size=common.staging_buffer_size,
-        use_layerwise=common.use_layerwise,
-        copy_threads=common.copy_threads,
-        lookup_timeout_s=common.lookup_timeout_s,
-        transfer_timeout_s=common.transfer_timeout_s,
-        breaker_failures=common.breaker_failures,
-        breaker_cooldown_s=common.breaker_cooldown_s,
-        inject_load_failure_every=common.inject_load_failure_every,
-        stats_log_interval_s=common.stats_log_interval_s,
-        block_hash_log=common.block_hash_log,
-        backend_settings=chosen,
-    ), errors
+    shared = msgspec.structs.asdict(common)
+    shared.update(backend=backend, save_sync=role == "kv_producer" if common.save_sync is None else common.save_sync)
+    return KVPoolConfig(**shared, kv_role=role, backend_settings=chosen), errors
 
 
 # ---- `kvpool server`'s flags ---------------------------------------------------------------------
