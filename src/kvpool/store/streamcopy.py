@@ -152,20 +152,17 @@ define internal i64 @field(ptr %h, i64 %i) nounwind alwaysinline {
   ret i64 %v
 }
 
-; One member's share. The header is five words: the dsts, srcs, sizes and bounds tables and the
-; number of parts; part q is segments [bounds[q], bounds[q + 1]). Member t of n copies parts
+define internal ptr @word(ptr %h, i64 %i) nounwind alwaysinline {
+  %v = call i64 @field(ptr %h, i64 %i)
+  %p = inttoptr i64 %v to ptr
+  ret ptr %p
+}
+
+; One team member's share of a call with header %h: part q is [bounds[q], bounds[q + 1]) of
+; what %body walks (segments, values), and member t of n runs %body(%h, lo, hi, t) for parts
 ; t, t + n, ...: every part exactly once even if the runtime gave fewer threads than asked.
-define internal void @team_member(ptr %h) nounwind {
+define internal void @each_part(ptr %h, ptr %bp, i64 %parts, ptr %body) nounwind alwaysinline {
 entry:
-  %dsts = call i64 @field(ptr %h, i64 0)
-  %srcs = call i64 @field(ptr %h, i64 1)
-  %sizes = call i64 @field(ptr %h, i64 2)
-  %bounds = call i64 @field(ptr %h, i64 3)
-  %parts = call i64 @field(ptr %h, i64 4)
-  %dp = inttoptr i64 %dsts to ptr
-  %sp = inttoptr i64 %srcs to ptr
-  %np = inttoptr i64 %sizes to ptr
-  %bp = inttoptr i64 %bounds to ptr
   %t32 = call i32 @omp_get_thread_num()
   %n32 = call i32 @omp_get_num_threads()
   %t = zext i32 %t32 to i64
@@ -179,11 +176,28 @@ part:
   %lo = call i64 @field(ptr %bp, i64 %q)
   %q1 = add i64 %q, 1
   %hi = call i64 @field(ptr %bp, i64 %q1)
-  call void @copy_range(ptr %dp, ptr %sp, ptr %np, i64 %lo, i64 %hi)
+  call void %body(ptr %h, i64 %lo, i64 %hi, i64 %t)
   %q_next = add i64 %q, %n
   br label %check
 done:
   fence seq_cst
+  ret void
+}
+
+; The copy's header is five words: the dsts, srcs, sizes and bounds tables and the number of
+; parts; a part is a run of segments.
+define internal void @copy_part(ptr %h, i64 %lo, i64 %hi, i64 %t) nounwind {
+  %dp = call ptr @word(ptr %h, i64 0)
+  %sp = call ptr @word(ptr %h, i64 1)
+  %np = call ptr @word(ptr %h, i64 2)
+  call void @copy_range(ptr %dp, ptr %sp, ptr %np, i64 %lo, i64 %hi)
+  ret void
+}
+
+define internal void @team_member(ptr %h) nounwind {
+  %bp = call ptr @word(ptr %h, i64 3)
+  %parts = call i64 @field(ptr %h, i64 4)
+  call void @each_part(ptr %h, ptr %bp, i64 %parts, ptr @copy_part)
   ret void
 }
 
@@ -239,54 +253,35 @@ done:
   ret void
 }
 
-; One member's share. The header is eight words: the dsts, srcs, sizes, firsts, bounds and
-; digests tables, the number of parts and the states table (one XXH3 state per member); part q
-; is values [bounds[q], bounds[q + 1]), taken t, t + n, ... as in @team_member.
-define internal void @hash_member(ptr %h) nounwind {
+; The header is eight words: the dsts, srcs, sizes, firsts, bounds and digests tables, the
+; number of parts and the states table (one XXH3 state per member); a part is a run of values.
+define internal void @hash_part(ptr %h, i64 %lo, i64 %hi, i64 %t) nounwind {
 entry:
   %dp = call ptr @word(ptr %h, i64 0)
   %sp = call ptr @word(ptr %h, i64 1)
   %np = call ptr @word(ptr %h, i64 2)
   %fp = call ptr @word(ptr %h, i64 3)
-  %bp = call ptr @word(ptr %h, i64 4)
   %gp = call ptr @word(ptr %h, i64 5)
-  %parts = call i64 @field(ptr %h, i64 6)
   %xp = call ptr @word(ptr %h, i64 7)
-  %t32 = call i32 @omp_get_thread_num()
-  %n32 = call i32 @omp_get_num_threads()
-  %t = zext i32 %t32 to i64
-  %n = zext i32 %n32 to i64
   %state = call ptr @word(ptr %xp, i64 %t)
   br label %check
 check:
-  %q = phi i64 [%t, %entry], [%q_next, %next]
-  %more = icmp ult i64 %q, %parts
-  br i1 %more, label %part, label %done
-part:
-  %lo = call i64 @field(ptr %bp, i64 %q)
-  %q1 = add i64 %q, 1
-  %hi = call i64 @field(ptr %bp, i64 %q1)
-  br label %vcheck
-vcheck:
-  %v = phi i64 [%lo, %part], [%v_next, %value]
-  %vmore = icmp ult i64 %v, %hi
-  br i1 %vmore, label %value, label %next
+  %v = phi i64 [%lo, %entry], [%v_next, %value]
+  %more = icmp ult i64 %v, %hi
+  br i1 %more, label %value, label %done
 value:
   call void @hash_value(ptr %dp, ptr %sp, ptr %np, ptr %fp, ptr %gp, ptr %state, i64 %v)
   %v_next = add i64 %v, 1
-  br label %vcheck
-next:
-  %q_next = add i64 %q, %n
   br label %check
 done:
-  fence seq_cst
   ret void
 }
 
-define internal ptr @word(ptr %h, i64 %i) nounwind alwaysinline {
-  %v = call i64 @field(ptr %h, i64 %i)
-  %p = inttoptr i64 %v to ptr
-  ret ptr %p
+define internal void @hash_member(ptr %h) nounwind {
+  %bp = call ptr @word(ptr %h, i64 4)
+  %parts = call i64 @field(ptr %h, i64 6)
+  call void @each_part(ptr %h, ptr %bp, i64 %parts, ptr @hash_part)
+  ret void
 }
 
 define void @kvpool_copy_hash_team(ptr %h, i32 %threads) nounwind {
