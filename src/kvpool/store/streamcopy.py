@@ -194,20 +194,31 @@ define internal void @copy_part(ptr %h, i64 %lo, i64 %hi, i64 %t) nounwind {
   ret void
 }
 
-define internal void @team_member(ptr %h) nounwind {
-  %bp = call ptr @word(ptr %h, i64 3)
-  %parts = call i64 @field(ptr %h, i64 4)
-  call void @each_part(ptr %h, ptr %bp, i64 %parts, ptr @copy_part)
-  ret void
-}
+"""
 
-define void @kvpool_stream_copy_team(ptr %h, i32 %threads) nounwind {
+
+def _team_entry(name: str, body: str, bounds_word: int, parts_word: int) -> str:
+    """IR of the exported function `name(header, threads)`: runs `body` over the parts of the
+    call on an OpenMP team, the bounds table and the number of parts being those words of the
+    header."""
+    return f"""
+define internal void @{name}_member(ptr %h) nounwind {{
+  %bp = call ptr @word(ptr %h, i64 {bounds_word})
+  %parts = call i64 @field(ptr %h, i64 {parts_word})
+  call void @each_part(ptr %h, ptr %bp, i64 %parts, ptr @{body})
+  ret void
+}}
+
+define void @{name}(ptr %h, i32 %threads) nounwind {{
 entry:
-  call void @GOMP_parallel(ptr @team_member, ptr %h, i32 %threads, i32 0)
+  call void @GOMP_parallel(ptr @{name}_member, ptr %h, i32 %threads, i32 0)
   fence seq_cst
   ret void
-}
+}}
 """
+
+
+_TEAM_IR += _team_entry("kvpool_stream_copy_team", "copy_part", bounds_word=3, parts_word=4)
 
 # Copy and hash on the team: for a `server` read, whose copy is checked against the checksum its
 # writer committed (`buffers.scatter_summed`, XXH3-64 of the reader's own destination buffers).
@@ -277,20 +288,8 @@ done:
   ret void
 }
 
-define internal void @hash_member(ptr %h) nounwind {
-  %bp = call ptr @word(ptr %h, i64 4)
-  %parts = call i64 @field(ptr %h, i64 6)
-  call void @each_part(ptr %h, ptr %bp, i64 %parts, ptr @hash_part)
-  ret void
-}
-
-define void @kvpool_copy_hash_team(ptr %h, i32 %threads) nounwind {
-entry:
-  call void @GOMP_parallel(ptr @hash_member, ptr %h, i32 %threads, i32 0)
-  fence seq_cst
-  ret void
-}
 """
+_HASH_IR += _team_entry("kvpool_copy_hash_team", "hash_part", bounds_word=4, parts_word=6)
 
 _Kernel = Callable[[int, int, int, int], None]
 _TeamKernel = Callable[[int, int], None]
