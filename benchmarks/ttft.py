@@ -35,7 +35,8 @@ yardstick for what a hit may add over vLLM's own prefix-cache hit.
 
 Configurations (one server each, in this order; the `vllm` reference runs again at the end
 and its medians are over both runs, unless `--no-bracket`: this VM's speed drifts over the
-minutes a run takes):
+minutes a run takes; `--rounds N` runs the whole sequence N times on fresh servers and pools
+the samples, because two starts of the same server also differ, by up to 10% here):
 
   vllm      no KV connector, prefix caching ON: its cold request is the "vLLM cold" reference,
             its hit and ext requests are vLLM's own prefix-cache hits
@@ -67,6 +68,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -116,23 +118,26 @@ def make_prompt(n_tokens: int, index: int, vocab_size: int) -> list[int]:
     return random_token_ids(f"kvpool-ttft/{n_tokens}/{index}", n_tokens, vocab_size)
 
 
-def merge_bracket(first: dict[str, Any], again: dict[str, Any]) -> None:
-    """Add the reference's second run to its first: every sample, tagged with its run (1 or 2),
-    so medians are over both; a size the second run could not measure keeps the first's."""
+def merge_runs(first: dict[str, Any], again: dict[str, Any]) -> None:
+    """Add a configuration's next run (another round, or the reference's bracketing run) to
+    what its earlier runs measured: every sample, tagged with its run (1, 2, ...), so medians
+    are over all of them; a size the new run could not measure keeps the earlier samples and
+    says why (`run_status`)."""
+    runs = first.get("runs", 1)
     for size, entry in first["sizes"].items():
         for kind in ("cold", "hit", "ext", "part"):
             for sample in entry[kind]:
                 sample.setdefault("run", 1)
         more = again["sizes"].get(size)
         if more is None or more["status"] != "ok":
-            entry["bracket_status"] = "not measured" if more is None else more["status"]
+            entry.setdefault("run_status", {})[str(runs + 1)] = "not measured" if more is None else more["status"]
             continue
         for kind in ("cold", "hit", "ext", "part"):
             for sample in more[kind]:
-                sample["run"] = 2
+                sample["run"] = runs + 1
             entry[kind] += more[kind]
         entry["discarded"] += more["discarded"]
-    first["bracketed"] = True
+    first["runs"] = runs + 1
     first["server_starts"] = first.get("server_starts", 0) + again.get("server_starts", 0)
     first["server_logs"] = first.get("server_logs", []) + again.get("server_logs", [])
 
@@ -177,7 +182,10 @@ def mooncake_probe() -> tuple[str | None, str | None, str | None]:
 def example_plan(storage: Path, name: str = "example", max_num_batched_tokens: int | None = None,
                  skip_ext: str | None = None) -> ServerPlan:
     def setup() -> Callable[[], None]:
-        storage.mkdir(parents=True, exist_ok=True)
+        # Empty for every server start, as the other stores are fresh: a later round's cold
+        # prompts must not find the files an earlier round wrote.
+        shutil.rmtree(storage, ignore_errors=True)
+        storage.mkdir(parents=True)
         return lambda: None
 
     return ServerPlan(name, prefix_caching=False, kv_transfer_config={
@@ -755,6 +763,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wait-s", type=float, default=0.5, help="pause between the cold and the hit request")
     p.add_argument("--no-bracket", dest="bracket", action="store_false",
                    help="run the vLLM reference once, first (default: again at the end, medians over both)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the whole sequence of configurations this many times, each on fresh "
+                        "servers, medians over all rounds (the spread between server instances "
+                        "is larger than some targets' margins)")
     p.add_argument("--ext-repeats", type=int, default=3,
                    help="times the +1 request is sent per prompt (its median is over prompts x repeats)")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
@@ -781,6 +793,8 @@ def main(argv: list[str] | None = None) -> int:
 
     sizes = choose(p, args.sizes or ("1K,4K" if args.quick else ",".join(SIZES)), list(SIZES), "size")
     reps = args.reps or (1 if args.quick else 3)
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: at least 1")
     configs = choose(p, args.configs, CONFIG_ORDER, "configuration")
     out_path = Path(args.out) if args.out else RESULTS_DIR / ("ttft-quick.json" if args.quick else "ttft.json")
 
@@ -797,10 +811,21 @@ def main(argv: list[str] | None = None) -> int:
     plans = build_plans(workdir, configs, mooncake)
     results: dict[str, Any] = {}
     t_start = time.monotonic()
-    for c in configs:
+    for c in configs * args.rounds:
         if c not in plans:  # mooncake unavailable
             results[c] = {"error": mooncake[2]}
             log(f"{c}: skipped: {mooncake[2]}")
+            continue
+        if "sizes" in results.get(c, {}):
+            # A later round: a fresh server again, its samples pooled with the earlier rounds'.
+            log(f"{c}: starting again (round {results[c].get('runs', 1) + 1} of {args.rounds})")
+            try:
+                merge_runs(results[c], run_config(plans[c], sizes, reps, model_dir, workdir, args))
+            except Exception as e:
+                results[c].setdefault("round_errors", []).append(f"{type(e).__name__}: {e}")
+                log(f"{c}: a later round failed: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        if c in results:  # its first round failed: not tried again
             continue
         log(f"{c}: starting")
         try:
@@ -834,7 +859,8 @@ def main(argv: list[str] | None = None) -> int:
         log("vllm: starting again (the reference brackets the other configurations)")
         try:
             again = run_config(plans["vllm"], sizes, reps, model_dir, workdir, args)
-            merge_bracket(results["vllm"], again)
+            merge_runs(results["vllm"], again)
+            results["vllm"]["bracketed"] = True
         except Exception as e:
             results["vllm"]["bracket_error"] = f"{type(e).__name__}: {e}"
             log(f"vllm: the second run failed: {type(e).__name__}: {str(e)[:300]}")
@@ -854,6 +880,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompts_per_size": reps,
         "wait_between_cold_and_hit_s": args.wait_s,
         "ext_repeats": args.ext_repeats,
+        "rounds": args.rounds,
         "reference_bracketed": bool(results.get("vllm", {}).get("bracketed")),
         "max_tokens": 1,
         "block_size": BLOCK_SIZE,
