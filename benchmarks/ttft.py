@@ -36,7 +36,7 @@ yardstick for what a hit may add over vLLM's own prefix-cache hit.
 Configurations (one server each, in this order; the `vllm` reference runs again at the end
 and its medians are over both runs, unless `--no-bracket`: this VM's speed drifts over the
 minutes a run takes; `--rounds N` runs the whole sequence N times on fresh servers and pools
-the samples, because two starts of the same server also differ, by up to 10% here):
+the samples, because two starts of the same server also differ, by up to 16% here):
 
   vllm      no KV connector, prefix caching ON: its cold request is the "vLLM cold" reference,
             its hit and ext requests are vLLM's own prefix-cache hits
