@@ -47,7 +47,7 @@ KiB, MiB, GiB, TiB, PiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40, 1 << 50
 # Where `kvpool server` listens and `backend: server` connects unless told otherwise: in the
 # per-user runtime directory (kvpool.paths), which no other user can create entries in.
 DEFAULT_SERVER_SOCKET = default_server_socket()
-_MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes including the terminating NUL
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes including the terminating NUL
 DAY_S = 86_400.0
 # Counts no deployment comes near (the largest models have a few hundred layers); a larger value
 # is a typo.
@@ -200,9 +200,9 @@ def _path_text(key: str, value: Any, expected: str) -> str:
 
 def parse_socket_path(key: str, value: Any) -> str:
     """An absolute Unix socket path that fits in sun_path (107 bytes)."""
-    expected = f"an absolute Unix socket path of at most {_MAX_SOCKET_PATH} bytes, e.g. {DEFAULT_SERVER_SOCKET!r}"
+    expected = f"an absolute Unix socket path of at most {MAX_SOCKET_PATH} bytes, e.g. {DEFAULT_SERVER_SOCKET!r}"
     value = _path_text(key, value, expected)
-    if not os.path.isabs(value) or len(os.fsencode(value)) > _MAX_SOCKET_PATH:
+    if not os.path.isabs(value) or len(os.fsencode(value)) > MAX_SOCKET_PATH:
         raise ConfigError(key, value, expected)
     return value
 

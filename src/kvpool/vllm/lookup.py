@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
+from kvpool.config import MAX_SOCKET_PATH
 from kvpool.errors import ConfigError
 from kvpool.paths import check_socket_dir, open_private_lock, runtime_dir
 from kvpool.server.protocol import MAX_REQUEST_FRAME, FrameError, encode_frame, recv_frame
@@ -55,6 +56,9 @@ def lookup_socket_path(lookup_rpc_port: int, dp_rank: int = 0) -> str:
     if not base:
         return os.path.join(runtime_dir(), name)
     path = os.path.join(base, name)
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise ConfigError("VLLM_RPC_BASE_PATH", base, f"a directory whose path leaves room for {name!r} "
+                                                      f"in a Unix socket path of at most {MAX_SOCKET_PATH} bytes")
     if check_socket_dir(path, "VLLM_RPC_BASE_PATH").shared:
         # A sticky directory anyone can write (like /tmp): others could bind our name first.
         raise ConfigError("VLLM_RPC_BASE_PATH", base, "a directory only this user can write; unset it to "

@@ -254,3 +254,12 @@ def test_garbage_from_a_client_costs_only_its_connection(closing):
     raw().close()  # connects and leaves without a word
     assert client.lookup(HASHES) == 5
     assert seen == [HASHES, HASHES[:2], HASHES]
+
+
+def test_a_base_path_too_long_for_a_socket_name_is_refused(monkeypatch, tmp_path):
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir(mode=0o700)
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(deep))
+    with pytest.raises(ConfigError) as exc:
+        lookup_socket_path(1, 0)
+    assert exc.value.key == "VLLM_RPC_BASE_PATH" and exc.value.value == str(deep)
