@@ -97,7 +97,7 @@ def scale_memory(memory_bytes: int, block_bytes: int, *, object_overhead: int = 
                     memory_size=scaled, alignment=alignment,
                     eviction_high_watermark_ratio=high_watermark, eviction_ratio=eviction_ratio,
                     object_overhead_bytes=0, reap_interval_s=0, disk=None,
-                    client_pool_share=1.0, client_max_leases=0, client_max_hold_s=0.0,
+                    client_pool_share=1.0, client_max_leases=0, client_max_hold_s=0.0, prefault=False,
                 )
                 return ScaledMemory(memory_bytes, r, n, h, k, config)
         k *= 2

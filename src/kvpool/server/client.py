@@ -448,6 +448,7 @@ class PoolClient:
         link, reply = first
         assert isinstance(reply, P.Allocated)
         arena = link.arena.array
+        link.arena.note(max((off + b[3] for b, c, off in zip(batch, reply.codes, reply.offsets) if c == OK), default=0))
         committing: list[tuple[int, int]] = []
         sums: list[int | None] = []
         aborting: list[int] = []
@@ -551,6 +552,7 @@ class PoolClient:
                 copying.append((i, 0))
                 expected.append(None)
             elif 0 <= offset <= arena.size - size:
+                link.arena.note(offset + size)
                 jobs.append((arena[offset : offset + size], outs))
                 copying.append((i, lease_id))
                 expected.append(want_sum)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpool.errors import ConfigError
+from kvpool.store.prefault import Prefaulter
 
 logger = logging.getLogger(__name__)
 
@@ -49,16 +50,26 @@ def _check_name(name: str) -> str:
 
 @dataclass
 class Arena:
-    """A mapped arena; ``array`` is a writable uint8 view of all ``size`` bytes."""
+    """A mapped arena; ``array`` is a writable uint8 view of all ``size`` bytes.
+
+    A client's arena (`attach`) has a prefaulter: the client notes each range it is about to
+    copy to or from (`note`), and the pages a little past the highest are mapped ahead on a
+    background thread, so its copies do not take page faults (store/prefault.py)."""
 
     name: str
     size: int
     mm: mmap.mmap
     array: np.ndarray
+    prefault: Prefaulter | None = None
 
     @property
     def path(self) -> str:
         return os.path.join(SHM_DIR, self.name)
+
+    def note(self, end: int) -> None:
+        """This process is about to copy bytes of the arena below offset ``end``."""
+        if self.prefault is not None:
+            self.prefault.note(end)
 
     def close(self) -> None:
         """Drop this handle's view; the mapping goes once no copy still uses it.
@@ -66,6 +77,9 @@ class Arena:
         mmap.close() fails while numpy views export its buffer, and a concurrent copy may still
         hold one, so we only drop our references and let the last user release the mapping.
         """
+        if self.prefault is not None:
+            self.prefault.close()
+            self.prefault = None
         self.array = np.empty(0, dtype=np.uint8)
 
 
@@ -126,7 +140,8 @@ def attach(name: str, size: int, owner_uid: int, allowed_gid: int | None = None)
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    return Arena(name, size, mm, np.frombuffer(mm, dtype=np.uint8))
+    array = np.frombuffer(mm, dtype=np.uint8)
+    return Arena(name, size, mm, array, Prefaulter(array, name="kvpool-prefault-client"))
 
 
 def unlink(name: str) -> None:

@@ -62,6 +62,7 @@ from kvpool.store.buffers import as_u8 as _as_u8
 from kvpool.store.buffers import checksum
 from kvpool.store.disk import DiskTier
 from kvpool.store.memcopy import CopyEngine
+from kvpool.store.prefault import Prefaulter
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,9 @@ class EngineConfig:
     (0: no cap). ``object_overhead_bytes`` is charged to the memory budget per
     object on top of its key's UTF-8 bytes, so metadata is not free;
     ``max_key_bytes`` bounds a stored key.
+    ``prefault``: with the engine's own arena (none passed in), map its pages on a background
+    thread from the start to a look-ahead past the highest allocation (store/prefault.py), so
+    writes into the pool do not take page faults; the planner, which writes no bytes, turns it off.
     """
 
     memory_size: int
@@ -127,6 +131,7 @@ class EngineConfig:
     client_max_hold_s: float = 0.0
     object_overhead_bytes: int = 0
     max_key_bytes: int = 4096
+    prefault: bool = True
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid field, its value and what is expected."""
@@ -383,8 +388,8 @@ DISK_READERS = 4
 
 
 def _private_arena(size: int) -> np.ndarray:
-    """`size` zero bytes of this process's own memory, mapped lazily: a large pool costs nothing
-    until it is written.
+    """`size` zero bytes of this process's own memory, mapped lazily: a large pool costs only
+    what is written and the prefaulter's look-ahead past it.
 
     An anonymous private mapping, not `np.zeros`: numpy advises huge pages for an allocation
     this large, and where the kernel compacts memory for them on the faulting thread (THP
@@ -414,8 +419,15 @@ class PoolEngine:
         config.validate()
         self.config = config
         self._clock = clock
+        # Our own arena's pages are mapped ahead of the allocations, the first look-ahead now,
+        # while the process starts (see store/prefault.py); a caller's arena (the server's shared
+        # memory) is its writers' to map.
+        self._prefault: Prefaulter | None = None
         if arena is None:
             self._arena = _private_arena(config.memory_size)
+            if config.memory_size and config.prefault:
+                self._prefault = Prefaulter(self._arena)
+                self._prefault.note(0)
         else:
             try:
                 arr = _as_u8(arena, writable=True)
@@ -1143,6 +1155,8 @@ class PoolEngine:
                 return
             self._closed = True
         self._stop.set()
+        if self._prefault is not None:
+            self._prefault.close()
         if self._writer is not None and self._queue is not None:
             self._queue.put(None)  # FIFO: everything queued before it is written first
             self._writer.join()
@@ -1472,6 +1486,8 @@ class PoolEngine:
                 return ErrorCode.NO_AVAILABLE_HANDLE, []
         spills = self._make_room_locked(total, now)
         offset = self._alloc.allocate(total)
+        if offset is not None and self._prefault is not None:
+            self._prefault.note(offset + charge)
         if offset is None:
             self._stats["allocation_failures"] += 1
             logger.debug(
