@@ -59,6 +59,10 @@ def check_hash_seed(hash_algo: str) -> None:
 
 
 class PoolScheduler:
+    """The scheduler process's half of the connector: asks worker rank 0 how many leading blocks
+    of a prompt the pool holds, and turns vLLM's allocations into each step's loads and saves
+    (`KVPoolMetadata`). It never touches KV bytes or the store."""
+
     def __init__(self, vllm_config, config: KVPoolConfig, kv_cache_config) -> None:
         self.config = config
         self.block_size = vllm_config.cache_config.block_size

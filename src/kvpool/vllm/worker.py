@@ -1,4 +1,16 @@
-"""Worker side of the connector: KV cache <-> pool copies, lookup serving, load-error reports."""
+"""Worker side of the connector: KV cache <-> pool copies, lookup serving, load-error reports.
+
+Invariants:
+- Every block a load was asked for either holds its pooled bytes when the forward pass reads it
+  or is reported to vLLM as a load error (`get_block_ids_with_load_errors`, or with the async
+  request's finish), so vLLM recomputes it: a failed, partial or timed-out load never passes as
+  KV. In layerwise mode a layer the forward pass did not wait for counts as not loaded.
+- A save reads a block only while vLLM keeps it allocated: the scheduler delays the free of a
+  request with saves in flight until `get_finished` reports them done, and a preempted request's
+  saves are drained before its blocks can be rewritten (`handle_preemptions`).
+- A block computed in a step over a block whose load failed in that step is never saved.
+- The pool is touched only through `Backend` and the copier; nothing here knows which store it is.
+"""
 
 from __future__ import annotations
 
@@ -55,6 +67,11 @@ class _LayerLoads:
 
 
 class PoolWorker:
+    """One worker process's half of the connector: its backend client, its KV layout and copier,
+    the transfer thread its saves and async loads run on, and (TP/PP rank 0) the lookup server
+    the scheduler asks. Built by `KVPoolConnector` in the worker role; unusable until
+    `register_kv_caches`."""
+
     def __init__(self, vllm_config, config: KVPoolConfig, kv_cache_config) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
