@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvpool-installed
 
-.PHONY: demo test test-fast bench setup clean
+.PHONY: demo test test-fast bench bench-quick setup clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -49,6 +49,16 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/chaos.py
 	$(BIN)/python benchmarks/scale.py
 	$(BIN)/python benchmarks/trace.py
+
+# The same benchmarks as smoke runs (each under ten minutes here), writing NAME-quick.json/.png.
+bench-quick: $(STAMP)
+	$(BIN)/python benchmarks/store.py --quick
+	$(BIN)/python benchmarks/hitpath.py --quick
+	$(BIN)/python benchmarks/ttft.py --quick
+	$(BIN)/python benchmarks/pd.py --quick
+	$(BIN)/python benchmarks/chaos.py --quick
+	$(BIN)/python benchmarks/scale.py --quick
+	$(BIN)/python benchmarks/trace.py --quick
 
 clean:
 	rm -rf $(VENV) .cache

