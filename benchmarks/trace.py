@@ -190,21 +190,7 @@ class Deployment:
                 stats, _ = client.server_stats()
             return int(stats.get("evictions", 0))
         if self.master is not None:
-            try:
-                text = httpx.get(f"http://127.0.0.1:{self.master.metrics_port}/metrics", timeout=5,
-                                 trust_env=False).text
-            except httpx.HTTPError:
-                return None
-            total = 0.0
-            found = False
-            for line in text.splitlines():
-                if line.startswith("#") or "evict" not in line.split(" ")[0]:
-                    continue
-                name = line.split("{")[0].split(" ")[0]
-                if name.endswith(("_count", "_total")) or "evicted" in name:
-                    found = True
-                    total += float(line.rsplit(" ", 1)[1])
-            return int(total) if found else None
+            return self.master.evictions()
         return None
 
     def stop(self) -> None:

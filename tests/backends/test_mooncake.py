@@ -317,3 +317,19 @@ def test_kvpool_stats_summarises_the_master(master, tmp_path):
         assert live.returncode == 0 and live.stdout.count("puts/s") == 2 and "keys" in live.stdout
     finally:
         b.close()
+
+
+def test_the_masters_eviction_count_is_what_it_evicted(master, tmp_path):
+    """`MooncakeMaster.evictions` (the benchmarks' count) reads objects, not bytes or rounds."""
+    b = create_backend(load_config({"backend": "mooncake",
+                                    "mooncake_config_path": master.write_config(tmp_path / "e.json", "16MB")}), "e")
+    try:
+        assert master.evictions() == 0
+        value = np.zeros(1 << 20, np.uint8)
+        for i in range(40):  # 40 MiB through a 16 MiB segment
+            assert b.batch_put([f"v{i}"], [[value]]) in ([ErrorCode.OK], [ErrorCode.NO_AVAILABLE_HANDLE])
+        stored = sum(b.batch_exists([f"v{i}" for i in range(40)]))
+        evicted = master.evictions()
+        assert evicted is not None and 0 < evicted <= 40 - stored
+    finally:
+        b.close()

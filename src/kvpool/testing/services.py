@@ -190,6 +190,21 @@ class MooncakeMaster(Service):
     def address(self) -> str:
         return f"{HOST}:{self.port}"
 
+    def evictions(self) -> int | None:
+        """Objects the master has evicted so far (its `master_evicted_key_count`; None when its
+        metrics page is unreachable or lacks the series)."""
+        import httpx
+
+        try:
+            text = httpx.get(f"http://{HOST}:{self.metrics_port}/metrics", timeout=5, trust_env=False).text
+        except httpx.HTTPError:
+            return None
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name == "master_evicted_key_count":
+                return int(float(value))
+        return None
+
     def write_config(self, path: str | Path, global_segment_size: int | str, local_buffer_size: int | str = "16MB",
                      **fields: object) -> str:
         """A mooncake.json in the spec's format, for a client of this master over TCP."""
