@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from kvpool.errors import ErrorCode
-from kvpool.testing.chaos import _ROGUE, _WRITER, ChaosResult, Fault, ProxyProcess, Request
+from kvpool.testing.chaos import _ROGUE, _WRITER, ChaosConfig, ChaosResult, Fault, ProxyProcess, Request, config_record
 
 OK = int(ErrorCode.OK)
 
@@ -88,3 +88,23 @@ def test_summary_splits_requests_by_fault_windows():
     assert s["ttft_during_faults"]["n"] == 1 and s["ttft_outside_faults"]["n"] == 1 and s["ttft_cold"]["n"] == 1
     assert s["hit_rate"] == 0.4 and s["final_requests_with_hits"] == 1 and s["faults_by_kind"]["kill"] == 1
     assert s["target_met"] is True
+
+
+def test_the_results_record_a_run_whose_log_holds_a_lock() -> None:
+    """benchmarks/chaos.py logs through its progress bar, whose method holds a lock: the run's
+    settings go into its results without copying the callback (a deep copy raised at the end of
+    every benchmark run)."""
+    import json
+    import threading
+
+    class Bar:
+        def __init__(self) -> None:
+            self.lock = threading.Lock()
+
+        def log(self, msg: str) -> None:
+            with self.lock:
+                pass
+
+    record = config_record(ChaosConfig(model_dir="/m", duration_s=90.0, log=Bar().log))
+    assert "log" not in record and record["duration_s"] == 90.0 and record["model_dir"] == "/m"
+    json.dumps(record)

@@ -330,6 +330,12 @@ class ChaosResult:
 # ---- the run -------------------------------------------------------------------------------------
 
 
+def config_record(cfg: ChaosConfig) -> dict[str, Any]:
+    """The run's settings for its results JSON: every field but the log callback, read as is
+    (`dataclasses.asdict` would deep-copy the callback, and a progress bar's holds a lock)."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "log"}
+
+
 class ChaosRun:
     """Reference outputs, the deployment, load with faults, a final round; see the module doc."""
 
@@ -612,7 +618,7 @@ class ChaosRun:
             if os.path.exists(self.flag):
                 os.unlink(self.flag)
             self.stop_deployment()
-        conf = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "log"}
+        conf = config_record(cfg)
         conf["prompts"] = len(self.prompts)
         return ChaosResult(conf, sorted(self.requests, key=lambda r: r.t_start), self.faults, dict(self.unavailable),
                            stats, t_load_end)
