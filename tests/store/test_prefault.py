@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import gc
+import time
+import weakref
 import errno
 import mmap
 
@@ -94,17 +97,43 @@ def test_close_waits_for_the_call_in_flight_and_is_idempotent() -> None:
     assert pf.populated == done  # nothing runs after close
 
 
+def test_a_prefaulter_never_closed_lets_its_arena_go_once_idle() -> None:
+    arena = anonymous(16 * MiB)
+    pf = Prefaulter(arena, lookahead=4 * MiB)
+    pf.note(0)
+    assert pf.wait(10)
+    deadline = time.monotonic() + 10
+    while pf._thread is not None:  # caught up: its thread ends
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    gone = weakref.ref(arena)
+    del arena, pf
+    gc.collect()
+    assert gone() is None
+
+
 def test_the_engine_maps_its_own_arena_ahead_of_its_allocations() -> None:
+    ahead = prefault.LOOKAHEAD_BYTES
     with PoolEngine(EngineConfig(memory_size=1 << 30, reap_interval_s=0)) as engine:
-        assert engine._prefault is not None
-        block = np.full(2 * MiB, 3, dtype=np.uint8)
-        assert engine.put("c", "k", [block]) == 0
-        assert engine._prefault.wait(10)
+        pf = engine._prefault
+        assert pf is not None
+        assert pf.wait(10)  # the first look-ahead, mapped as the engine starts
+        small = np.full(2 * MiB, 3, dtype=np.uint8)
+        big = np.full(ahead // 2 + 8 * MiB, 4, dtype=np.uint8)
+        assert engine.put("c", "small", [small]) == 0
+        assert pf.wait(10)
         if kernel_populates():
             mapped = resident(engine._arena)
-            ahead = (2 * MiB + prefault.LOOKAHEAD_BYTES) // PAGE
-            assert mapped[:ahead].all()  # the object and the look-ahead past it
-            assert not mapped[ahead + (4 * MiB) // PAGE :].any()  # not the whole gigabyte
-        out = np.zeros_like(block)
-        assert engine.get_into("c", "k", [out]) == 0 and (out == 3).all()
-    assert engine._prefault._closed
+            assert mapped[: ahead // PAGE].all() and not mapped[ahead // PAGE :].any()
+        # Within half a look-ahead of the mapped end: the next look-ahead past it is mapped.
+        assert engine.put("c", "big", [big]) == 0
+        assert pf.wait(10)
+        if kernel_populates():
+            mapped = resident(engine._arena)
+            past = (small.size + big.size) // PAGE + ahead // PAGE
+            assert mapped[:past].all()  # both objects and the look-ahead past them
+            assert not mapped[past + MiB // PAGE :].any()  # not the whole gigabyte
+        for key, value in (("small", small), ("big", big)):
+            out = np.zeros_like(value)
+            assert engine.get_into("c", key, [out]) == 0 and np.array_equal(out, value)
+    assert pf._closed and pf._thread is None

@@ -65,7 +65,6 @@ class Prefaulter:
         self._want = 0  # bytes [0, _want) are to be populated
         self._done = 0  # bytes [0, _done) are populated
         self._closed = False
-        self._busy = False  # a population call is in flight
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
@@ -75,18 +74,22 @@ class Prefaulter:
         return self._done
 
     def note(self, end: int) -> None:
-        """The owner is about to touch bytes below ``end``: populate up to ``end + lookahead``."""
-        want = min(self._size, end + self._lookahead)
-        if want <= self._want:  # the common case, without the lock: _want only grows
+        """The owner is about to touch bytes below ``end``: populate up to ``end + lookahead``.
+
+        The target moves only once ``end`` comes within half a look-ahead of it, so a run of
+        allocations wakes the thread once per half look-ahead of growth, not once each."""
+        if end + self._lookahead // 2 <= self._want:  # the common case, without the lock: _want only grows
             return
         with self._cond:
+            want = min(self._size, end + self._lookahead)
             if self._closed or want <= self._want:
                 return
             self._want = want
             if self._thread is None:
+                # The thread ends when it has caught up, so an idle prefaulter holds no thread, and
+                # one that is never closed does not keep its arena mapped.
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-            self._cond.notify()
 
     def wait(self, timeout: float) -> bool:
         """Until everything noted so far is populated or the prefaulter stopped (for tests)."""
@@ -94,24 +97,23 @@ class Prefaulter:
             return self._cond.wait_for(lambda: self._closed or self._done >= self._want, timeout)
 
     def close(self) -> None:
-        """Stop; returns once no population call is in flight."""
+        """Stop; returns once the thread (and so any population call) has ended."""
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
-            self._cond.wait_for(lambda: not self._busy)
-            self._arena = None
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        self._arena = None
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._closed or self._done < self._want)
-                if self._closed:
+                if self._closed or self._done >= self._want:
+                    self._thread = None
                     return
                 start, end = self._done, min(self._want, self._done + CHUNK_BYTES)
-                self._busy = True
             err = populate(self._address + start, end - start)
             with self._cond:
-                self._busy = False
                 if err:
                     # EINVAL: a kernel before 5.14; ENOMEM: the host is out of memory. Either way
                     # the pages fault in when written, as without a prefaulter.
@@ -121,5 +123,3 @@ class Prefaulter:
                 else:
                     self._done = end
                 self._cond.notify_all()
-                if self._closed:
-                    return
