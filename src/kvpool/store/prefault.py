@@ -78,7 +78,8 @@ class Prefaulter:
 
         The target moves only once ``end`` comes within half a look-ahead of it, so a run of
         allocations wakes the thread once per half look-ahead of growth, not once each."""
-        if end + self._lookahead // 2 <= self._want:  # the common case, without the lock: _want only grows
+        # The common cases, without the lock (_want only grows): far enough ahead, or all of it.
+        if end + self._lookahead // 2 <= self._want or self._want >= self._size:
             return
         with self._cond:
             want = min(self._size, end + self._lookahead)
