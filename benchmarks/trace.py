@@ -5,7 +5,9 @@
     .venv/bin/python benchmarks/trace.py --quick    # smoke run: conversation trace, 3 conversations (< 10 min)
 
 The traces are Mooncake's FAST'25 release (`../shared/traces/`, or `--trace-dir`): per request an
-arrival time, lengths, and the 512-token prefix blocks as hash ids (equal ids, equal KV).
+arrival time, lengths, and the 512-token prefix blocks as hash ids (equal ids, equal KV). A clone
+without them samples the slice a full run committed (`benchmarks/results/trace-*-slice.jsonl`),
+which holds every request the default sampling picks, so it replays the same requests.
 
 Sampling. A contiguous slice of a trace has almost no reuse (it spans an hour), so whole
 conversations are sampled across the whole trace: leading ids that more than half of the
@@ -321,8 +323,19 @@ def summarize(samples: list[dict[str, Any]], wall_s: float, bound_tokens: int, s
 
 def run_trace(trace: str, model_dir: Path, workdir: Path, args: argparse.Namespace, configs: list[str],
               out: dict[str, Any]) -> None:
-    reqs = load_trace(Path(args.trace_dir) / TRACES[trace])
+    source = Path(args.trace_dir) / TRACES[trace]
+    if not source.exists():
+        # A clone away from the traces (they are not in the repository): the slice a full run
+        # sampled and committed holds every request the sampling picks, 3 or 6 conversations
+        # alike, so sampling it again replays the same requests.
+        source = RESULTS_DIR / f"trace-{trace}-slice.jsonl"
+        log(f"{trace}: no {Path(args.trace_dir) / TRACES[trace]}; sampling the committed slice {source} instead")
+    reqs = load_trace(source)
     slice_, skipped = sample_conversations(reqs, args.conversations)
+    found = len({r["hash_ids"][skipped] for r in slice_})
+    if found < args.conversations:
+        raise SystemExit(f"{source} holds {found} conversations, fewer than --conversations {args.conversations}: "
+                         f"point --trace-dir at the full traces")
     bound_blocks = infinite_cache_hits(slice_, args.max_blocks)
     prompts = Prompts(args.block_tokens, args.suffix_tokens, SPECS[MODEL].vocab_size)
     t0 = slice_[0]["timestamp"]
@@ -341,7 +354,8 @@ def run_trace(trace: str, model_dir: Path, workdir: Path, args: argparse.Namespa
                                 "output_length": args.max_tokens, "hash_ids": r["hash_ids"][: args.max_blocks],
                                 "block_size": args.block_tokens}) + "\n")
     entry: dict[str, Any] = {
-        "sampling": {"conversations": args.conversations, "requests": len(slice_), "skipped_shared_ids": skipped,
+        "sampling": {"source": str(source), "conversations": args.conversations, "requests": len(slice_),
+                     "skipped_shared_ids": skipped,
                      "of_trace_requests": len(reqs), "trace_span_s": round(span_ms / 1000, 1),
                      "speedup": round(speedup, 1), "slice_file": str(slice_path.relative_to(REPO))},
         "prompt_tokens": prompt_tokens, "bound_tokens": bound_tokens,
