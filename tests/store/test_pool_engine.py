@@ -535,6 +535,103 @@ def test_acquire_during_pending_reput_then_abort_promotes_normally(make_engine, 
     assert engine.allocate(C, "k", 100) is ErrorCode.OBJECT_ALREADY_EXISTS
 
 
+class _GatedChecksum:
+    """Stands in for the engine's checksum: the first call for a value of ``size`` bytes blocks
+    until released, so a test can act while the engine is inside that hash."""
+
+    def __init__(self, real, size: int) -> None:
+        self.real, self.size = real, size
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def __call__(self, bufs):
+        if not self.entered.is_set() and sum(np.asarray(b).nbytes for b in bufs) == self.size:
+            self.entered.set()
+            assert self.go.wait(10), "the test never released the gate"
+        return self.real(bufs)
+
+
+def _call_meanwhile(fn):
+    """Run ``fn`` on another thread; its result, or an AssertionError if it blocks (on the lock)."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(5)
+    assert out, "blocked: the engine lock was held across a bulk copy or hash"
+    return out[0]
+
+
+def test_a_promotion_copies_and_hashes_outside_the_engine_lock(make_engine, make_disk, monkeypatch) -> None:
+    """A disk-tier object is copied into the arena and hashed unlocked, as a client's put is:
+    other clients' calls proceed meanwhile, and its pending range is the engine's alone."""
+    import kvpool.store.engine as engine_module
+
+    disk = make_disk(1 << 22)
+    disk.put("big", payload("big", 1000))
+    engine = make_engine(memory_size=4096, disk=disk, disk_write_through=False)
+    assert engine.put(C, "small", [payload("small", 64)]) is ErrorCode.OK
+    gate = _GatedChecksum(engine_module.checksum, 1000)
+    monkeypatch.setattr(engine_module, "checksum", gate)
+    got: list = []
+    promoter = threading.Thread(target=lambda: got.append(engine.acquire("reader", "big")))
+    promoter.start()
+    assert gate.entered.wait(5)
+    try:
+        assert _call_meanwhile(lambda: engine.exists(["small", "big"])) == [True, True]
+        assert isinstance(_call_meanwhile(lambda: engine.acquire(C, "small")), Lease)
+        (handle,) = engine._debug_snapshot()["pending"]
+        # Its range cannot be freed or published by anyone else while the copy writes it.
+        assert engine.abort(handle) is ErrorCode.OBJECT_NOT_FOUND
+        assert engine.batch_abort([handle]) == [ErrorCode.OBJECT_NOT_FOUND]
+        assert engine.commit(handle) is ErrorCode.OBJECT_NOT_FOUND
+        assert engine.reap(now=1e9).allocations == 0  # past put_timeout_s and client_ttl_s
+        assert list(engine._debug_snapshot()["pending"]) == [handle]
+        assert engine.allocate(C, "big", 1000) is ErrorCode.OBJECT_ALREADY_EXISTS
+        second = _call_meanwhile(lambda: engine.acquire(C, "big"))  # served the verified disk bytes
+        assert isinstance(second, Lease) and second.offset == -1
+        assert np.array_equal(np.frombuffer(second.data, np.uint8), payload("big", 1000))
+    finally:
+        gate.go.set()
+        promoter.join(10)
+    lease = got[0]
+    assert isinstance(lease, Lease) and lease.offset >= 0 and lease.data is None
+    assert np.array_equal(engine.arena[lease.offset : lease.offset + 1000], payload("big", 1000))
+    assert engine.validate(lease) is ErrorCode.OK
+    assert engine.stats()["promotions"] == 1 and not engine._debug_snapshot()["pending"]
+    engine._debug_check_evictable()
+
+
+def test_a_reported_object_is_hashed_outside_the_engine_lock(make_engine, monkeypatch) -> None:
+    import kvpool.store.engine as engine_module
+    from kvpool.store.buffers import checksum
+
+    engine = make_engine(memory_size=4096)
+    arena = np.frombuffer(engine.arena, dtype=np.uint8)
+    a = engine.allocate(C, "bad", 512)
+    arena[a.offset : a.offset + 512] = payload("bad", 512)
+    assert engine.commit(a.handle, checksum([payload("bad", 512)])) is ErrorCode.OK
+    assert engine.put(C, "other", [payload("other", 64)]) is ErrorCode.OK
+    bad = engine.acquire(C, "bad")
+    arena[bad.offset] ^= 0xFF
+    engine.release(bad)  # as the server does before it checks a report
+    gate = _GatedChecksum(engine_module.checksum, 512)
+    monkeypatch.setattr(engine_module, "checksum", gate)
+    got: list = []
+    checker = threading.Thread(target=lambda: got.append(engine.check_reported(bad)))
+    checker.start()
+    assert gate.entered.wait(5)
+    try:
+        assert _call_meanwhile(lambda: engine.exists(["other", "bad"])) == [True, True]
+        # Pinned while hashed: room for a put is not made by evicting it (unpinned, it would be).
+        assert _call_meanwhile(lambda: engine.put(C, "fill", [payload("fill", 4032)])) is not ErrorCode.OK
+        assert "bad" in in_memory(engine)
+    finally:
+        gate.go.set()
+        checker.join(10)
+    assert got == [True] and engine.exists(["bad"]) == [False]
+    assert engine.stats()["corrupt_objects"] == 1
+    engine._debug_check_evictable()
+
+
 def test_a_reported_corruption_drops_only_a_damaged_object(make_engine) -> None:
     from kvpool.store.buffers import checksum
 

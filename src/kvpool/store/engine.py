@@ -32,10 +32,13 @@ Lease bookkeeping is O(log n) per lease: an expiry heap prunes expired leases,
 and per-client and per-(owner, object) indexes make dropping a client's leases
 and checking its quota independent of how many leases other clients hold.
 
-Concurrency: one ``threading.Lock`` guards all metadata. Bulk byte copies and
-disk I/O happen outside it; leases/pins/pending allocations are what keep the
-copied ranges stable meanwhile. Lock order is engine lock -> disk tier lock; the
-disk tier never calls back into the engine.
+Concurrency: one ``threading.Lock`` guards all metadata. Bulk byte copies, hashes
+and disk I/O happen outside it; leases/pins/pending allocations are what keep the
+copied ranges stable meanwhile (a promotion from disk is a pending allocation only
+the engine itself can finish). The one exception is evicting an object that is not
+on disk yet: its bytes are copied to the spill buffer before its range is freed
+for the allocation that needed the room. Lock order is engine lock -> disk tier
+lock; the disk tier never calls back into the engine.
 """
 
 from __future__ import annotations
@@ -358,6 +361,9 @@ class _Pending:
     generation: int
     charge: int = 0  # bytes counted against its owner's share (0 for internal promotions)
     owner: str = ""
+    # The engine's own copy of a disk-tier object into the arena, running unlocked in this
+    # process: no abort or timeout may free its range while that copy is still writing it.
+    promotion: bool = False
 
 
 @dataclass(slots=True)
@@ -585,7 +591,7 @@ class PoolEngine:
         codes: list[ErrorCode] = []
         with self._lock:
             for handle in handles:
-                pending = self._pending.get(handle)
+                pending = self._callers_pending_locked(handle)
                 if pending is None:
                     codes.append(ErrorCode.OBJECT_NOT_FOUND)
                 else:
@@ -607,7 +613,7 @@ class PoolEngine:
             return self._commit_handle_locked(handle, checksum, now)
 
     def _commit_handle_locked(self, handle: int, checksum: int | None, now: float) -> ErrorCode:
-        pending = self._pending.get(handle)
+        pending = self._callers_pending_locked(handle)
         if pending is None:
             logger.warning(
                 "commit(handle=%r): unknown handle (already committed/aborted, or reclaimed "
@@ -622,12 +628,13 @@ class PoolEngine:
 
     def abort(self, handle: int) -> ErrorCode:
         """Give back an allocation without publishing it (OBJECT_NOT_FOUND if the handle is unknown)."""
-        with self._lock:
-            pending = self._pending.get(handle)
-            if pending is None:
-                return ErrorCode.OBJECT_NOT_FOUND
-            self._reclaim_locked(pending)
-            return ErrorCode.OK
+        return self.batch_abort([handle])[0]
+
+    def _callers_pending_locked(self, handle: int) -> _Pending | None:
+        """The pending allocation behind a caller's handle; None for an unknown handle and for
+        the engine's own promotions (handles are sequential, so one can be guessed)."""
+        pending = self._pending.get(handle)
+        return None if pending is None or pending.promotion else pending
 
     # ---- reads ------------------------------------------------------------------
 
@@ -728,12 +735,28 @@ class PoolEngine:
             obj = self._objects.get(lease.key)
             if obj is None or obj.generation != lease.generation or obj.checksum is None or obj.pins:
                 return False
-            if checksum([self._arena[obj.offset : obj.offset + obj.size]]) == obj.checksum:
-                return False
-            self._stats["corrupt_objects"] += 1
-            # Its readers' leases end with it: their copies fail validation, never pass as good.
-            self._drop_locked(obj)
-            return True
+            # Hashed unlocked, pinned so that it stays where it is: a report may name a block of
+            # tens of MiB, and a client could send one after every read.
+            obj.pins += 1
+            self._sync_held_locked(obj)
+        intact = True  # if hashing fails, the object stays
+        try:
+            intact = checksum([self._arena[obj.offset : obj.offset + obj.size]]) == obj.checksum
+        finally:
+            with self._lock:
+                obj.pins -= 1
+                # Someone else may have leased, pinned or removed it meanwhile: then it stays
+                # (or is gone) as it would have been had the check run first.
+                drop = not intact and not obj.pins and self._objects.get(obj.key) is obj
+                if drop:
+                    self._stats["corrupt_objects"] += 1
+                    # Its readers' leases end with it: their copies fail validation, never pass as good.
+                    self._drop_locked(obj)
+                elif not obj.pins:
+                    self._sync_held_locked(obj)
+                if not obj.pins:
+                    self._unpinned.notify_all()
+        return drop
 
     def release(self, lease: Lease) -> None:
         """End a read lease early so the object becomes evictable again. Idempotent."""
@@ -1068,7 +1091,8 @@ class PoolEngine:
             for pending in self._pending.values():
                 if now - pending.created_at <= cfg.put_timeout_s:
                     break
-                victims[pending.handle] = (pending, True)
+                if not pending.promotion:
+                    victims[pending.handle] = (pending, True)
             for client in dead:
                 for handle, pending in self._pending_by_client.get(client, {}).items():
                     victims.setdefault(handle, (pending, False))
@@ -1582,7 +1606,13 @@ class PoolEngine:
         return obj
 
     def _promote(self, client_id: str, key: str, data: bytes) -> Lease | ErrorCode:
-        """Lease ``data`` found below memory, copying it into the arena when it fits (call unlocked)."""
+        """Lease ``data`` found below memory, copying it into the arena when it fits (call unlocked).
+
+        The copy and its hash run outside the engine lock, as a client's put does: the range is
+        a pending allocation, invisible to readers and marked ``promotion`` so that neither an
+        abort nor the put timeout frees it while the copy writes it. Under the lock, a block of
+        tens of MiB would stall every other client's calls for the milliseconds it takes.
+        """
         now = self._clock()
         spills: list[tuple[str, bytes]] = []
         with self._lock:
@@ -1595,27 +1625,34 @@ class PoolEngine:
                 return lease
             self._stats["disk_hits"] += 1
             if key in self._pending_keys:
-                # A disk-only key may be re-put, and that put is in flight. Promoting
-                # now would give the key a second arena copy: the pending commit would
-                # then replace the leased promoted object (new generation under the
-                # reader) or have to be dropped. Serve the verified disk bytes instead;
-                # the commit later publishes the same immutable bytes.
+                # A disk-only key may be re-put (or promoted by another reader), and that is in
+                # flight. Promoting now would give the key a second arena copy: the pending
+                # commit would then replace the leased promoted object (new generation under
+                # the reader) or have to be dropped. Serve the verified disk bytes instead; the
+                # commit later publishes the same immutable bytes.
                 return Lease(key, -1, len(data), 0, now + self._ttl_s, 0, data)
             result, spills = self._allocate_locked("", key, len(data), now)
-            if isinstance(result, Allocation):
-                # Copied under the lock: the range is not published yet, and a
-                # promotion must not be reclaimed or raced by a second promoter.
-                self._arena[result.offset : result.offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
-                self._commit_locked(self._pending[result.handle]).checksum = checksum([data])
+            pending = self._pending[result.handle] if isinstance(result, Allocation) else None
+            if pending is not None:
+                pending.promotion = True
+        lease = Lease(key, -1, len(data), 0, now + self._ttl_s, 0, data)
+        if pending is not None:
+            try:
+                self._arena[pending.offset : pending.offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                digest = checksum([data])
+            except BaseException:
+                with self._lock:
+                    self._reclaim_locked(pending)
+                raise
+            now = self._clock()
+            with self._lock:
+                self._commit_locked(pending).checksum = digest
                 self._stats["promotions"] += 1
                 promoted = self._lease_locked(client_id, key, now)
                 # Over its quota, the reader still gets the verified bytes, just not an arena lease.
-                lease = promoted if isinstance(promoted, Lease) else Lease(
-                    key, -1, len(data), 0, now + self._ttl_s, 0, data)
-            else:
-                lease = Lease(key, -1, len(data), 0, now + self._ttl_s, 0, data)
+                if isinstance(promoted, Lease):
+                    lease = promoted
         self._write_spills(spills)
-        assert lease is not None
         return lease
 
     def _write_spills(self, spills: list[tuple[str, bytes]]) -> None:
