@@ -632,6 +632,54 @@ def test_a_reported_object_is_hashed_outside_the_engine_lock(make_engine, monkey
     engine._debug_check_evictable()
 
 
+def test_a_spilled_copy_overwritten_before_eviction_is_neither_read_nor_written(
+    make_engine, ssd_dir, clock
+) -> None:
+    """Evicted objects not on disk yet are copied out under the lock and hashed after: a copy
+    that no longer matches its writer's checksum is dropped by whichever check meets it first
+    (a reader's, here, while the disk writer is busy with the object evicted before it)."""
+    from kvpool.store.buffers import checksum
+
+    class SlowDisk(DiskTier):
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            self.entered, self.go = threading.Event(), threading.Event()
+
+        def put(self, key, data):
+            if key == "good":
+                self.entered.set()
+                assert self.go.wait(10)
+            return super().put(key, data)
+
+    disk = SlowDisk(ssd_dir, 1 << 20, "none")
+    engine = make_engine(memory_size=4096, disk=disk, disk_write_through=False)
+    arena = np.frombuffer(engine.arena, dtype=np.uint8)
+    for k in ("good", "bad"):  # "good" is the older: evicted, and written, first
+        a = engine.allocate(C, k, 256)
+        arena[a.offset : a.offset + 256] = payload(k, 256)
+        assert engine.commit(a.handle, checksum([payload(k, 256)])) is ErrorCode.OK
+    lease = engine.acquire(C, "bad")
+    arena[lease.offset + 7] ^= 0xFF  # a rogue client's write into the shared arena
+    engine.release(lease)
+    filler = threading.Thread(target=lambda: engine.put(C, "fill", [payload("fill", 4032)]))
+    filler.start()
+    assert disk.entered.wait(5)
+    try:
+        assert engine.stats()["spilling"] == 2 and not in_memory(engine)  # both evicted for "fill"
+        assert engine.acquire(C, "bad") is ErrorCode.OBJECT_NOT_FOUND  # checked, dropped, a miss
+        assert engine.stats()["corrupt_objects"] == 1 and engine.stats()["spilling"] == 1
+    finally:
+        disk.go.set()
+        filler.join(10)
+    assert engine.stats()["corrupt_objects"] == 1  # counted once: the writer found it gone
+    assert disk.contains("good") and not disk.contains("bad")
+    assert engine.stats()["spilling"] == 0
+    got = engine.acquire(C, "good")
+    assert isinstance(got, Lease)
+    data = got.data if got.data is not None else engine.arena[got.offset : got.offset + 256]
+    assert np.array_equal(np.frombuffer(data, np.uint8), payload("good", 256))
+
+
 def test_a_reported_corruption_drops_only_a_damaged_object(make_engine) -> None:
     from kvpool.store.buffers import checksum
 

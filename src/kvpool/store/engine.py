@@ -37,7 +37,7 @@ and disk I/O happen outside it; leases/pins/pending allocations are what keep th
 copied ranges stable meanwhile (a promotion from disk is a pending allocation only
 the engine itself can finish). The one exception is evicting an object that is not
 on disk yet: its bytes are copied to the spill buffer before its range is freed
-for the allocation that needed the room. Lock order is engine lock -> disk tier
+for the allocation that needed the room (their hash is checked after). Lock order is engine lock -> disk tier
 lock; the disk tier never calls back into the engine.
 """
 
@@ -350,6 +350,15 @@ class ObjectView:
     checksum: int | None
 
 
+class _Spilled(NamedTuple):
+    """An evicted object's bytes on their way to the disk tier, with the checksum its writer
+    gave (None: none). The copy is made under the engine lock, before the range is reused; the
+    hash is checked outside it (``_spilled_intact``), before the bytes are written or read."""
+
+    data: bytes
+    checksum: int | None
+
+
 @dataclass(slots=True)
 class _Pending:
     handle: int
@@ -475,7 +484,7 @@ class PoolEngine:
         self._pending_by_client: dict[str, dict[int, _Pending]] = {}
         self._pending_keys: dict[str, int] = {}
         # Evicted objects on their way to disk; readers are served from here meanwhile.
-        self._spill: dict[str, bytes] = {}
+        self._spill: dict[str, _Spilled] = {}
         self._clients: dict[str, float] = {}
         self._handles = itertools.count(1)
         self._generations = itertools.count(1)
@@ -558,7 +567,7 @@ class PoolEngine:
         if len(keys) != len(sizes):
             return [ErrorCode.INVALID_PARAMS] * len(keys)
         out: list[Allocation | ErrorCode] = []
-        spills: list[tuple[str, bytes]] = []
+        spills: list[tuple[str, _Spilled]] = []
         now = self._clock()
         with self._lock:
             self._touch_client(client_id, now)
@@ -662,7 +671,8 @@ class PoolEngine:
             if lease is not None:
                 self._stats["hits"] += 1
                 return lease
-            data = self._spill.get(key)
+            spilled = self._spill.get(key)
+        data = spilled.data if spilled is not None and self._spilled_intact(key, spilled) else None
         if data is None:
             if self._disk is None:
                 with self._lock:
@@ -1496,7 +1506,7 @@ class PoolEngine:
 
     def _allocate_locked(
         self, client_id: str, key: str, size: int, now: float
-    ) -> tuple[Allocation | ErrorCode, list[tuple[str, bytes]]]:
+    ) -> tuple[Allocation | ErrorCode, list[tuple[str, _Spilled]]]:
         if key in self._objects or key in self._pending_keys:
             return ErrorCode.OBJECT_ALREADY_EXISTS, []
         total = size + self._meta_charge(key)
@@ -1534,7 +1544,7 @@ class PoolEngine:
         self._pending_by_client.setdefault(client_id, {})[pending.handle] = pending
         return Allocation(pending.handle, key, offset, size), spills
 
-    def _make_room_locked(self, size: int, now: float) -> list[tuple[str, bytes]]:
+    def _make_room_locked(self, size: int, now: float) -> list[tuple[str, _Spilled]]:
         """Evict LRU objects so ``size`` fits; return spills to write to disk after unlocking.
 
         Past the high watermark, evict eviction_ratio of the objects (at least one)
@@ -1554,7 +1564,7 @@ class PoolEngine:
         if self._alloc.used - self._evictable_bytes + need > self._alloc.capacity:
             return []
         target = max(1, math.ceil(self.config.eviction_ratio * len(self._objects))) if over else 0
-        spills: list[tuple[str, bytes]] = []
+        spills: list[tuple[str, _Spilled]] = []
         ring = self._evictable
         evicted = 0
         while ring.next is not ring:
@@ -1570,7 +1580,7 @@ class PoolEngine:
             evicted += 1
         return spills
 
-    def _drop_locked(self, obj: _Object, spill: bool = False) -> tuple[str, bytes] | None:
+    def _drop_locked(self, obj: _Object, spill: bool = False) -> tuple[str, _Spilled] | None:
         """Remove ``obj`` from memory; when spilling and it is not on disk yet, keep a copy for the disk."""
         del self._objects[obj.key]  # first: dropping its leases below must not re-list it
         self._unlink_locked(obj)
@@ -1578,13 +1588,9 @@ class PoolEngine:
             self._drop_lease_locked(lease_id)
         out = None
         if spill and self._disk is not None and not obj.on_disk:
-            data = self._arena[obj.offset : obj.offset + obj.size].tobytes()
-            if obj.checksum is not None and checksum([data]) != obj.checksum:
-                self._stats["corrupt_objects"] += 1  # overwritten in the arena: not worth keeping
-                self._alloc.free(obj.offset, obj.size + self._meta_charge(obj.key))
-                return None
-            self._spill[obj.key] = data
-            out = (obj.key, data)
+            entry = _Spilled(self._arena[obj.offset : obj.offset + obj.size].tobytes(), obj.checksum)
+            self._spill[obj.key] = entry
+            out = (obj.key, entry)
         self._alloc.free(obj.offset, obj.size + self._meta_charge(obj.key))
         return out
 
@@ -1614,7 +1620,7 @@ class PoolEngine:
         tens of MiB would stall every other client's calls for the milliseconds it takes.
         """
         now = self._clock()
-        spills: list[tuple[str, bytes]] = []
+        spills: list[tuple[str, _Spilled]] = []
         with self._lock:
             self._prune_locked(now)
             lease = self._lease_locked(client_id, key, now)  # another reader may have promoted it
@@ -1655,19 +1661,33 @@ class PoolEngine:
         self._write_spills(spills)
         return lease
 
-    def _write_spills(self, spills: list[tuple[str, bytes]]) -> None:
+    def _write_spills(self, spills: list[tuple[str, _Spilled]]) -> None:
         """Write evicted objects to the disk tier (call unlocked: this is disk I/O)."""
         if not spills or self._disk is None:
             return
-        for key, data in spills:
-            rc = self._disk.put(key, data)
+        for key, entry in spills:
+            if not self._spilled_intact(key, entry):
+                continue
+            rc = self._disk.put(key, entry.data)
             with self._lock:
                 if rc is not ErrorCode.OK:
                     self._stats["disk_write_errors"] += 1
                     logger.warning("evicted key=%r could not be written to the disk tier (%s); it is lost",
                                    key, rc.name)
-                if self._spill.get(key) is data:
+                if self._spill.get(key) is entry:
                     del self._spill[key]
+
+    def _spilled_intact(self, key: str, entry: _Spilled) -> bool:
+        """Whether a spilled copy matches its writer's checksum (call unlocked). One that does
+        not was overwritten in the shared arena before its eviction: it is dropped, counted in
+        ``corrupt_objects`` once (by whichever check takes it out), and never written or read."""
+        if entry.checksum is None or checksum([entry.data]) == entry.checksum:
+            return True
+        with self._lock:
+            if self._spill.get(key) is entry:
+                del self._spill[key]
+                self._stats["corrupt_objects"] += 1
+        return False
 
     def _persist(self, key: str) -> None:
         """Write one committed object to disk while pinned (call unlocked)."""
