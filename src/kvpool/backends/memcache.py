@@ -52,6 +52,9 @@ NO_NPU_DRIVER = (
 
 @dataclasses.dataclass(frozen=True)
 class MemcacheConfig:
+    """MemCache's client config file (`MMC_LOCAL_CONFIG_PATH`), parsed: the fields kvpool reads,
+    and every `key = value` entry as written (`entries`)."""
+
     path: str
     meta_service_url: str
     config_store_url: str

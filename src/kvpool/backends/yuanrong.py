@@ -67,6 +67,10 @@ _MAX_BATCH = 1000  # mcreate/mset_buffer take < 2000 keys, exist <= 10000
 
 @dataclasses.dataclass(frozen=True)
 class YuanrongConfig:
+    """The datasystem client's settings (`load_yuanrong_config`): the spec's `YR_CONFIG_PATH` JSON
+    (`path`; None without one) with the `DS_*` environment over it; timeouts in milliseconds, as
+    the SDK takes them."""
+
     path: str | None
     worker_addr: str
     connect_timeout_ms: int = 9000

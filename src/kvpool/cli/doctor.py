@@ -38,6 +38,8 @@ TB = 1 << 40
 
 @dataclasses.dataclass
 class Finding:
+    """One check's outcome: what was found and, for an error or warning, how to fix it."""
+
     level: str  # "error" | "warning" | "ok"
     what: str
     fix: str = ""

@@ -65,12 +65,16 @@ def kvpool_transfer_config(lookup_rpc_port: str, backend: str, server_socket: st
 
 @dataclasses.dataclass(frozen=True)
 class DemoRequest:
+    """One of the demo's prompts, sent in every round."""
+
     name: str
     prompt: str
 
 
 @dataclasses.dataclass(frozen=True)
 class Row:
+    """One request of one round on one instance, beside vLLM's own prefix-cache answer to it."""
+
     request: str
     round: int
     instance: str

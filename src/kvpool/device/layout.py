@@ -56,6 +56,9 @@ def _as_words(t: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass
 class LayerView:
+    """One layer's KV cache as `KVLayout` addresses it: its blocks as integer words (any device)
+    and, for a cache in host memory, byte views of each block's contiguous runs."""
+
     name: str
     blocks: torch.Tensor  # integer words, block dimension first, on the cache's device
     segments: list[np.ndarray]  # host caches only: each [num_blocks, segment_bytes], uint8 views

@@ -75,6 +75,9 @@ class ForwardAuth(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class ProxyConfig:
+    """Everything `kvpool proxy` runs with: where it listens, its instances (PD pairs, or
+    PD-mixed ones and their routing policy), and its retry, timeout and health settings."""
+
     host: str = "127.0.0.1"
     port: int = 8000
     prefillers: tuple[Endpoint, ...] = ()

@@ -311,6 +311,9 @@ class UpstreamStream(Response):
 # ---------------------------------------------------------------------------- forwarding
 
 class Forwarder:
+    """Sends each client request on (module docstring): to a prefill then a decode instance, or
+    once to the PD-mixed instance the router picks, retrying on other instances as allowed."""
+
     def __init__(self, registry: Registry, client: httpx.AsyncClient, config: ProxyConfig,
                  router: MixedRouter | None = None) -> None:
         self.registry = registry

@@ -25,6 +25,9 @@ logger = logging.getLogger("kvpool.proxy")
 
 
 class HealthChecker:
+    """Probes every registered instance each `interval` and marks it in or out of rotation
+    (module docstring: refusals at once, timeouts after `timeouts_allowed` in a row)."""
+
     def __init__(self, registry: Registry, client: httpx.AsyncClient, interval: float, timeout: float,
                  timeouts_allowed: int = 1) -> None:
         self.registry = registry

@@ -34,6 +34,8 @@ logger = logging.getLogger("kvpool.proxy")
 
 
 class Role(str, enum.Enum):
+    """What an instance serves: the prefill or the decode of a PD pair, or whole requests."""
+
     PREFILL = "prefill"
     DECODE = "decode"
     MIXED = "mixed"  # a PD-mixed (kv_both) instance: serves the whole request
@@ -51,6 +53,8 @@ class Role(str, enum.Enum):
 
 @dataclasses.dataclass(eq=False)
 class Instance:
+    """One vLLM instance behind the proxy: its health, its load, and what was sent to it."""
+
     role: Role
     endpoint: Endpoint
     healthy: bool = True

@@ -61,6 +61,9 @@ class Routed:
 
 
 class MixedRouter:
+    """Picks the PD-mixed instance for each request with the configured policy and counts each
+    decision and its outcome (module docstring)."""
+
     def __init__(self, registry: Registry, config: ProxyConfig) -> None:
         self.config = config
         self.router = Router(config.routing_policy, capacity_blocks=config.routing_capacity_blocks,

@@ -252,6 +252,8 @@ def request_row(r: Request) -> list[Any]:
 
 @dataclasses.dataclass
 class Fault:
+    """One fault the chaos run injected: its kind and when it was in force."""
+
     kind: str
     t_start: float
     t_end: float
@@ -265,6 +267,8 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 @dataclasses.dataclass
 class ChaosResult:
+    """A chaos run's record: every request's outcome, the faults injected, and the pool's counters."""
+
     config: dict[str, Any]
     requests: list[Request]
     faults: list[Fault]

@@ -22,7 +22,7 @@ _LIVE: list["Service"] = []
 
 
 class ServiceError(RuntimeError):
-    pass
+    """A service a test or benchmark needs could not be found, started or reached; the message says how to fix it."""
 
 
 def which(binary: str, install: str) -> str:

@@ -5,7 +5,7 @@ vLLM builds the connector twice, once per role; each instance creates only its o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -18,9 +18,31 @@ from kvpool.config import load_config
 from kvpool.vllm.metadata import KVPoolMetadata
 from kvpool.vllm.stats import KVPoolStats
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from kvpool.vllm.prom import KVPoolPromMetrics
+
 
 class KVPoolConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+    """vLLM's v1 KV connector for a kvpool pool (``kv_connector: KVPoolConnector`` or, as the
+    spec names it, ``AscendStoreConnector``).
+
+    Every call is forwarded to the half its role owns: ``PoolScheduler`` (lookups and each
+    step's load and save plans, no KV bytes) in the scheduler process, ``PoolWorker`` (the
+    copies between vLLM's KV cache and the store) in each worker. The worker's per-step calls
+    act on the ``KVPoolMetadata`` vLLM bound for that step, and do nothing without one.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         self.config = load_config(ktc.kv_connector_extra_config, ktc.kv_role)
@@ -49,7 +71,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         return meta if isinstance(meta, KVPoolMetadata) else None
 
-    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if (meta := self._meta()) is not None:
             self._worker.start_load_kv(meta)
 
@@ -58,7 +80,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         # start_load_kv (sync) or before the request is scheduled (async).
         self._worker.wait_for_layer_load(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
         # Layerwise: the layer leaves now; otherwise whole blocks leave in wait_for_save.
         if (meta := self._meta()) is not None:
             self._worker.save_kv_layer(layer_name, meta)
@@ -87,8 +110,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         return KVPoolStats.from_data(data)
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]):
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVPoolPromMetrics:
         from kvpool.vllm.prom import KVPoolPromMetrics
 
         return KVPoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -101,19 +124,19 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     # ---- scheduler side ----
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler.build_connector_meta(scheduler_output)
 
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
 
-    def update_connector_output(self, connector_output) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._scheduler.update_connector_output(connector_output)
 
     def has_pending_block_frees(self) -> bool:

@@ -23,6 +23,10 @@ class BlockTask:
 
 @dataclasses.dataclass
 class KVPoolMetadata(KVConnectorMetadata):
+    """One step's plan, built by the scheduler and bound in every worker: the blocks to load
+    before the forward pass, the blocks to save after it, and which requests' blocks vLLM must
+    not reuse until their IO is reported done."""
+
     loads: list[BlockTask] = dataclasses.field(default_factory=list)
     saves: list[BlockTask] = dataclasses.field(default_factory=list)
     # Finished requests whose blocks vLLM keeps until this worker reports their IO done.

@@ -44,6 +44,10 @@ NOT_COUNTED = ("load_time_s", "save_time_s")
 
 
 class KVPoolPromMetrics(KVConnectorPromMetrics):
+    """The connector's Prometheus metrics on vLLM's own `/metrics`, one set per engine, made
+    from `kvpool.metrics.catalog.CONNECTOR` and fed the `KVPoolStats` data vLLM gathers from
+    the workers and the scheduler."""
+
     def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)

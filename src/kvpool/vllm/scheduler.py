@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from typing import TYPE_CHECKING, Any
 
 from kvpool.config import KVPoolConfig
 from kvpool.errors import ConfigError
@@ -23,6 +24,14 @@ from kvpool.tracefile import BlockHashLog
 from kvpool.vllm.lookup import LookupClient
 from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
 from kvpool.vllm.stats import KVPoolStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +46,7 @@ class _LoadPlan:
 
 @dataclasses.dataclass
 class _RequestState:
-    request: object  # vllm.v1.request.Request; its block_hashes grow as tokens are added
+    request: Request  # its block_hashes grow as tokens are added
     block_ids: list[int] = dataclasses.field(default_factory=list)
     saved_upto: int = 0  # blocks [0, saved_upto) are pooled or queued for saving
     has_io: bool = False
@@ -63,7 +72,7 @@ class PoolScheduler:
     of a prompt the pool holds, and turns vLLM's allocations into each step's loads and saves
     (`KVPoolMetadata`). It never touches KV bytes or the store."""
 
-    def __init__(self, vllm_config, config: KVPoolConfig, kv_cache_config) -> None:
+    def __init__(self, vllm_config: VllmConfig, config: KVPoolConfig, kv_cache_config: KVCacheConfig) -> None:
         self.config = config
         self.block_size = vllm_config.cache_config.block_size
         groups = kv_cache_config.kv_cache_groups
@@ -88,7 +97,7 @@ class PoolScheduler:
         self._step_has_sync_loads = False
         self._stats = KVPoolStats()
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         # Blocks vLLM's own prefix cache supplies were computed here earlier (and saved then) or
         # loaded from the pool: offering them to the pool again on every turn of a conversation
         # would only cost put-if-absent round trips. The last call before allocation counts.
@@ -107,7 +116,7 @@ class PoolScheduler:
         self._plans[request.request_id] = _LoadPlan(start, hit_blocks)
         return hit_tokens - num_computed_tokens, self.config.load_async
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self._requests.setdefault(request.request_id, _RequestState(request))
         local_blocks = self._local_blocks.pop(request.request_id, 0)
         state.saved_upto = max(state.saved_upto, local_blocks)
@@ -133,7 +142,7 @@ class PoolScheduler:
         state.saved_upto = max(state.saved_upto, end)
         state.has_io = True
 
-    def build_connector_meta(self, scheduler_output) -> KVPoolMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPoolMetadata:
         meta = KVPoolMetadata(loads=self._pending_loads, finished_with_io=self._finished_with_io,
                               preempted=sorted(scheduler_output.preempted_req_ids or ()))
         self._pending_loads, self._finished_with_io = [], []
@@ -176,7 +185,7 @@ class PoolScheduler:
         state.saved_upto = end
         state.has_io = True
 
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         if self._hash_log is not None:
             self._hash_log.record(request.arrival_time, request.num_prompt_tokens, request.num_output_tokens,
@@ -190,7 +199,7 @@ class PoolScheduler:
         self._awaiting_free.add(req_id)
         return True, None
 
-    def update_connector_output(self, connector_output) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         for req_id in connector_output.finished_sending or ():
             self._awaiting_free.discard(req_id)
         failed = connector_output.invalid_block_ids

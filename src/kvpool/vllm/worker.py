@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +34,10 @@ from kvpool.vllm.lookup import LookupServer
 from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
 from kvpool.vllm.stats import KVPoolStats
 from kvpool.vllm.transfer import LOAD, SAVE, TransferThread
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +77,7 @@ class PoolWorker:
     the scheduler asks. Built by `KVPoolConnector` in the worker role; unusable until
     `register_kv_caches`."""
 
-    def __init__(self, vllm_config, config: KVPoolConfig, kv_cache_config) -> None:
+    def __init__(self, vllm_config: VllmConfig, config: KVPoolConfig, kv_cache_config: KVCacheConfig) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
         self.config = config
