@@ -365,6 +365,50 @@ def test_concurrent_puts_and_gets_stay_consistent(clock) -> None:
     assert engine.stats()["memory_used"] <= engine.capacity
 
 
+def test_concurrent_reads_promoting_from_disk_stay_exact(make_disk, clock) -> None:
+    """Readers that promote from the SSD tier (copying unlocked) beside writers whose puts evict
+    and spill: every read returns its key's bytes, and the engine's books balance after."""
+    disk = make_disk(1 << 24)
+    engine = PoolEngine(EngineConfig(memory_size=16 * 1024, reap_interval_s=0, disk=disk,
+                                     disk_write_through=False))
+    keys = [f"k{i}" for i in range(60)]  # 60 x 700 B: several times the memory tier
+    for key in keys:
+        assert engine.put("w", key, [payload(key, 700)]) is ErrorCode.OK
+    errors: list[str] = []
+
+    def reader(t: int) -> None:
+        rng = np.random.default_rng(t)
+        for _ in range(60):
+            batch = [keys[i] for i in rng.choice(len(keys), 6, replace=False)]
+            outs = [np.zeros(700, np.uint8) for _ in batch]
+            for key, out, rc in zip(batch, outs, engine.batch_get_into(f"r{t}", batch, [[o] for o in outs])):
+                if rc is not ErrorCode.OK:
+                    errors.append(f"{key}: {rc!r}")
+                elif not np.array_equal(out, payload(key, 700)):
+                    errors.append(f"{key}: wrong bytes")
+
+    def writer() -> None:
+        for i in range(120):  # fresh keys: each put evicts, and the evicted spill to disk
+            key = f"n{i}"
+            if engine.put("w", key, [payload(key, 700)]) is not ErrorCode.OK:
+                errors.append(f"put {key}")
+
+    threads = [threading.Thread(target=reader, args=(t,)) for t in range(3)] + [threading.Thread(target=writer)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    assert engine.stats()["promotions"] > 0
+    snap = engine._debug_snapshot()
+    assert not snap["pending"] and snap["used"] == sum(engine.reserved_size(o.size) for o in snap["objects"].values())
+    engine._debug_check_evictable()
+    engine.close()
+    for key in keys:
+        out = np.zeros(700, np.uint8)
+        assert engine.get_into(C, key, [out]) is ErrorCode.OK and np.array_equal(out, payload(key, 700)), key
+
+
 # ---- SSD tier -------------------------------------------------------------------
 
 

@@ -37,8 +37,9 @@ and disk I/O happen outside it; leases/pins/pending allocations are what keep th
 copied ranges stable meanwhile (a promotion from disk is a pending allocation only
 the engine itself can finish). The one exception is evicting an object that is not
 on disk yet: its bytes are copied to the spill buffer before its range is freed
-for the allocation that needed the room (their hash is checked after). Lock order is engine lock -> disk tier
-lock; the disk tier never calls back into the engine.
+for the allocation that needed the room (their hash is checked after, unlocked).
+Lock order is engine lock -> disk tier lock; the disk tier never calls back into
+the engine.
 """
 
 from __future__ import annotations
