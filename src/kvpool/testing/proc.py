@@ -69,6 +69,25 @@ def expect(cond: Callable[[], bool], what: str, timeout: float = 5.0, interval: 
         raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def exited(pid: int) -> bool:
+    """Whether `pid` has exited: gone, or a zombie its parent has not reaped yet (a daemon
+    whose parent exited is reaped by init, possibly later)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat[stat.rindex(")") + 2] in "ZX"  # the state field follows the parenthesized name
+
+
+def sigkill(pid: int, timeout: float = 10.0) -> bool:
+    """SIGKILL `pid` (not necessarily our child) and wait until it has exited; whether it did."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return True
+    return wait_for(lambda: exited(pid), timeout)
+
+
 def sigstop(pid: int, timeout: float = 5.0) -> None:
     """SIGSTOP `pid` and wait until every one of its threads is stopped.
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvpool.testing.proc import HOST, free_port, free_ports, port_open, sigstop, tail  # noqa: F401  (re-exported for tests)
+from kvpool.testing.proc import HOST, exited, free_port, free_ports, port_open, sigkill, sigstop, tail  # noqa: F401  (re-exported for tests)
 _LIVE: list["Service"] = []
 
 
@@ -270,7 +271,13 @@ def dscli_binary() -> str:
 
 
 class YuanrongWorker(Service):
-    """A datasystem worker with its own metastore (no etcd), started and stopped with `dscli`."""
+    """A datasystem worker with its own metastore (no etcd), started and stopped with `dscli`.
+
+    `dscli start` runs the worker as a daemon (not our child); its pid is read from dscli's
+    log (`pid`). `dscli stop` waits up to three minutes for a graceful exit; `stop` gives it
+    `grace` seconds and then kills the worker, so no worker (and its shared memory) outlives
+    the test that started it.
+    """
 
     name = "yuanrong"
 
@@ -291,12 +298,16 @@ class YuanrongWorker(Service):
             "--log_dir", str(self.log_dir),
         ]
         self.argv = argv
-        res = subprocess.run(argv, cwd=self.workdir, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
+        self.start(timeout)
+
+    def start(self, timeout: float = 60) -> None:
+        """`dscli start` (again after `stop` or `kill`: same address, same metastore port)."""
+        res = subprocess.run(self.argv, cwd=self.workdir, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
                              stdin=subprocess.DEVNULL, timeout=timeout)
         _LIVE.append(self)
         if res.returncode != 0 or not port_open(self.port):
             self.stop()
-            raise ServiceError(f"dscli start exited with {res.returncode}: {argv}\n{tail(self.log)}\n"
+            raise ServiceError(f"dscli start exited with {res.returncode}: {self.argv}\n{tail(self.log)}\n"
                                f"{self.worker_log_tail()}")
 
     @property
@@ -307,6 +318,20 @@ class YuanrongWorker(Service):
         logs = sorted(self.log_dir.rglob("*.INFO*")) + sorted(self.log_dir.rglob("*.log"))
         return "".join(f"--- {p}\n{tail(p, 1500)}" for p in logs[:3])
 
+    @property
+    def pid(self) -> int | None:
+        """The pid of this object's worker while it runs (None once it exited): the last one dscli
+        logged starting, if that process is still a worker on this address (pids are reused)."""
+        found = re.findall(r"Starting worker service with PID: (\d+)", tail(self.log, 1 << 20))
+        if not found:
+            return None
+        pid = int(found[-1])
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return None
+        return pid if f"-worker_address={self.address}\0".encode() in cmdline and not exited(pid) else None
+
     def alive(self) -> bool:
         return self in _LIVE and port_open(self.port)
 
@@ -314,11 +339,23 @@ class YuanrongWorker(Service):
         if self not in _LIVE:
             return
         _LIVE.remove(self)
-        subprocess.run([dscli_binary(), "stop", "--worker_address", self.address], cwd=self.workdir,
-                       stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, timeout=grace, check=False)
+        try:
+            subprocess.run([dscli_binary(), "stop", "--worker_address", self.address], cwd=self.workdir,
+                           stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, timeout=grace, check=False)
+        except subprocess.TimeoutExpired:
+            pass  # still shutting down gracefully: killed below
+        self._sigkill()
 
     def kill(self) -> None:
-        self.stop()
+        """SIGKILL the worker, as a crash would (its metastore and shared memory go with it)."""
+        if self in _LIVE:
+            _LIVE.remove(self)
+        self._sigkill()
+
+    def _sigkill(self) -> None:
+        pid = self.pid
+        if pid is not None and not sigkill(pid):
+            raise ServiceError(f"{self.name}: worker pid {pid} still runs after SIGKILL; log {self.log}")
 
 
 _SHARED_YUANRONG: YuanrongWorker | None = None
@@ -343,7 +380,7 @@ def shared_yuanrong_worker(shared_memory_mb: int = 128) -> YuanrongWorker:
 
         def cleanup() -> None:  # runs before _stop_all (atexit is last-in, first-out)
             try:
-                worker.stop()
+                worker.stop(grace=10.0)  # the session is over: no need to wait out a slow graceful exit
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
 
