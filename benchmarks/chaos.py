@@ -201,10 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ChaosConfig(model_dir=str(model_dir), work_dir=args.work_dir, duration_s=args.duration_s,
                       fault_every_s=args.fault_every_s, kinds=kinds, seed=args.seed, log=bar.log)
     log(f"chaos run: {args.duration_s:.0f} s of load, a fault every ~{args.fault_every_s:.0f} s, model {args.model}")
+    run = ChaosRun(cfg)
     try:
-        result = ChaosRun(cfg).run()
+        result = run.run()
     finally:
         bar.close()
+        log(f"logs of the pool, the proxies and the instances kept in {run.work}")
     s = result.summary()
     data = {"environment": env, "model": args.model, "quick": args.quick, **result.to_json()}
     write_rows_json(out, data)
