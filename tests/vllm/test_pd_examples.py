@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ import pytest
 
 from kvpool.demo.run import LONG_QUESTION, SHORT_QUESTION
 from kvpool.testing.launch import IN_PROCESS_WORKER_ENV, free_port
+from kvpool.testing.proc import unix_socket_accepts
 
 pytestmark = pytest.mark.vllm
 
@@ -73,14 +73,11 @@ class Script:
         deadline = time.monotonic() + timeout
         while True:
             self._check_alive()
-            try:
-                with socket.socket(socket.AF_UNIX) as s:
-                    s.connect(path)
+            if unix_socket_accepts(path):
                 return self
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{self.name} did not come up: {self.log.read_text()[-3000:]}") from None
-                time.sleep(0.05)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} did not come up: {self.log.read_text()[-3000:]}")
+            time.sleep(0.05)
 
     def kill(self) -> None:
         """SIGKILL to the whole group, as a crash would."""

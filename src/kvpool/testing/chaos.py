@@ -31,7 +31,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ import httpx
 import numpy as np
 
 from kvpool.testing.launch import ChildProcess, OpenAIServer, PoolServer, ServerError, stream_completion
+from kvpool.testing.proc import unix_socket_accepts
 
 __all__ = ["FAULT_KINDS", "REQUEST_COLUMNS", "ChaosConfig", "ChaosResult", "ChaosRun", "Fault", "Request", "SlowProxy",
            "percentile", "tmpfs_mount"]
@@ -154,12 +154,7 @@ class ProxyProcess(ChildProcess):
                          log_path=log_path)
 
     def _ready(self) -> bool:
-        try:
-            with socket.socket(socket.AF_UNIX) as s:
-                s.connect(self.listen)
-            return True
-        except OSError:
-            return False
+        return unix_socket_accepts(self.listen)
 
 
 # ---- the SSD tier on a small tmpfs ---------------------------------------------------------------

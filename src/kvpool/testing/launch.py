@@ -16,7 +16,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from kvpool.testing.proc import free_port, sigstop, tail
+from kvpool.testing.proc import free_port, sigstop, tail, unix_socket_accepts
 
 __all__ = [
     "DEFAULT_ENV", "IN_PROCESS_WORKER_ENV", "ChildProcess", "Completion", "OpenAIServer", "PoolServer", "ProxyServer",
@@ -529,21 +528,13 @@ class PoolServer(ChildProcess):
         if self._logs_listening:
             return f"kvpool server {self.pid} listening on" in self._log_since_start()
         # Not logging INFO: ours is up when it holds the socket's lock and the socket accepts.
-        return self._lock_holder() == self.pid and self._accepts()
+        return self._lock_holder() == self.pid and unix_socket_accepts(self.socket_path)
 
     def _lock_holder(self) -> int | None:
         try:
             return int(Path(self.socket_path + ".lock").read_text().strip() or 0) or None
         except (OSError, ValueError):
             return None
-
-    def _accepts(self) -> bool:
-        try:
-            with socket.socket(socket.AF_UNIX) as s:
-                s.connect(self.socket_path)
-            return True
-        except OSError:
-            return False
 
 
 # ---- kvpool proxy --------------------------------------------------------------------------------

@@ -41,6 +41,17 @@ def port_open(port: int, host: str = HOST, timeout: float = 0.2) -> bool:
         return False
 
 
+def unix_socket_accepts(path: str | os.PathLike[str]) -> bool:
+    """Whether something accepts connections on the Unix socket `path` now (a socket file left
+    by a killed server does not)."""
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(os.fspath(path))
+        return True
+    except OSError:
+        return False
+
+
 def tail(path: str | os.PathLike[str], max_bytes: int = 6000) -> str:
     """The last `max_bytes` of a log file, for error messages (never raises)."""
     try:
