@@ -25,11 +25,16 @@ VOCAB_LOW, VOCAB_HIGH = 3, 2000  # skip the special tokens of the generated toke
 # the same two cores, no core reserved for the connector, a small KV cache. The engine core
 # runs inside the engine's process (no second process to start and import vLLM into);
 # tensor-parallel workers are still processes of their own.
+# vLLM's IPC sockets (and kvpool's lookup channels) go to a directory of this run's own: vLLM
+# leaves its sockets behind, and its default is /tmp.
+_RPC_DIR = tempfile.mkdtemp(prefix="kvpool-e2e-rpc-")
+atexit.register(shutil.rmtree, _RPC_DIR, ignore_errors=True)
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "0-1",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_RPC_BASE_PATH": _RPC_DIR,
 }
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from kvpool.testing.proc import free_port, sigstop, tail, unix_socket_accepts
+from kvpool.testing.proc import free_port, group_alive, sigstop, tail, unix_socket_accepts, wait_for
 
 __all__ = [
     "DEFAULT_ENV", "IN_PROCESS_WORKER_ENV", "ChildProcess", "Completion", "OpenAIServer", "PoolServer", "ProxyServer",
@@ -158,8 +159,15 @@ class ChildProcess:
             self.send_signal(signal.SIGTERM)
             if self._paused:  # a stopped process acts on SIGTERM only once continued
                 self.resume()
+            grace = self.stop_grace_s if grace_s is None else grace_s
+            deadline = time.monotonic() + grace
             try:
-                proc.wait(timeout=self.stop_grace_s if grace_s is None else grace_s)
+                proc.wait(timeout=grace)
+                if self.new_session:
+                    # The rest of the group finishes its own clean-up first: Python's resource
+                    # tracker unlinks vLLM's shared memory once the leader is gone, and a
+                    # SIGKILL in the middle of that leaves the segments in /dev/shm.
+                    wait_for(lambda: not group_alive(proc.pid), max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
         return self.kill()
@@ -343,6 +351,9 @@ def stream_completion(client: httpx.Client, model: str, prompt: str | list[int],
     )
 
 
+RPC_DIR_ENV = "VLLM_RPC_BASE_PATH"
+
+
 class OpenAIServer(ChildProcess):
     """`python -m vllm.entrypoints.openai.api_server` in its own process group.
 
@@ -403,6 +414,11 @@ class OpenAIServer(ChildProcess):
         super().__init__(args, env={**os.environ, **DEFAULT_ENV, **(env or {})}, log_path=log_path,
                          startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s)
         self._client: httpx.Client | None = None
+        # vLLM names its engine's IPC sockets under VLLM_RPC_BASE_PATH (default: /tmp) and
+        # leaves them behind; unless the caller chose a directory, each start gets a private
+        # one, removed when the server is stopped or killed.
+        self._own_rpc_dir = not (self.env or {}).get(RPC_DIR_ENV)
+        self._rpc_dir: str | None = None
 
     @property
     def base_url(self) -> str:
@@ -417,12 +433,27 @@ class OpenAIServer(ChildProcess):
 
     _ready = healthy
 
+    def start(self, wait: bool = True) -> OpenAIServer:
+        if self._own_rpc_dir and self._rpc_dir is None and not self.alive():
+            self._rpc_dir = tempfile.mkdtemp(prefix="kvpool-vllm-rpc-")  # mode 0700
+            assert self.env is not None
+            self.env[RPC_DIR_ENV] = self._rpc_dir
+        return super().start(wait)
+
     def stop(self, grace_s: float | None = None) -> int | None:
         """`ChildProcess.stop`, after closing the HTTP client."""
         if self._client is not None:
             self._client.close()
             self._client = None
         return super().stop(grace_s)
+
+    def kill(self) -> int | None:
+        """`ChildProcess.kill`, then the removal of the private IPC directory (if it made one)."""
+        code = super().kill()
+        if self._rpc_dir is not None and (self.proc is None or self.proc.poll() is not None):
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
+            self._rpc_dir = None
+        return code
 
     # ---- requests ----
 

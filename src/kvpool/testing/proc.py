@@ -90,6 +90,21 @@ def exited(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] in "ZX"  # the state field follows the parenthesized name
 
 
+def group_alive(pgid: int) -> bool:
+    """Whether any process of process group `pgid` has not exited yet (zombies count as exited)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] not in "ZX" and int(fields[2]) == pgid:  # state, ppid, pgrp
+            return True
+    return False
+
+
 def sigkill(pid: int, timeout: float = 10.0) -> bool:
     """SIGKILL `pid` (not necessarily our child) and wait until it has exited; whether it did."""
     try:
