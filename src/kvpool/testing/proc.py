@@ -80,27 +80,28 @@ def expect(cond: Callable[[], bool], what: str, timeout: float = 5.0, interval: 
         raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def exited(pid: int) -> bool:
-    """Whether `pid` has exited: gone, or a zombie its parent has not reaped yet (a daemon
-    whose parent exited is reaped by init, possibly later)."""
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, pgrp, ...); None if
+    the process is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return True
-    return stat[stat.rindex(")") + 2] in "ZX"  # the state field follows the parenthesized name
+        return None
+    return stat[stat.rindex(")") + 2:].split()  # the name is parenthesized and may hold spaces
+
+
+def exited(pid: int) -> bool:
+    """Whether `pid` has exited: gone, or a zombie its parent has not reaped yet (a daemon
+    whose parent exited is reaped by init, possibly later)."""
+    fields = _stat_fields(pid)
+    return fields is None or fields[0] in "ZX"
 
 
 def group_alive(pgid: int) -> bool:
     """Whether any process of process group `pgid` has not exited yet (zombies count as exited)."""
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if fields[0] not in "ZX" and int(fields[2]) == pgid:  # state, ppid, pgrp
+        fields = _stat_fields(entry) if entry.isdigit() else None
+        if fields is not None and fields[0] not in "ZX" and int(fields[2]) == pgid:
             return True
     return False
 
