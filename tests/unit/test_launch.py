@@ -8,6 +8,7 @@ OpenAI-server stand-in that answers `/health` and binds its IPC socket where vLL
 
 from __future__ import annotations
 
+import os
 import stat
 import sys
 import tempfile
@@ -38,10 +39,11 @@ LEADER = textwrap.dedent("""
 """)
 
 FAKE_OPENAI = textwrap.dedent("""
-    import http.server, os, socket, sys
+    import http.server, os, socket, sys, tempfile
     port = int(sys.argv[sys.argv.index("--port") + 1])
     rpc = socket.socket(socket.AF_UNIX)
     rpc.bind(os.path.join(os.environ.get("VLLM_RPC_BASE_PATH", "/tmp"), f"ipc-{os.getpid()}"))  # left behind
+    tempfile.NamedTemporaryFile(prefix="vllm_dist_", delete=False)  # a worker rendezvous file, left behind
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_response(200); self.end_headers()
@@ -55,7 +57,8 @@ class _Leader(ChildProcess):
     name = "leader"
 
     def __init__(self, marker: Path, script: Path) -> None:
-        super().__init__([sys.executable, str(script), str(marker)], stop_grace_s=10)
+        super().__init__([sys.executable, str(script), str(marker)], log_path=marker.parent / "leader.log",
+                         stop_grace_s=10)
         self.marker = marker
 
     def _ready(self) -> bool:
@@ -86,12 +89,15 @@ def _fake_python(tmp_path: Path) -> str:
 
 
 @pytest.mark.parametrize("given", [False, True])
-def test_vllm_ipc_sockets_live_in_a_private_directory_removed_at_stop(tmp_path: Path, given: bool) -> None:
+def test_vllm_ipc_sockets_and_temp_files_live_in_a_private_directory_removed_at_stop(
+        tmp_path: Path, given: bool) -> None:
     chosen = tmp_path / "rpc"
     chosen.mkdir(mode=0o700)
+    parent_tmp = tmp_path / "tmp"  # the launching process's temp directory
+    parent_tmp.mkdir()
     env = {"VLLM_RPC_BASE_PATH": str(chosen)} if given else {"VLLM_RPC_BASE_PATH": ""}
-    srv = OpenAIServer(tmp_path / "model", python=_fake_python(tmp_path), env=env, log_path=tmp_path / "s.log",
-                       startup_timeout_s=30)
+    srv = OpenAIServer(tmp_path / "model", python=_fake_python(tmp_path), env={"TMPDIR": str(parent_tmp), **env},
+                       log_path=tmp_path / "s.log", startup_timeout_s=30)
     for _ in range(2):  # a restart gets a directory again
         srv.start()
         where = Path(srv.env["VLLM_RPC_BASE_PATH"])
@@ -101,5 +107,8 @@ def test_vllm_ipc_sockets_live_in_a_private_directory_removed_at_stop(tmp_path: 
         else:
             assert where.parent == Path(tempfile.gettempdir()) and where.name.startswith("kvpool-vllm-rpc-")
             assert stat.S_IMODE(where.stat().st_mode) == 0o700
+        assert any(where.glob("vllm_dist_*")) and not any(parent_tmp.iterdir())
+        # torch's compile cache does not move with the temp directory
+        assert srv.env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(parent_tmp / "torchinductor_"))
         srv.stop()
         assert where.exists() == given

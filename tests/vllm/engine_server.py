@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 import traceback
 
@@ -173,6 +174,7 @@ def fork_server(path: str) -> None:
                 os.setsid()  # its own process group, as a process started on its own
                 os.environ.clear()
                 os.environ.update(req["env"])
+                tempfile.tempdir = None  # the server's cached temp directory: the engine's TMPDIR wins
                 os.dup2(fds[0], 0)
                 os.dup2(fds[1], 1)
                 os.dup2(fds[1], 2)

@@ -17,6 +17,8 @@ import threading
 import time
 from pathlib import Path
 
+from kvpool.testing.launch import private_temp_env
+
 HERE = Path(__file__).parent
 BLOCK = 128
 VOCAB_LOW, VOCAB_HIGH = 3, 2000  # skip the special tokens of the generated tokenizer
@@ -25,8 +27,8 @@ VOCAB_LOW, VOCAB_HIGH = 3, 2000  # skip the special tokens of the generated toke
 # the same two cores, no core reserved for the connector, a small KV cache. The engine core
 # runs inside the engine's process (no second process to start and import vLLM into);
 # tensor-parallel workers are still processes of their own.
-# vLLM's IPC sockets (and kvpool's lookup channels) go to a directory of this run's own: vLLM
-# leaves its sockets behind, and its default is /tmp.
+# vLLM's IPC sockets and temp files (and kvpool's lookup channels) go to a directory of this
+# run's own: vLLM leaves them behind, and its default is /tmp.
 _RPC_DIR = tempfile.mkdtemp(prefix="kvpool-e2e-rpc-")
 atexit.register(shutil.rmtree, _RPC_DIR, ignore_errors=True)
 ENGINE_ENV = {
@@ -34,7 +36,7 @@ ENGINE_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "0-1",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_RPC_BASE_PATH": _RPC_DIR,
+    **private_temp_env(_RPC_DIR, os.environ),
 }
 
 

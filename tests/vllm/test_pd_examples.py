@@ -31,7 +31,7 @@ import httpx
 import pytest
 
 from kvpool.demo.run import LONG_QUESTION, SHORT_QUESTION
-from kvpool.testing.launch import IN_PROCESS_WORKER_ENV, free_port
+from kvpool.testing.launch import IN_PROCESS_WORKER_ENV, free_port, private_temp_env
 from kvpool.testing.proc import unix_socket_accepts
 
 pytestmark = pytest.mark.vllm
@@ -121,7 +121,7 @@ class Deployment:
     def __init__(self, tmp_path: Path, model_dir: str) -> None:
         self.tmp = tmp_path
         self.sock = str(tmp_path / "pool.sock")
-        self.base = {**os.environ, "MODEL": model_dir, "PYTHON": sys.executable, "VLLM_RPC_BASE_PATH": str(tmp_path),
+        self.base = {**os.environ, "MODEL": model_dir, "PYTHON": sys.executable, **private_temp_env(str(tmp_path), os.environ),
                      "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "KVPOOL_SOCKET": self.sock}
         self.running: list[Script] = []
         self.prefill_port, self.decode_port, self.mix_port, self.proxy_port = (free_port() for _ in range(4))

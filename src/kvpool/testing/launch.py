@@ -13,6 +13,7 @@ Nothing here prints: failures are raised as `ServerError` carrying the tail of t
 from __future__ import annotations
 
 import dataclasses
+import getpass
 import json
 import os
 import shutil
@@ -31,7 +32,7 @@ from kvpool.testing.proc import free_port, group_alive, sigstop, tail, unix_sock
 
 __all__ = [
     "DEFAULT_ENV", "IN_PROCESS_WORKER_ENV", "ChildProcess", "Completion", "OpenAIServer", "PoolServer", "ProxyServer",
-    "ServerError", "every_instance_in_rotation", "free_port", "parse_metric", "stream_completion",
+    "ServerError", "every_instance_in_rotation", "free_port", "parse_metric", "private_temp_env", "stream_completion",
 ]
 
 # Every server gets the same thread setup. vLLM-CPU reserves one more core when a KV connector
@@ -352,6 +353,20 @@ def stream_completion(client: httpx.Client, model: str, prompt: str | list[int],
 
 
 RPC_DIR_ENV = "VLLM_RPC_BASE_PATH"
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def private_temp_env(directory: str, env: Mapping[str, str]) -> dict[str, str]:
+    """Variables that put a vLLM process's leftovers in `directory`, which its owner removes.
+
+    vLLM leaves its engine's IPC sockets (under VLLM_RPC_BASE_PATH, default /tmp) and its
+    workers' rendezvous files (`vllm_dist_*`, mode 0644, in the temp directory) behind after it
+    stops. torch's compile cache would follow TMPDIR too: it stays where `env` would have put it,
+    so that a start does not compile everything again.
+    """
+    inductor = env.get(INDUCTOR_CACHE_ENV) or os.path.join(env.get("TMPDIR") or tempfile.gettempdir(),
+                                                           f"torchinductor_{getpass.getuser()}")
+    return {RPC_DIR_ENV: directory, "TMPDIR": directory, INDUCTOR_CACHE_ENV: inductor}
 
 
 class OpenAIServer(ChildProcess):
@@ -414,9 +429,9 @@ class OpenAIServer(ChildProcess):
         super().__init__(args, env={**os.environ, **DEFAULT_ENV, **(env or {})}, log_path=log_path,
                          startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s)
         self._client: httpx.Client | None = None
-        # vLLM names its engine's IPC sockets under VLLM_RPC_BASE_PATH (default: /tmp) and
-        # leaves them behind; unless the caller chose a directory, each start gets a private
-        # one, removed when the server is stopped or killed.
+        # vLLM's IPC sockets and temp files go to one directory (`private_temp_env`): the one the
+        # caller chose for the sockets, else a private one per start, removed when the server is
+        # stopped or killed.
         self._own_rpc_dir = not (self.env or {}).get(RPC_DIR_ENV)
         self._rpc_dir: str | None = None
 
@@ -436,8 +451,8 @@ class OpenAIServer(ChildProcess):
     def start(self, wait: bool = True) -> OpenAIServer:
         if self._own_rpc_dir and self._rpc_dir is None and not self.alive():
             self._rpc_dir = tempfile.mkdtemp(prefix="kvpool-vllm-rpc-")  # mode 0700
-            assert self.env is not None
-            self.env[RPC_DIR_ENV] = self._rpc_dir
+        assert self.env is not None
+        self.env.update(private_temp_env(self._rpc_dir or self.env[RPC_DIR_ENV], self.env))
         return super().start(wait)
 
     def stop(self, grace_s: float | None = None) -> int | None:
@@ -448,7 +463,7 @@ class OpenAIServer(ChildProcess):
         return super().stop(grace_s)
 
     def kill(self) -> int | None:
-        """`ChildProcess.kill`, then the removal of the private IPC directory (if it made one)."""
+        """`ChildProcess.kill`, then the removal of the private directory (if it made one)."""
         code = super().kill()
         if self._rpc_dir is not None and (self.proc is None or self.proc.poll() is not None):
             shutil.rmtree(self._rpc_dir, ignore_errors=True)
