@@ -90,7 +90,8 @@ def _fake_python(tmp_path: Path) -> str:
 
 @pytest.mark.parametrize("given", [False, True])
 def test_vllm_ipc_sockets_and_temp_files_live_in_a_private_directory_removed_at_stop(
-        tmp_path: Path, given: bool) -> None:
+        tmp_path: Path, given: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # torch sets it once it has used the cache
     chosen = tmp_path / "rpc"
     chosen.mkdir(mode=0o700)
     parent_tmp = tmp_path / "tmp"  # the launching process's temp directory
