@@ -100,16 +100,15 @@ def test_vllm_ipc_sockets_and_temp_files_live_in_a_private_directory_removed_at_
     srv = OpenAIServer(tmp_path / "model", python=_fake_python(tmp_path), env={"TMPDIR": str(parent_tmp), **env},
                        log_path=tmp_path / "s.log", startup_timeout_s=30)
     for _ in range(2):  # a restart gets a directory again
-        srv.start()
-        where = Path(srv.env["VLLM_RPC_BASE_PATH"])
-        assert any(where.glob("ipc-*"))
-        if given:
-            assert where == chosen
-        else:
-            assert where.parent == Path(tempfile.gettempdir()) and where.name.startswith("kvpool-vllm-rpc-")
-            assert stat.S_IMODE(where.stat().st_mode) == 0o700
-        assert any(where.glob("vllm_dist_*")) and not any(parent_tmp.iterdir())
-        # torch's compile cache does not move with the temp directory
-        assert srv.env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(parent_tmp / "torchinductor_"))
-        srv.stop()
+        with srv:  # stopped on the way out, also when a check fails
+            where = Path(srv.env["VLLM_RPC_BASE_PATH"])
+            assert any(where.glob("ipc-*"))
+            if given:
+                assert where == chosen
+            else:
+                assert where.parent == Path(tempfile.gettempdir()) and where.name.startswith("kvpool-vllm-rpc-")
+                assert stat.S_IMODE(where.stat().st_mode) == 0o700
+            assert any(where.glob("vllm_dist_*")) and not any(parent_tmp.iterdir())
+            # torch's compile cache does not move with the temp directory
+            assert srv.env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(parent_tmp / "torchinductor_"))
         assert where.exists() == given
