@@ -8,7 +8,6 @@ OpenAI-server stand-in that answers `/health` and binds its IPC socket where vLL
 
 from __future__ import annotations
 
-import os
 import stat
 import sys
 import tempfile
