@@ -164,6 +164,14 @@ print(json.dumps(out))
 """
 
 
+def _stops_cleanly(server: PoolServer) -> None:
+    """Whatever the intruder did, SIGTERM still takes the clean path: exit 0, nothing left behind
+    (a server that had to be SIGKILLed would leave its group-readable arena in /dev/shm)."""
+    assert server.stop() == 0, server.log_tail()
+    assert not os.path.exists(server.socket_path) and not os.path.exists(server.socket_path + ".lock")
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, shm.arena_name(server.socket_path, server.pid)))
+
+
 def test_the_real_server_refuses_another_uid(attacker, shared_dir):
     sock_dir = os.path.join(shared_dir, "srv")
     os.mkdir(sock_dir)
@@ -185,6 +193,7 @@ def test_the_real_server_refuses_another_uid(attacker, shared_dir):
             assert [c["name"] for c in clients] == ["victim"]
             out = np.zeros(4096, dtype=np.uint8)
             assert victim.get_into(["secret"], [[out]]) == [ErrorCode.OK] and (out == 7).all()
+        _stops_cleanly(server)
     finally:
         server.stop()
 
@@ -207,6 +216,7 @@ def test_group_sharing_lets_exactly_that_group_in(attacker, shared_dir):
         with PoolClient(path, "victim", ping=False, allowed_gid=attacker.gid) as victim:
             stats, _ = victim.server_stats()
             assert stats["refused_peers"] == 0
+        _stops_cleanly(server)
     finally:
         server.stop()
 

@@ -28,7 +28,7 @@ from kvpool.server import shm
 from kvpool.config import ServerSettings
 from kvpool.server.daemon import add_arguments, config_from_args
 from kvpool.testing.metrics import families, scrape_problems, value
-from kvpool.testing.proc import wait_for
+from kvpool.testing.proc import signal_thread, threads, wait_for
 
 OK = 0
 
@@ -73,6 +73,23 @@ def test_kvpool_server_subcommand(start_server, make_client):
     assert make_client().server_info.arena_size == 2 << 20
     server.send_signal(signal.SIGINT)  # Ctrl-C takes the same clean path as SIGTERM
     assert server.wait() == 0 and "received SIGINT" in server.log()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_taken_by_another_thread_still_stops_the_server(start_server, make_client, sock_path, sig):
+    """The kernel hands a process-directed signal to any thread that does not block it; Python
+    runs the handler on the main thread, which sleeps in select() and would never wake up (the
+    server then had to be SIGKILLed, leaving its arena, socket and lock behind)."""
+    server = start_server()
+    client = make_client()
+    assert client.ping() == OK  # its connection has a thread of its own, waiting in recv()
+    main, *others = threads(server.pid)
+    assert main == server.pid and others
+    signal_thread(server.pid, others[-1], sig)
+    assert server.wait(timeout_s=10) == 0
+    assert f"received {signal.Signals(sig).name}" in server.log() and "kvpool server stopped" in server.log()
+    assert not os.path.exists(sock_path) and not os.path.exists(sock_path + ".lock")
+    assert arena_files(sock_path) == []
 
 
 def test_socket_mode_widens_the_socket_only(start_server, sock_path):

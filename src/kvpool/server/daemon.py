@@ -272,12 +272,22 @@ class Server:
         sel = selectors.DefaultSelector()
         sel.register(self._listener, selectors.EVENT_READ)
         sel.register(self._wake_r, selectors.EVENT_READ)
+        # Python runs signal handlers on the main thread, but the kernel hands a process-directed
+        # signal to any thread that does not block it: taken by a connection's thread, SIGTERM
+        # would leave this select() asleep for good. With the wake pipe as the wakeup fd, the
+        # C-level handler wakes it from whichever thread took the signal.
+        on_main = threading.current_thread() is threading.main_thread()
+        previous_wakeup = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False) if on_main else -1
         try:
             while not self._stopping.is_set():
                 for key, _ in sel.select():
                     if key.fileobj is self._listener:
                         self._accept()
+                    else:  # a stop() or a signal's byte: drained, so select() blocks again
+                        os.read(self._wake_r, 4096)
         finally:
+            if on_main:
+                signal.set_wakeup_fd(previous_wakeup)
             sel.close()
             self._shutdown()
 

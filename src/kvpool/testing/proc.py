@@ -3,6 +3,7 @@ the benchmarks: one copy of each, so a fix reaches all of them."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -113,6 +114,23 @@ def sigkill(pid: int, timeout: float = 10.0) -> bool:
     except ProcessLookupError:
         return True
     return wait_for(lambda: exited(pid), timeout)
+
+
+def threads(pid: int) -> list[int]:
+    """The thread ids of process `pid`, its main thread (tid == pid) first."""
+    return sorted((int(t) for t in os.listdir(f"/proc/{pid}/task")), key=lambda tid: (tid != pid, tid))
+
+
+def signal_thread(pid: int, tid: int, sig: int) -> None:
+    """Send `sig` to one thread `tid` of process `pid` (tgkill(2)).
+
+    A signal sent to a process goes to whichever of its threads the kernel picks, usually but
+    not always the main one; this makes the unusual case happen on purpose.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.tgkill(ctypes.c_int(pid), ctypes.c_int(tid), ctypes.c_int(sig)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"tgkill({pid}, {tid}, {sig}): {os.strerror(err)}")
 
 
 def sigstop(pid: int, timeout: float = 5.0) -> None:
