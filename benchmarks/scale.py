@@ -566,7 +566,7 @@ def notes(results: dict[str, Any]) -> str:
             f"process, take {base} (p50): at a million keys every lookup misses the caches and the TLB, "
             "and that, not eviction work, is what grows with the object count (eviction takes one step "
             "per victim: `evict_steps`). p99 on a shared 2-core machine is mostly scheduling. SSD-tier "
-            "reads of 1 KiB values are bound by per-object work (one file open and read, a crc32, a "
+            "reads of 1 KiB values are bound by per-object work (one file open and read, a checksum, a "
             "promotion into memory), not by the disk; the bandwidth target is one for large values. "
             "Metadata: the server's heap per object with its key string (these keys are 16 characters, "
             "~65 B as Python strings); the engine alone measures ~170 B per object without the key "

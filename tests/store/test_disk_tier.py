@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -11,11 +12,25 @@ import pytest
 from kvpool.errors import ConfigError, ErrorCode, StoreError
 from kvpool.paths import validate_offload_path
 from kvpool.store import DiskTier
+from kvpool.store import disk as disk_module
+from kvpool.store.buffers import checksum
+
+READS = ["get", "read_into"]
 
 
 def file_of(disk: DiskTier, key: str) -> str:
     digest = hashlib.sha256(key.encode()).hexdigest()
     return os.path.join(disk.path, digest[:2], digest)
+
+
+def read(disk: DiskTier, key: str, how: str) -> bytes:
+    """``key``'s payload through ``get``, or through ``read_into`` (whose digest must be the
+    payload's `buffers.checksum`, as the memory tier keeps it)."""
+    if how == "get":
+        return disk.get(key)
+    dest = np.full(disk.payload_size(key) or 0, 0xAA, dtype=np.uint8)
+    assert disk.read_into(key, dest) == checksum([dest])
+    return dest.tobytes()
 
 
 def quota_for(n: int, key_len: int = 2, payload: int = 100) -> int:
@@ -86,9 +101,11 @@ def test_object_larger_than_quota_is_rejected_without_evicting(make_disk) -> Non
     assert disk.keys() == ["k0"]
 
 
-def test_bit_flip_is_a_checksum_mismatch_never_data(make_disk) -> None:
+@pytest.mark.parametrize("how", READS)
+def test_bit_flip_is_a_checksum_mismatch_never_data(make_disk, how: str) -> None:
     disk = make_disk()
     disk.put("k", bytes(range(200)))
+    assert read(disk, "k", how) == bytes(range(200))
     path = file_of(disk, "k")
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) - 50)
@@ -96,25 +113,67 @@ def test_bit_flip_is_a_checksum_mismatch_never_data(make_disk) -> None:
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x01]))
     with pytest.raises(StoreError) as exc:
-        disk.get("k")
+        read(disk, "k", how)
     assert exc.value.code is ErrorCode.CHECKSUM_MISMATCH
     assert disk.checksum_failures == 1
     assert not os.path.exists(path) and not disk.contains("k") and disk.used_bytes == 0
     with pytest.raises(StoreError) as exc:
-        disk.get("k")
+        read(disk, "k", how)
     assert exc.value.code is ErrorCode.OBJECT_NOT_FOUND
 
 
+@pytest.mark.parametrize("how", READS)
 @pytest.mark.parametrize("keep", [10, 40, 100])  # inside header, inside key, inside payload
-def test_truncated_file_is_a_checksum_mismatch(make_disk, keep: int) -> None:
+def test_truncated_file_is_a_checksum_mismatch(make_disk, keep: int, how: str) -> None:
     disk = make_disk()
     disk.put("some-key", bytes(500))
     path = file_of(disk, "some-key")
     os.truncate(path, keep)
     with pytest.raises(StoreError) as exc:
-        disk.get("some-key")
+        read(disk, "some-key", how)
     assert exc.value.code is ErrorCode.CHECKSUM_MISMATCH
     assert not disk.contains("some-key")
+
+
+@pytest.mark.parametrize("how", READS)
+def test_trailing_bytes_are_a_checksum_mismatch(make_disk, how: str) -> None:
+    disk = make_disk()
+    disk.put("k", bytes(300))
+    with open(file_of(disk, "k"), "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(StoreError) as exc:
+        read(disk, "k", how)
+    assert exc.value.code is ErrorCode.CHECKSUM_MISMATCH and not disk.contains("k")
+
+
+@pytest.mark.parametrize("how", READS)
+def test_files_of_the_first_format_still_read_and_are_checked(make_disk, how: str) -> None:
+    """Version 1 files (crc32 of the payload) written before version 2 are served, and checked."""
+    disk = make_disk()
+    value = bytes(range(256)) * 3
+    disk.put("old", value)
+    path = file_of(disk, "old")
+    with open(path, "r+b") as f:
+        f.write(disk_module._HEADER.pack(disk_module.MAGIC, 1, 0, 3, len(value), zlib.crc32(value)))
+    assert read(disk, "old", how) == value
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        f.write(b"\x01")
+    with pytest.raises(StoreError) as exc:
+        read(disk, "old", how)
+    assert exc.value.code is ErrorCode.CHECKSUM_MISMATCH and not os.path.exists(path)
+
+
+def test_read_into_a_buffer_of_another_size_is_a_miss_and_keeps_the_file(make_disk) -> None:
+    """The key was evicted and stored again with another size between the index lookup and
+    the read: a miss, and the whole, valid file stays."""
+    disk = make_disk()
+    disk.put("k", bytes(100))
+    with pytest.raises(StoreError) as exc:
+        disk.read_into("k", np.zeros(99, np.uint8))
+    assert exc.value.code is ErrorCode.OBJECT_NOT_FOUND
+    assert disk.contains("k") and disk.checksum_failures == 0 and read(disk, "k", "read_into") == bytes(100)
+    assert disk.payload_size("k") == 100 and disk.payload_size("absent") is None
 
 
 def test_restart_rebuilds_index_and_removes_bad_files(make_disk, ssd_dir) -> None:

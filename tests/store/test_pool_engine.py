@@ -513,6 +513,26 @@ def test_disk_object_too_big_for_memory_is_served_from_lease_data(make_engine, m
     assert in_memory(engine) == {"k0", "k1", "k2"}  # nothing evicted for a hopeless promotion
 
 
+def test_a_reader_at_its_lease_limit_still_gets_a_promoted_objects_bytes(make_engine, make_disk) -> None:
+    """The promotion commits the object, but the reader holds all the leases it may: it gets the
+    verified bytes in ``Lease.data`` (as when nothing could be promoted), and the object stays
+    in memory for the next reader."""
+    disk = make_disk()
+    disk.put("big", payload("big", 300))
+    engine = make_engine(memory_size=4096, disk=disk, client_max_leases=1, disk_write_through=False)
+    engine.put(C, "k", [payload("k", 64)])
+    held = engine.acquire(C, "k")
+    assert isinstance(held, Lease)
+    lease = engine.acquire(C, "big")
+    assert isinstance(lease, Lease) and lease.offset == -1
+    assert np.array_equal(np.frombuffer(lease.data, np.uint8), payload("big", 300))
+    assert engine.stats()["promotions"] == 1 and "big" in in_memory(engine)
+    engine.release(held)
+    other = engine.acquire("other", "big")
+    assert isinstance(other, Lease) and other.offset >= 0 and other.data is None
+    assert np.array_equal(engine.arena[other.offset : other.offset + 300], payload("big", 300))
+
+
 def test_remove_deletes_the_disk_copy_too(make_engine, make_disk) -> None:
     disk = make_disk()
     engine = make_engine(disk=disk)
@@ -579,19 +599,20 @@ def test_acquire_during_pending_reput_then_abort_promotes_normally(make_engine, 
     assert engine.allocate(C, "k", 100) is ErrorCode.OBJECT_ALREADY_EXISTS
 
 
-class _GatedChecksum:
-    """Stands in for the engine's checksum: the first call for a value of ``size`` bytes blocks
-    until released, so a test can act while the engine is inside that hash."""
+class _Gated:
+    """Stands in for one of the engine's bulk steps (a hash, a disk read): the first call on
+    ``size`` bytes (as ``nbytes`` counts its arguments) blocks until released, so a test can
+    act while the engine is inside it."""
 
-    def __init__(self, real, size: int) -> None:
-        self.real, self.size = real, size
+    def __init__(self, real, size: int, nbytes=lambda bufs: sum(np.asarray(b).nbytes for b in bufs)) -> None:
+        self.real, self.size, self.nbytes = real, size, nbytes
         self.entered, self.go = threading.Event(), threading.Event()
 
-    def __call__(self, bufs):
-        if not self.entered.is_set() and sum(np.asarray(b).nbytes for b in bufs) == self.size:
+    def __call__(self, *args):
+        if not self.entered.is_set() and self.nbytes(*args) == self.size:
             self.entered.set()
             assert self.go.wait(10), "the test never released the gate"
-        return self.real(bufs)
+        return self.real(*args)
 
 
 def _call_meanwhile(fn):
@@ -604,17 +625,15 @@ def _call_meanwhile(fn):
     return out[0]
 
 
-def test_a_promotion_copies_and_hashes_outside_the_engine_lock(make_engine, make_disk, monkeypatch) -> None:
-    """A disk-tier object is copied into the arena and hashed unlocked, as a client's put is:
-    other clients' calls proceed meanwhile, and its pending range is the engine's alone."""
-    import kvpool.store.engine as engine_module
-
+def test_a_promotion_reads_and_hashes_outside_the_engine_lock(make_engine, make_disk, monkeypatch) -> None:
+    """A disk-tier object is read into the arena and hashed unlocked, as a client's put is
+    copied: other clients' calls proceed meanwhile, and its pending range is the engine's alone."""
     disk = make_disk(1 << 22)
     disk.put("big", payload("big", 1000))
     engine = make_engine(memory_size=4096, disk=disk, disk_write_through=False)
     assert engine.put(C, "small", [payload("small", 64)]) is ErrorCode.OK
-    gate = _GatedChecksum(engine_module.checksum, 1000)
-    monkeypatch.setattr(engine_module, "checksum", gate)
+    gate = _Gated(disk.read_into, 1000, lambda key, dest: dest.nbytes)
+    monkeypatch.setattr(disk, "read_into", gate)
     got: list = []
     promoter = threading.Thread(target=lambda: got.append(engine.acquire("reader", "big")))
     promoter.start()
@@ -657,7 +676,7 @@ def test_a_reported_object_is_hashed_outside_the_engine_lock(make_engine, monkey
     bad = engine.acquire(C, "bad")
     arena[bad.offset] ^= 0xFF
     engine.release(bad)  # as the server does before it checks a report
-    gate = _GatedChecksum(engine_module.checksum, 512)
+    gate = _Gated(engine_module.checksum, 512)
     monkeypatch.setattr(engine_module, "checksum", gate)
     got: list = []
     checker = threading.Thread(target=lambda: got.append(engine.check_reported(bad)))

@@ -2,9 +2,13 @@
 
 File layout (little-endian)::
 
-    magic b"KVPL" | version u16 | reserved u16 | key_len u32 | payload_len u64 | crc32 u32
+    magic b"KVPL" | version u16 | reserved u16 | key_len u32 | payload_len u64 | check u32
     key (utf-8, key_len bytes)
     payload (payload_len bytes)
+
+``check`` is the payload's checksum: in version 2 the low 32 bits of its XXH3-64, the hash the
+memory tier keeps for every object, so a read that lands straight in the arena checks the file
+and obtains the arena object's checksum in one pass; in version 1 (still read) its crc32.
 
 The file name is the sha256 hex of the key, in a subdirectory named by its first
 two hex characters (keeps directories small when there are millions of objects).
@@ -16,8 +20,8 @@ Invariants:
 * a file under its final name is complete: writes go to a temp file in the same
   directory and are renamed with ``os.replace`` (atomic on POSIX). We do not
   fsync: after a power loss a file may be short or zeroed, and the length and
-  crc32 checks turn that into a miss instead of data;
-* ``get`` never returns bytes whose crc32 does not match; such a file is deleted
+  checksum checks turn that into a miss instead of data;
+* ``get`` and ``read_into`` never return bytes whose checksum does not match; such a file is deleted
   and counted in ``checksum_failures``;
 * ``used_bytes`` (file sizes, headers included, plus in-flight writes) never
   exceeds ``quota_bytes``.
@@ -34,7 +38,7 @@ takes it only if the seal holds and no shard directory changed since (any file c
 renamed or removed in a shard changes its directory's mtime), and deletes it before serving,
 so a process that dies without ``close`` leaves none behind. Otherwise the tier rebuilds the
 index by reading every file's header. The index only lists what should be there: ``get``
-still checks every file's length, key and crc32, so a stale or forged entry reads as a miss.
+still checks every file's length, key and checksum, so a stale or forged entry reads as a miss.
 Thread-safe: one internal lock guards the index; file reads and writes happen
 outside it (an unlinked file stays readable through an open descriptor).
 """
@@ -53,6 +57,9 @@ import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
+import numpy as np
+import xxhash
+
 from kvpool.errors import ConfigError, ErrorCode, StoreError
 from kvpool.paths import validate_offload_path
 from kvpool.store.quota import POLICIES, DiskPolicy, QuotaIndex
@@ -64,9 +71,11 @@ logger = logging.getLogger(__name__)
 Buffer = Any
 
 MAGIC = b"KVPL"
-VERSION = 1
+VERSION = 2  # what this tier writes
+_READABLE = (1, 2)
 _HEADER = struct.Struct("<4sHHIQI")
 HEADER_SIZE = _HEADER.size
+_LOW32 = 0xFFFFFFFF
 _TMP_MARK = ".tmp."
 LOCK_NAME = ".kvpool.lock"
 FILE_MODE = 0o600
@@ -111,8 +120,21 @@ def _as_bytes_views(data: Buffer | Sequence[Buffer]) -> list[memoryview]:
     return views
 
 
+def _pread_into(fd: int, dest: np.ndarray, offset: int) -> int:
+    """Read from ``offset`` until ``dest`` is full or the file ends; the bytes read."""
+    view = memoryview(dest).cast("B")
+    got = 0
+    while got < len(view):  # a read may return fewer bytes than asked for
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            break
+        got += n
+    return got
+
+
 INDEX_NAME = ".kvpool.index"
 _INDEX_MAGIC = b"KVPI"
+_INDEX_VERSION = 1
 _INDEX_HEAD = struct.Struct("<4sHHQI")  # magic, version, reserved, entries, shards
 _INDEX_SHARD = struct.Struct("<2sq")  # shard name, st_mtime_ns
 _INDEX_ENTRY = struct.Struct("<IQ")  # key length, file size
@@ -255,14 +277,14 @@ class DiskTier:
         left behind on failure)."""
         tmp = f"{final}{_TMP_MARK}{os.getpid()}.{next(self._tmp_counter)}"
         try:
-            crc = 0
+            h = xxhash.xxh3_64()
             for v in views:
-                crc = zlib.crc32(v, crc)
+                h.update(v)
             os.makedirs(os.path.dirname(final), mode=DIR_MODE, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
             os.fchmod(fd, FILE_MODE)
             with open(fd, "wb") as f:
-                f.write(_HEADER.pack(MAGIC, VERSION, 0, len(key_bytes), payload_len, crc))
+                f.write(_HEADER.pack(MAGIC, VERSION, 0, len(key_bytes), payload_len, h.intdigest() & _LOW32))
                 f.write(key_bytes)
                 for v in views:
                     f.write(v)
@@ -293,6 +315,12 @@ class DiskTier:
             self._unlink_victims_locked(self._order.evict(size))
             return before - self._order.used >= size
 
+    def payload_size(self, key: str) -> int | None:
+        """Payload bytes of ``key`` as the index has them (no I/O); None when not stored."""
+        with self._lock:
+            size = self._order.size_of(key)
+        return None if size is None else size - HEADER_SIZE - len(key.encode("utf-8"))
+
     def get(self, key: str) -> bytes:
         """Return the payload of ``key``.
 
@@ -300,10 +328,7 @@ class DiskTier:
         when the file is corrupt or truncated (the file is deleted: it can never
         become valid, and leaving it would fail every later read too).
         """
-        with self._lock:
-            if key not in self._order:
-                raise StoreError(ErrorCode.OBJECT_NOT_FOUND, f"key={key!r} is not on the disk tier")
-            self._order.touch(key)
+        self._touch(key)
         file_path = self._file_path(key)
         try:
             with open(file_path, "rb") as f:
@@ -313,16 +338,65 @@ class DiskTier:
                 parsed = _HEADER.unpack(head) if len(head) == HEADER_SIZE else None
                 key_bytes = f.read(parsed[3]) if parsed else b""
                 payload = f.read(parsed[4]) if parsed else b""
-                trailing = f.read(1)
+                trailing = bool(f.read(1))
         except FileNotFoundError:
-            # Evicted or removed between the index check and the open.
-            with self._lock:
-                self._drop_locked(key, unlink=False)
-            raise StoreError(ErrorCode.OBJECT_NOT_FOUND, f"key={key!r} is not on the disk tier") from None
-        problem = self._check_file(parsed, key_bytes, payload, trailing, key)
+            self._gone(key)
+        problem = self._check_file(parsed, key_bytes, len(payload), trailing, key)
+        if problem is None and parsed is not None:
+            problem = self._check_sum(parsed, payload)[1]
         if problem is not None:
             self._corrupt(key, file_path, problem)
         return payload
+
+    def read_into(self, key: str, dest: np.ndarray) -> int:
+        """Read the payload of ``key`` into ``dest`` (a writable uint8 array of exactly
+        ``payload_size(key)`` bytes) and return its XXH3-64 (``buffers.checksum``).
+
+        The file goes straight into ``dest``, without a bytes object in between: the engine
+        reads a promotion into its arena range this way. Raises as ``get`` does; on a raise,
+        ``dest`` holds unspecified bytes. A file whose payload length differs from ``dest``'s
+        but is otherwise whole (the key was evicted and stored again meanwhile) is a miss.
+        """
+        self._touch(key)
+        file_path = self._file_path(key)
+        key_bytes = key.encode("utf-8")
+        start = HEADER_SIZE + len(key_bytes)  # where the payload begins, if the key is the file's
+        try:
+            fd = os.open(file_path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            self._gone(key)
+        try:
+            file_size = os.fstat(fd).st_size
+            head = os.pread(fd, start, 0)
+            parsed = _HEADER.unpack(head[:HEADER_SIZE]) if len(head) >= HEADER_SIZE else None
+            payload_len = parsed[4] if parsed is not None else -1
+            whole = parsed is not None and parsed[3] == len(key_bytes) and file_size == start + payload_len
+            if whole and payload_len != dest.nbytes:
+                raise StoreError(ErrorCode.OBJECT_NOT_FOUND,
+                                 f"key={key!r} on the disk tier is {payload_len} bytes now, not {dest.nbytes}")
+            got = _pread_into(fd, dest, start) if payload_len == dest.nbytes else 0
+        finally:
+            os.close(fd)
+        problem = self._check_file(parsed, head[HEADER_SIZE:], got, file_size > start + got, key)
+        digest = 0
+        if problem is None and parsed is not None:
+            digest, problem = self._check_sum(parsed, dest)
+        if problem is not None:
+            self._corrupt(key, file_path, problem)
+        return digest
+
+    def _touch(self, key: str) -> None:
+        """Mark ``key`` read (its LRU place); OBJECT_NOT_FOUND when it is not stored."""
+        with self._lock:
+            if key not in self._order:
+                raise StoreError(ErrorCode.OBJECT_NOT_FOUND, f"key={key!r} is not on the disk tier")
+            self._order.touch(key)
+
+    def _gone(self, key: str) -> NoReturn:
+        """Its file vanished between the index check and the open (evicted or removed)."""
+        with self._lock:
+            self._drop_locked(key, unlink=False)
+        raise StoreError(ErrorCode.OBJECT_NOT_FOUND, f"key={key!r} is not on the disk tier") from None
 
     def remove(self, key: str) -> ErrorCode:
         """Delete ``key``'s file; OBJECT_NOT_FOUND if it is not stored."""
@@ -340,23 +414,30 @@ class DiskTier:
 
     @staticmethod
     def _check_file(
-        parsed: tuple[Any, ...] | None, key_bytes: bytes, payload: bytes, trailing: bytes, key: str
+        parsed: tuple[Any, ...] | None, key_bytes: bytes, payload_read: int, trailing: bool, key: str
     ) -> str | None:
-        """Return why the file read for ``key`` is invalid, or None if it is valid."""
+        """Why the file read for ``key`` is invalid (its checksum aside), or None if it is valid."""
         if parsed is None:
             return "truncated header"
-        magic, version, _, key_len, payload_len, crc = parsed
-        if magic != MAGIC or version != VERSION:
+        magic, version, _, key_len, payload_len, _ = parsed
+        if magic != MAGIC or version not in _READABLE:
             return f"bad magic/version {magic!r}/{version}"
-        if len(key_bytes) != key_len or len(payload) != payload_len:
-            return f"payload has {len(payload)} of {payload_len} bytes (truncated)"
+        if len(key_bytes) != key_len or payload_read != payload_len:
+            return f"payload has {payload_read} of {payload_len} bytes (truncated)"
         if trailing:
             return "trailing bytes after the payload"
         if key_bytes != key.encode("utf-8"):
             return "stored key differs from the requested key"
-        if zlib.crc32(payload) != crc:
-            return "crc32 mismatch"
         return None
+
+    @staticmethod
+    def _check_sum(parsed: tuple[Any, ...], payload: Buffer) -> tuple[int, str | None]:
+        """The payload's XXH3-64, and why it does not match the file's check (None if it does)."""
+        version, check = parsed[1], parsed[5]
+        digest = xxhash.xxh3_64_intdigest(payload)
+        if version == 1:
+            return digest, None if zlib.crc32(payload) == check else "crc32 mismatch"
+        return digest, None if digest & _LOW32 == check else "checksum mismatch"
 
     def _corrupt(self, key: str, file_path: str, problem: str) -> NoReturn:
         logger.warning(
@@ -411,7 +492,7 @@ class DiskTier:
                 logger.info("disk tier: %s was changed behind this tier; the next start scans its files",
                             self.path)
                 return
-        parts = [_INDEX_HEAD.pack(_INDEX_MAGIC, VERSION, 0, len(entries), len(times))]
+        parts = [_INDEX_HEAD.pack(_INDEX_MAGIC, _INDEX_VERSION, 0, len(entries), len(times))]
         parts.extend(_INDEX_SHARD.pack(name.encode(), ns) for name, ns in sorted(times.items()))
         for key, size in entries:
             key_bytes = key.encode("utf-8")
@@ -451,7 +532,7 @@ class DiskTier:
         if len(blob) < _INDEX_HEAD.size + 4 or struct.unpack("<I", seal)[0] != zlib.crc32(body):
             raise ValueError("its checksum does not match")
         magic, version, _, count, shards = _INDEX_HEAD.unpack_from(body, 0)
-        if magic != _INDEX_MAGIC or version != VERSION:
+        if magic != _INDEX_MAGIC or version != _INDEX_VERSION:
             raise ValueError(f"bad magic/version {magic!r}/{version}")
         pos = _INDEX_HEAD.size
         recorded = {}
@@ -526,7 +607,7 @@ class DiskTier:
                 if len(head) < HEADER_SIZE:
                     return None, "truncated header"
                 magic, version, _, key_len, payload_len, _ = _HEADER.unpack(head)
-                if magic != MAGIC or version != VERSION:
+                if magic != MAGIC or version not in _READABLE:
                     return None, f"bad magic/version {magic!r}/{version}"
                 if size != HEADER_SIZE + key_len + payload_len:
                     return None, f"size {size} != header-declared {HEADER_SIZE + key_len + payload_len}"

@@ -351,6 +351,12 @@ class ObjectView:
     checksum: int | None
 
 
+def _copy_in(data: bytes, dest: np.ndarray) -> int:
+    """Copy ``data`` into ``dest`` (a promotion's arena range); their checksum."""
+    dest[:] = np.frombuffer(data, dtype=np.uint8)
+    return checksum([data])
+
+
 class _Spilled(NamedTuple):
     """An evicted object's bytes on their way to the disk tier, with the checksum its writer
     gave (None: none). The copy is made under the engine lock, before the range is reused; the
@@ -673,19 +679,16 @@ class PoolEngine:
                 self._stats["hits"] += 1
                 return lease
             spilled = self._spill.get(key)
-        data = spilled.data if spilled is not None and self._spilled_intact(key, spilled) else None
-        if data is None:
-            if self._disk is None:
-                with self._lock:
-                    self._stats["misses"] += 1
-                return ErrorCode.OBJECT_NOT_FOUND
-            try:
-                data = self._disk.get(key)
-            except StoreError as exc:
-                with self._lock:
-                    self._stats["misses"] += 1
-                return exc.code
-        return self._promote(client_id, key, data)
+        if spilled is not None and self._spilled_intact(key, spilled):
+            data = spilled.data
+            return self._promote(client_id, key, len(data), lambda dest: _copy_in(data, dest), lambda: data)
+        disk = self._disk
+        size = disk.payload_size(key) if disk is not None else None
+        if disk is None or size is None:
+            with self._lock:
+                self._stats["misses"] += 1
+            return ErrorCode.OBJECT_NOT_FOUND
+        return self._promote(client_id, key, size, lambda dest: disk.read_into(key, dest), lambda: disk.get(key))
 
     def batch_acquire(self, client_id: str, keys: Sequence[str]) -> list[Lease | ErrorCode]:
         """``acquire`` per key: the in-memory hits under one lock acquisition; keys found only
@@ -705,16 +708,17 @@ class PoolEngine:
                         self._stats["hits"] += 1
                     out[i] = lease
         below = [i for i, got in enumerate(out) if got is None]
-        if len(below) > 1 and self._disk is not None and not self._closed:
-            # Keys found only below memory: their file reads (and CRC checks, which release the
-            # GIL) run side by side, so a batch keeps several reads in flight on the disk
-            # instead of one; promotions still take the lock one at a time.
-            for i, got in zip(below, self._disk_readers().map(lambda i: self.acquire(client_id, keys[i]), below)):
-                out[i] = got
-        else:
-            for i in below:
-                out[i] = self.acquire(client_id, keys[i])
+        for i, got in zip(below, self._acquire_below(client_id, [keys[i] for i in below])):
+            out[i] = got
         return out  # type: ignore[return-value]
+
+    def _acquire_below(self, client_id: str, keys: Sequence[str]) -> list[Lease | ErrorCode]:
+        """``acquire`` per key of a batch that missed memory. With a disk tier their file reads
+        (and the hashes, which release the GIL) run side by side, so a batch keeps several
+        reads in flight on the disk instead of one; promotions still take the lock one at a time."""
+        if len(keys) > 1 and self._disk is not None and not self._closed:
+            return list(self._disk_readers().map(lambda key: self.acquire(client_id, key), keys))
+        return [self.acquire(client_id, key) for key in keys]
 
     def _disk_readers(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -960,7 +964,8 @@ class PoolEngine:
     ) -> list[ErrorCode]:
         """``get_into`` per key, as one batch: the in-memory hits are leased under one lock
         acquisition, copied (on ``copies``' threads when given), then validated and released
-        under one acquisition each. One failing key does not stop the others."""
+        under one acquisition each; keys below memory are read as in ``batch_acquire``. One
+        failing key does not stop the others."""
         n = len(keys)
         if n != len(buffers):
             return [ErrorCode.INVALID_PARAMS] * n
@@ -992,13 +997,12 @@ class PoolEngine:
                 elif lease is not None:
                     self._stats["hits"] += 1
                     leases[i] = lease
-        for i in wanted:  # not in memory: the spill buffer or the disk tier, one key at a time
-            if i not in leases and i not in refused:
-                got = self.acquire(client_id, keys[i])
-                if isinstance(got, ErrorCode):
-                    codes[i] = got
-                else:
-                    leases[i] = got
+        below = [i for i in wanted if i not in leases and i not in refused]  # the spill buffer, the disk
+        for i, got in zip(below, self._acquire_below(client_id, [keys[i] for i in below])):
+            if isinstance(got, ErrorCode):
+                codes[i] = got
+            else:
+                leases[i] = got
         jobs: list[tuple[np.ndarray, list[np.ndarray]]] = []
         copied: list[int] = []
         for i, lease in leases.items():
@@ -1612,16 +1616,23 @@ class PoolEngine:
                     pass
         return obj
 
-    def _promote(self, client_id: str, key: str, data: bytes) -> Lease | ErrorCode:
-        """Lease ``data`` found below memory, copying it into the arena when it fits (call unlocked).
+    def _promote(
+        self, client_id: str, key: str, size: int, fill: Callable[[np.ndarray], int], read: Callable[[], bytes],
+    ) -> Lease | ErrorCode:
+        """Lease a value of ``size`` bytes found below memory (call unlocked): ``fill(dest)``
+        writes its verified bytes into an arena range and returns their checksum; where no
+        range can be had, ``read()`` returns them for ``Lease.data``. Either raises StoreError
+        (a miss: the code is returned) when the bytes are gone or corrupt.
 
-        The copy and its hash run outside the engine lock, as a client's put does: the range is
-        a pending allocation, invisible to readers and marked ``promotion`` so that neither an
-        abort nor the put timeout frees it while the copy writes it. Under the lock, a block of
-        tens of MiB would stall every other client's calls for the milliseconds it takes.
+        The fill runs outside the engine lock, as a client's put does: the range is a pending
+        allocation, invisible to readers and marked ``promotion`` so that neither an abort nor
+        the put timeout frees it while the fill writes it. Under the lock, a block of tens of
+        MiB would stall every other client's calls for the milliseconds it takes. A disk read
+        lands in the range directly, with no copy in between.
         """
         now = self._clock()
         spills: list[tuple[str, _Spilled]] = []
+        pending: _Pending | None = None
         with self._lock:
             self._prune_locked(now)
             lease = self._lease_locked(client_id, key, now)  # another reader may have promoted it
@@ -1630,35 +1641,49 @@ class PoolEngine:
             if lease is not None:
                 self._stats["hits"] += 1
                 return lease
-            self._stats["disk_hits"] += 1
-            if key in self._pending_keys:
-                # A disk-only key may be re-put (or promoted by another reader), and that is in
-                # flight. Promoting now would give the key a second arena copy: the pending
-                # commit would then replace the leased promoted object (new generation under
-                # the reader) or have to be dropped. Serve the verified disk bytes instead; the
-                # commit later publishes the same immutable bytes.
-                return Lease(key, -1, len(data), 0, now + self._ttl_s, 0, data)
-            result, spills = self._allocate_locked("", key, len(data), now)
-            pending = self._pending[result.handle] if isinstance(result, Allocation) else None
-            if pending is not None:
-                pending.promotion = True
-        lease = Lease(key, -1, len(data), 0, now + self._ttl_s, 0, data)
-        if pending is not None:
-            try:
-                self._arena[pending.offset : pending.offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
-                digest = checksum([data])
-            except BaseException:
-                with self._lock:
+            # A key with a put (or another reader's promotion) in flight is not promoted: a
+            # second arena copy would make the pending commit replace the leased promoted object
+            # (new generation under the reader) or be dropped. The reader gets the verified
+            # bytes instead; the commit later publishes the same immutable bytes.
+            if key not in self._pending_keys:
+                result, spills = self._allocate_locked("", key, size, now)
+                pending = self._pending[result.handle] if isinstance(result, Allocation) else None
+                if pending is not None:
+                    pending.promotion = True
+        try:
+            if pending is None:
+                data = read()
+                lease = Lease(key, -1, len(data), 0, now + self._ttl_s, 0, data)
+            else:
+                digest = fill(self._arena[pending.offset : pending.offset + size])
+        except BaseException as exc:
+            with self._lock:
+                if pending is not None:
                     self._reclaim_locked(pending)
-                raise
+                if isinstance(exc, StoreError):
+                    self._stats["misses"] += 1
+            self._write_spills(spills)
+            if isinstance(exc, StoreError):
+                return exc.code
+            raise
+        if pending is not None:
             now = self._clock()
             with self._lock:
                 self._commit_locked(pending).checksum = digest
                 self._stats["promotions"] += 1
                 promoted = self._lease_locked(client_id, key, now)
-                # Over its quota, the reader still gets the verified bytes, just not an arena lease.
-                if isinstance(promoted, Lease):
-                    lease = promoted
+            if isinstance(promoted, Lease):
+                lease = promoted
+            else:
+                # Over its quota the reader still gets the bytes, just not an arena lease. Copied
+                # unlocked and unleased, so the range may be reused meanwhile: the hash decides.
+                data = bytes(self._arena[pending.offset : pending.offset + size])
+                if checksum([data]) != digest:
+                    self._write_spills(spills)
+                    return promoted if isinstance(promoted, ErrorCode) else ErrorCode.OBJECT_NOT_FOUND
+                lease = Lease(key, -1, size, 0, now + self._ttl_s, 0, data)
+        with self._lock:
+            self._stats["disk_hits"] += 1
         self._write_spills(spills)
         return lease
 

@@ -68,6 +68,10 @@ class QuotaIndex:
         """Stored or being written: a second write of it is a no-op."""
         return key in self._index or key in self._inflight
 
+    def size_of(self, key: str) -> int | None:
+        """The stored size of ``key``; None when it is not stored (or still being written)."""
+        return self._index.get(key)
+
     def keys(self) -> list[str]:
         """Stored keys in eviction order (first = next victim)."""
         return list(self._index)
