@@ -160,8 +160,11 @@ def test_kvpool_keys_round_trip_under_normalized_names(tmp_path, worker, monkeyp
 
 @pytest.mark.services
 def test_worker_dies_then_comes_back(tmp_path):
+    # A workdir deep enough that the worker's default socket path would pass the 107 bytes a
+    # Unix socket path may hold (as pytest's tmp_path can be, with a longer user name).
+    workdir = tmp_path / ("deep" * 20) / "w"
     try:
-        w = YuanrongWorker(tmp_path / "w", shared_memory_mb=64)
+        w = YuanrongWorker(workdir, shared_memory_mb=64)
     except ServiceError as exc:
         pytest.fail(str(exc), pytrace=False)
     try:

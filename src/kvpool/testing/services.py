@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -286,6 +287,10 @@ class YuanrongWorker(Service):
         self.port, self.meta_port = free_ports(2)
         self.log_dir = self.workdir / "worker-logs"
         self.log_dir.mkdir(exist_ok=True)
+        # The worker's client socket is <dir>/<8 hex>/client.sock and a Unix socket path holds at
+        # most 107 bytes: under a deep workdir (pytest's tmp_path, for a longer user name) the
+        # worker cannot bind it and dscli waits out its whole timeout. A short private dir.
+        self.uds_dir = Path(tempfile.mkdtemp(prefix="kvpool-yr-"))
         argv = [
             dscli_binary(), "start", "-w",
             "--worker_address", self.address,
@@ -296,12 +301,14 @@ class YuanrongWorker(Service):
             # a large object can find no room in an arena while others sit free).
             "--arena_per_tenant", "1",
             "--log_dir", str(self.log_dir),
+            "--unix_domain_socket_dir", str(self.uds_dir),
         ]
         self.argv = argv
         self.start(timeout)
 
     def start(self, timeout: float = 60) -> None:
         """`dscli start` (again after `stop` or `kill`: same address, same metastore port)."""
+        self.uds_dir.mkdir(mode=0o700, exist_ok=True)
         res = subprocess.run(self.argv, cwd=self.workdir, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
                              stdin=subprocess.DEVNULL, timeout=timeout)
         _LIVE.append(self)
@@ -356,6 +363,7 @@ class YuanrongWorker(Service):
         pid = self.pid
         if pid is not None and not sigkill(pid):
             raise ServiceError(f"{self.name}: worker pid {pid} still runs after SIGKILL; log {self.log}")
+        shutil.rmtree(self.uds_dir, ignore_errors=True)  # made again by a restart
 
 
 _SHARED_YUANRONG: YuanrongWorker | None = None
@@ -368,8 +376,6 @@ def shared_yuanrong_worker(shared_memory_mb: int = 128) -> YuanrongWorker:
     """
     global _SHARED_YUANRONG
     if _SHARED_YUANRONG is None or not _SHARED_YUANRONG.alive():
-        import tempfile
-
         workdir = tempfile.mkdtemp(prefix="kvpool-yr-")
         try:
             _SHARED_YUANRONG = YuanrongWorker(workdir, shared_memory_mb=shared_memory_mb)
