@@ -1628,7 +1628,9 @@ class PoolEngine:
         allocation, invisible to readers and marked ``promotion`` so that neither an abort nor
         the put timeout frees it while the fill writes it. Under the lock, a block of tens of
         MiB would stall every other client's calls for the milliseconds it takes. A disk read
-        lands in the range directly, with no copy in between.
+        lands in the range directly, with no copy in between, and is hashed there: a client
+        that scribbles on the shared arena meanwhile makes the file read as corrupt (a miss,
+        the file dropped), never makes wrong bytes pass the check.
         """
         now = self._clock()
         spills: list[tuple[str, _Spilled]] = []
