@@ -40,9 +40,11 @@ section of docs/benchmarks.md (`--no-docs` skips it).
 from __future__ import annotations
 
 import argparse
+import glob
 import mmap
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -59,6 +61,7 @@ from common import (
 from plotting import COLORS, finish, no_data
 
 from kvpool.testing.launch import PoolServer
+from kvpool.testing.proc import wait_for
 
 VALUE = 1024
 BATCH = 64
@@ -344,11 +347,25 @@ def run_restart(n: int, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
     out["direct_io_bytes_per_s"] = direct_read_bandwidth(tmp, n * VALUE)
     out["loadavg1"] = loadavg1()
     # Unlinking a million files takes minutes on a slow disk: it goes on after the run.
-    trash = tempfile.mkdtemp(prefix="kvsc-trash-", dir="/tmp")
+    trash = tempfile.mkdtemp(prefix=TRASH_PREFIX, dir="/tmp")
     os.rename(ssd, os.path.join(trash, "ssd"))
     subprocess.Popen(["rm", "-rf", trash], start_new_session=True, stdin=subprocess.DEVNULL,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return out
+
+
+TRASH_PREFIX = "kvsc-trash-"  # an earlier run's SSD-tier files, being deleted
+
+
+def wait_for_trash() -> None:
+    """Wait until an earlier run's files are deleted: that deletion keeps the disk and a core
+    busy for minutes, and a run started meanwhile measures it as much as the pool."""
+    pending = glob.glob(os.path.join("/tmp", TRASH_PREFIX + "*"))
+    if pending:
+        log(f"waiting until an earlier run's SSD-tier files are deleted ({', '.join(pending)})")
+        for path in pending:
+            shutil.rmtree(path, ignore_errors=True)  # beside its rm -rf: together they finish sooner
+        wait_for(lambda: not glob.glob(os.path.join("/tmp", TRASH_PREFIX + "*")), timeout=1800, interval=1.0)
 
 
 BLOCK_VALUE = 1 << 20  # a KV block's value (a 128-token block of a small model)
@@ -623,6 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     args.puts = 10_000 if args.quick else 20_000
     args.gets = 10_000 if args.quick else 20_000
     args.ssd_gets = 5_000 if args.quick else 20_000
+    wait_for_trash()
     results: dict[str, Any] = {"env": machine_info(), "quick": args.quick, "value_bytes": VALUE, "targets": TARGETS}
     log(f"CPU {results['env']['cpu_model']} x{results['env']['cpu_count']}, load {results['env']['loadavg']}")
     systems = [s for s in args.systems.split(",") if s]

@@ -159,6 +159,13 @@ def test_kvpool_keys_round_trip_under_normalized_names(tmp_path, worker, monkeyp
 
 
 @pytest.mark.services
+def test_a_start_that_outlasts_its_timeout_is_a_service_error(tmp_path):
+    """`dscli start` still waiting at the deadline: a ServiceError naming it (a bare
+    TimeoutExpired once left the worker it had started running, outside every clean-up)."""
+    with pytest.raises(ServiceError, match="did not return within"):
+        YuanrongWorker(tmp_path / "w", shared_memory_mb=64, timeout=0.5)
+
+
 def test_worker_dies_then_comes_back(tmp_path):
     # A workdir deep enough that the worker's default socket path would pass the 107 bytes a
     # Unix socket path may hold (as pytest's tmp_path can be, with a longer user name).

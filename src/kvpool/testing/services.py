@@ -309,13 +309,16 @@ class YuanrongWorker(Service):
     def start(self, timeout: float = 60) -> None:
         """`dscli start` (again after `stop` or `kill`: same address, same metastore port)."""
         self.uds_dir.mkdir(mode=0o700, exist_ok=True)
-        res = subprocess.run(self.argv, cwd=self.workdir, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, timeout=timeout)
+        try:
+            res = subprocess.run(self.argv, cwd=self.workdir, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, timeout=timeout)
+            outcome = f"exited with {res.returncode}"
+        except subprocess.TimeoutExpired:  # the worker it started may run on: stopped below
+            res, outcome = None, f"did not return within {timeout:.0f} s"
         _LIVE.append(self)
-        if res.returncode != 0 or not port_open(self.port):
+        if res is None or res.returncode != 0 or not port_open(self.port):
             self.stop()
-            raise ServiceError(f"dscli start exited with {res.returncode}: {self.argv}\n{tail(self.log)}\n"
-                               f"{self.worker_log_tail()}")
+            raise ServiceError(f"dscli start {outcome}: {self.argv}\n{tail(self.log)}\n{self.worker_log_tail()}")
 
     @property
     def address(self) -> str:
