@@ -166,6 +166,7 @@ def test_a_start_that_outlasts_its_timeout_is_a_service_error(tmp_path):
         YuanrongWorker(tmp_path / "w", shared_memory_mb=64, timeout=0.5)
 
 
+@pytest.mark.services
 def test_worker_dies_then_comes_back(tmp_path):
     # A workdir deep enough that the worker's default socket path would pass the 107 bytes a
     # Unix socket path may hold (as pytest's tmp_path can be, with a longer user name).

@@ -313,11 +313,11 @@ class YuanrongWorker(Service):
             res = subprocess.run(self.argv, cwd=self.workdir, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, timeout=timeout)
             outcome = f"exited with {res.returncode}"
-        except subprocess.TimeoutExpired:  # the worker it started may run on: stopped below
-            res, outcome = None, f"did not return within {timeout:.0f} s"
+        except subprocess.TimeoutExpired:  # the worker it started may run on: killed below
+            res, outcome = None, f"did not return within {timeout:g} s"
         _LIVE.append(self)
         if res is None or res.returncode != 0 or not port_open(self.port):
-            self.stop()
+            self.kill()  # a worker that never served has nothing to shut down gracefully
             raise ServiceError(f"dscli start {outcome}: {self.argv}\n{tail(self.log)}\n{self.worker_log_tail()}")
 
     @property
