@@ -164,6 +164,30 @@ def test_files_of_the_first_format_still_read_and_are_checked(make_disk, how: st
     assert exc.value.code is ErrorCode.CHECKSUM_MISMATCH and not os.path.exists(path)
 
 
+def test_read_into_asks_again_after_short_reads(make_disk, monkeypatch) -> None:
+    """A read may return fewer bytes than asked for (a signal, some file systems): the rest of
+    the payload is asked for again, never taken as a short file."""
+    disk = make_disk()
+    value = bytes(range(256)) * 4
+    disk.put("key-of-some-length", value)
+    disk.put("trailing", value)
+    with open(file_of(disk, "trailing"), "ab") as f:
+        f.write(b"\0")
+    real, calls = os.preadv, []
+
+    def at_most_7_bytes(fd: int, views: list, offset: int) -> int:
+        calls.append(offset)
+        first = memoryview(views[0])[:7]
+        return real(fd, [first], offset)
+
+    monkeypatch.setattr(disk_module.os, "preadv", at_most_7_bytes)
+    assert read(disk, "key-of-some-length", "read_into") == value
+    assert len(calls) > len(value) // 7
+    with pytest.raises(StoreError) as exc:
+        read(disk, "trailing", "read_into")
+    assert exc.value.code is ErrorCode.CHECKSUM_MISMATCH and not disk.contains("trailing")
+
+
 def test_read_into_a_buffer_of_another_size_is_a_miss_and_keeps_the_file(make_disk) -> None:
     """The key was evicted and stored again with another size between the index lookup and
     the read: a miss, and the whole, valid file stays."""
