@@ -6,8 +6,14 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
+from proxy_peers import ServerThread
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
 from kvpool.testing.proc import expect, free_port
 
@@ -252,3 +258,34 @@ def test_a_slow_health_probe_takes_an_instance_out_only_after_several_in_a_row()
     # A refused connection or an error status is an answer: out at the first one.
     assert asyncio.run(probes(httpx.ConnectError("refused"))) == [False] and not inst.healthy
     assert asyncio.run(probes(200, 503)) == [True, False] and not inst.healthy and inst.failures == 3
+
+
+def _broken_5xx_app() -> Starlette:
+    """An instance whose 5xx answer breaks off mid-body (it crashed while answering)."""
+
+    async def completion(request: Request) -> Response:
+        async def body() -> Any:
+            yield b'{"error": {"message": "half an err'
+            raise RuntimeError("the instance dies mid-answer (planned)")
+
+        return StreamingResponse(body(), status_code=500, media_type="application/json")
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200)
+
+    return Starlette(routes=[Route("/v1/completions", completion, methods=["POST"]),
+                             Route("/health", health, methods=["GET"])])
+
+
+def test_a_5xx_stream_that_breaks_off_is_a_502_not_a_500(make_peer, start_proxy):
+    server = ServerThread(_broken_5xx_app()).start()
+    try:
+        m = server.port
+        proxy = start_proxy([], [], [m], health_interval=300)
+        with proxy.client.stream("POST", "/v1/completions", json=dict(BODY, stream=True)) as resp:
+            resp.read()
+        assert resp.status_code == 502, resp.text
+        assert resp.json()["error"]["type"] == "bad_gateway"
+        expect(lambda: proxy.instances()[f"mixed:{m}"]["in_flight"] == 0, what="lease released")
+    finally:
+        server.stop()

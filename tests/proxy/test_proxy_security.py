@@ -371,3 +371,24 @@ def test_kvpool_proxy_reads_the_token_from_its_environment(make_peer, tmp_path):
             assert client.post("/instances/add", json=add, headers=ADMIN_HEADERS).status_code == expected[1]
             assert client.post("/v1/completions", json=BODY).status_code == 200  # command-line instances serve
         assert ADMIN_TOKEN not in proxy.log()
+
+
+def test_a_non_ascii_request_id_is_not_a_500(make_peer, start_proxy):
+    p, d = make_peer("P"), make_peer("D")
+    proxy = start_proxy([p], [d])
+    resp = proxy.post("/v1/completions", BODY, headers={"x-request-id": "caf\xe9".encode("latin-1")})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"].startswith("D says")
+    # Passed on as the client sent it (the peers decode header bytes as latin-1).
+    assert [r.headers["x-request-id"] for r in p.completions() + d.completions()] == ["caf\xe9"] * 2
+    assert all(i["in_flight"] == 0 for i in proxy.instances().values())
+
+
+def test_a_non_ascii_request_id_in_mixed_mode_is_not_a_500(make_peer, start_proxy):
+    m = make_peer("M")
+    proxy = start_proxy([], [], [m], forward_authorization=ForwardAuth.ALL)
+    headers = {"x-request-id": "caf\xe9".encode("latin-1"), "authorization": "Bearer s\xe9cret".encode("latin-1")}
+    resp = proxy.post("/v1/completions", BODY, headers=headers)
+    assert resp.status_code == 200, resp.text
+    (seen,) = m.completions()
+    assert seen.headers["authorization"] == "Bearer s\xe9cret"

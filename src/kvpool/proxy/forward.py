@@ -36,9 +36,9 @@ the instance is marked down and the request is tried on another healthy instance
 tried yet, up to ``--max-retries`` more times, ``--retry-delay`` seconds apart; never on one
 that already failed it. A 4xx answer is the client's problem: it is passed back as it is,
 without retrying. When every attempt failed, or no untried healthy instance is left, the
-client gets the last 5xx answer as it was, or 502 (connection errors) / 504 (timeouts) with an
-OpenAI-shaped error body; 503 when there is no instance at all. Once a stream has started it
-cannot be retried: a failure mid-stream ends it with an SSE ``error`` event and ``data: [DONE]``.
+client gets the last 5xx answer as it was (502 if its body broke off), or 502 (connection
+errors) / 504 (timeouts) with an OpenAI-shaped error body; 503 when there is no instance at
+all. Once a stream has started it cannot be retried: a failure mid-stream ends it with an SSE ``error`` event and ``data: [DONE]``.
 
 Client disconnects: while the proxy waits for the prefill or a non-streaming decode, the route
 watches for the client going away and cancels the upstream request (closing its connection,
@@ -365,27 +365,31 @@ class Forwarder:
                     if not inst.healthy:
                         self.registry.mark_up(inst)
                     return inst, resp, lease
+                upstream: httpx.Response | None = resp
                 try:
                     await resp.aread()
                 except httpx.HTTPError:
-                    pass
+                    upstream = None  # its body broke off: nothing whole to pass back, so a 502 of our own
                 finally:
                     await resp.aclose()
                     lease.release()
                 reason = f"HTTP {resp.status_code}"
-                failure = UpstreamFailed(resp.status_code, f"{role.value} instance {inst.key}: {reason}", resp)
+                failure = UpstreamFailed(resp.status_code if upstream is not None else 502,
+                                         f"{role.value} instance {inst.key}: {reason}", upstream)
             self.registry.mark_down(inst, reason)
             logger.warning("%s attempt %d on %s failed: %s", role.value, attempt + 1, inst.key, reason)
         assert failure is not None
         raise failure
 
-    def _headers(self, incoming: Mapping[str, str], request_id: str, inst: Instance) -> dict[str, str]:
+    def _headers(self, incoming: Mapping[str, str], request_id: str, inst: Instance) -> dict[bytes, bytes]:
         """What ``inst`` gets: the request id, and the client's credentials only where allowed."""
-        headers = {"x-request-id": request_id}
+        # As bytes: Starlette decoded the client's headers as latin-1, and httpx would encode a
+        # str as ASCII, raising on any other byte a client may send; latin-1 gives its bytes back.
+        headers = {b"x-request-id": request_id.encode("latin-1")}
         mode = self.config.forward_authorization
         allowed = mode is ForwardAuth.ALL or (mode is ForwardAuth.STATIC and not inst.added_at_runtime)
         if allowed and "authorization" in incoming:
-            headers["authorization"] = incoming["authorization"]
+            headers[b"authorization"] = incoming["authorization"].encode("latin-1")
         return headers
 
     async def completion(self, path: str, body: dict[str, Any], incoming: Mapping[str, str]) -> Response:
