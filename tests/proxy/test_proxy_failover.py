@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -9,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import pytest
 from proxy_peers import ServerThread
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -287,5 +289,71 @@ def test_a_5xx_stream_that_breaks_off_is_a_502_not_a_500(make_peer, start_proxy)
         assert resp.status_code == 502, resp.text
         assert resp.json()["error"]["type"] == "bad_gateway"
         expect(lambda: proxy.instances()[f"mixed:{m}"]["in_flight"] == 0, what="lease released")
+    finally:
+        server.stop()
+
+
+def test_requests_that_fail_together_spread_their_retries_by_load(make_peer, start_proxy):
+    """Each retry is placed with the loads of the retries placed before it, not before any of them."""
+    gate_x, gate_ab = threading.Event(), threading.Event()
+    x = make_peer("X", gate=gate_x, status=500)
+    a, b = make_peer("A", gate=gate_ab), make_peer("B", gate=gate_ab)
+    d = make_peer("D")
+    # A retry delay long enough that both failures are back before either retry is sent.
+    proxy = start_proxy([x, a, b], [d], retry_delay=1.0, health_interval=300)
+    with ThreadPoolExecutor(5) as pool:
+        futures = []
+        for n in range(1, 6):  # one at a time, so least-loaded places them X, A, B, X, A
+            futures.append(pool.submit(proxy.post, "/v1/completions", BODY))
+            expect(lambda n=n: sum(_count([x, a, b])) == n, what=f"prefill {n} in flight")
+        assert _count([x, a, b]) == [2, 2, 1]
+        gate_x.set()  # X fails both of its requests at once
+        expect(lambda: sum(_count([a, b])) == 5, what="both retries in flight")
+        # B (1 in flight) takes the first retry; then A and B hold 2 each and A takes the second.
+        assert _count([a, b]) == [3, 2]
+        gate_ab.set()
+        assert [f.result().status_code for f in futures] == [200] * 5
+    assert all(i["in_flight"] == 0 for i in proxy.instances().values())
+
+
+def _mid_event_break_app() -> Starlette:
+    """An instance whose stream breaks off in the middle of an event (it crashed mid-write);
+    its non-streaming answers (a PD prefill) are whole."""
+
+    async def completion(request: Request) -> Response:
+        body = await request.json()
+        if not body.get("stream"):
+            return Response(json.dumps({"id": "p", "choices": [{"index": 0, "text": "x"}]}),
+                            media_type="application/json")
+
+        async def events() -> Any:
+            yield b'data: {"id": "s", "choices": [{"index": 0, "text": "whole"}]}\n\n'
+            yield b'data: {"id": "s", "choices": [{"index": 0, "text": "hal'
+            await asyncio.sleep(0.2)  # the half event reaches the proxy before the connection drops
+            raise RuntimeError("the instance dies mid-event (planned)")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200)
+
+    return Starlette(routes=[Route("/v1/completions", completion, methods=["POST"]),
+                             Route("/health", health, methods=["GET"])])
+
+
+@pytest.mark.parametrize("mode", ["mixed", "pd"])
+def test_a_stream_that_breaks_off_mid_event_still_ends_with_a_readable_error_event(mode, make_peer, start_proxy):
+    server = ServerThread(_mid_event_break_app()).start()
+    try:
+        port = server.port
+        proxy = (start_proxy([], [], [port], health_interval=300) if mode == "mixed"
+                 else start_proxy([port], [port], health_interval=300))
+        with proxy.client.stream("POST", "/v1/completions", json=dict(BODY, stream=True)) as resp:
+            assert resp.status_code == 200
+            events = [e for e in resp.read().decode().split("\n\n") if e.strip()]
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].strip()[len("data: "):])["error"]
+        assert error["type"] == "proxy_error" and "stream broken" in error["message"]
+        assert "whole" in events[0]
     finally:
         server.stop()

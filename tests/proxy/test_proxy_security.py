@@ -294,6 +294,21 @@ def test_bad_json_is_a_400_with_a_message_never_a_500(make_peer, start_proxy):
     assert proxy.post("/v1/completions", BODY).status_code == 200  # and the proxy still serves
 
 
+@pytest.mark.parametrize("number", [b"1e400", b"-1e400"])
+def test_a_number_past_a_doubles_range_is_a_400_in_both_modes(number, make_peer, start_proxy):
+    # Python's json reads 1e400 as inf, which no JSON encoder (httpx's, Starlette's) writes back.
+    raw = b'{"model": "m", "prompt": "x", "max_tokens": 4, "temperature": ' + number + b"}"
+    p, d, m = make_peer("P"), make_peer("D"), make_peer("M")
+    for proxy, peers in ((start_proxy([p], [d]), (p, d)), (start_proxy([], [], [m]), (m,))):
+        resp = proxy.client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert err["type"] == "invalid_request_error" and number.decode() in err["message"]
+        assert all(peer.received == [] for peer in peers)
+        assert all(i["in_flight"] == 0 for i in proxy.instances().values())
+        assert proxy.post("/v1/completions", BODY).status_code == 200  # and the proxy still serves
+
+
 def test_nesting_up_to_the_limit_passes(make_peer, start_proxy):
     p, d = make_peer("P"), make_peer("D")
     proxy = start_proxy([p], [d])

@@ -189,6 +189,7 @@ def merge_usage(data: Any, prefill_cached: int) -> bool:
 
 
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
+_ENDS_EVENT = re.compile(rb"\r?\n\r?\n\Z")
 
 
 class SSEUsageRewriter:
@@ -270,17 +271,24 @@ class UpstreamStream(Response):
 
     async def _pump(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        last = b""  # the last bytes sent: whether the client is between two SSE events
         try:
             async for chunk in self.upstream.aiter_bytes():
                 out = self.rewriter.feed(chunk) if self.rewriter else chunk
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
+                    last = (last + out)[-4:]
             tail = self.rewriter.flush() if self.rewriter else b""
         except httpx.HTTPError as exc:  # the instance died or stalled mid-stream
             reason = f"stream broken: {type(exc).__name__}: {exc}"
             self.on_error(reason)
             logger.warning("decode stream from %s ended early: %s", self.upstream.url, reason)
-            tail = (self.rewriter.flush() if self.rewriter else b"") + (sse_error_event(reason) if self.is_sse else b"")
+            tail = self.rewriter.flush() if self.rewriter else b""
+            if self.is_sse:
+                # A stream cut mid-event: end that event first, or the error's "data:" would
+                # join its last line and the client could not read the error.
+                sent = (last + tail)[-4:]
+                tail += (b"\n\n" if sent and not _ENDS_EVENT.search(sent) else b"") + sse_error_event(reason)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -333,6 +341,11 @@ class Forwarder:
         tried: list[Instance] = []
         failure: UpstreamFailed | None = None
         for attempt in range(self.config.max_retries + 1):
+            if attempt and self.config.retry_delay > 0 and self.registry.candidates(role, exclude=tried):
+                # Before the pick, not between it and the lease: requests that failed together
+                # would all pick by the loads from before any of their retries was placed, and
+                # pile onto one instance past its share (and past prefix_aware's load bound).
+                await asyncio.sleep(self.config.retry_delay)
             inst = self.registry.pick(role, exclude=tried, choose=choose)
             if inst is None:
                 if failure is not None:  # a retry, and no healthy instance left that it has not tried
@@ -342,8 +355,6 @@ class Forwarder:
             if attempt:
                 logger.info("retrying on %s instance %s (retry %d of %d)", role.value, inst.key, attempt,
                             self.config.max_retries)
-                if self.config.retry_delay > 0:
-                    await asyncio.sleep(self.config.retry_delay)
             tried.append(inst)
             lease = self.registry.lease(inst, tokens)
             try:

@@ -7,8 +7,10 @@ Every failure here is the sender's fault and becomes a 4xx with a message, never
   arrives and refused as soon as it passes the limit, so the proxy never holds more than the
   limit of one request's body;
 - JSON: strict JSON only. ``NaN``/``Infinity`` literals (Python's ``json`` accepts them, JSON
-  does not, and the proxy could not send them on), nesting deeper than :data:`MAX_JSON_DEPTH`,
-  text that is not UTF-8, and strings with lone surrogates (they cannot be re-encoded) are 400s;
+  does not, and the proxy could not send them on), numbers past a double's range (``1e400``:
+  Python reads them as infinity, which cannot be sent on either), nesting deeper than
+  :data:`MAX_JSON_DEPTH`, text that is not UTF-8, and strings with lone surrogates (they cannot
+  be re-encoded) are 400s;
 - shape: a completion body is an object, and the fields the proxy itself reads have the types
   the OpenAI API gives them (:data:`FIELD_TYPES`).
 
@@ -19,6 +21,7 @@ the instance's and the caller answers 502.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from starlette.requests import Request
@@ -76,10 +79,19 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value (use a number or null)")
 
 
+def _finite_float(text: str) -> float:
+    # json reads 1e400 as inf, which no JSON encoder writes back (httpx and Starlette refuse
+    # it): refused here, it is the sender's 400 rather than the proxy's 500 when sent on.
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of the range of a double (about 1.8e308); send a smaller number")
+    return value
+
+
 def parse_json(data: bytes, what: str = "the request body") -> Any:
     """Strict JSON (see the module docstring); :class:`BadRequest` (400) says what is wrong."""
     try:
-        value = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+        value = json.loads(data.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float)
     except UnicodeDecodeError:
         raise BadRequest(400, f"{what} is not UTF-8 text") from None
     except RecursionError:
