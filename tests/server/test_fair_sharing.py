@@ -340,3 +340,24 @@ def test_long_keys_are_charged_to_the_memory_budget(start_server, make_client):
     assert c.server_stats()[0]["memory_used"] - used >= len(keys) * (4000 + 1024)
     # A key is bounded in bytes, not characters: 3000 two-byte characters are 6000 bytes.
     assert c.put(["é" * 3000], [[np.zeros(8, np.uint8)]]) == [int(ErrorCode.INVALID_KEY)]
+
+
+# ---- a connection that outlived its client TTL ------------------------------------------------------------
+
+
+def test_a_connection_reaped_for_silence_still_counts_against_its_process(start_server, make_client):
+    # A process stalled past --client_ttl (paused, swapping) keeps its connection open (the idle
+    # timeout is longer) and is reaped by the engine meanwhile. Once it talks again its holdings
+    # must still count against its process, or each such connection gets a share of its own.
+    start_server("--client_ttl", "0.5", "--client_pool_share", "0.25", "--put_timeout", "30")
+    awake = make_client(name="awake")  # pings: never reaped
+    stalled = make_client(name="stalled", ping=False)
+    cap = awake.server_stats()[0]["memory_capacity"]
+    expect(lambda: awake.server_stats()[0]["reaped_clients"] >= 1, "the silent connection to be reaped")
+    assert stalled.connected
+    part = cap * 3 // 16  # each under the process's quarter, both together over it
+    first = stalled.allocate(["s0"], [part])
+    assert first.codes == [OK]
+    second = awake.allocate(["a0"], [part])
+    assert second.codes == [int(ErrorCode.NO_AVAILABLE_HANDLE)]
+    assert held_by(awake, os.getpid()) >= part

@@ -128,7 +128,34 @@ def test_lookup_leases_of_a_reconnected_client_are_not_used(start_server, make_c
     c.put(["k"], [[v]])  # the first call after the kill finds the connection gone
     assert c.wait_connected(10)
     assert c.put(["k"], [[v]]) in ([OK], [int(ErrorCode.OBJECT_ALREADY_EXISTS)])
-    assert "k" in c._held  # still kept, but of the old connection
+    assert "k" not in c._held  # dropped with the old connection (whose numbers the new server reuses)
     acquires = c.requests["Acquire"]
     codes, outs = _get(c, ["k"], 1024)
     assert codes == [OK] and np.array_equal(outs[0], v) and c.requests["Acquire"] == acquires + 1
+
+
+def _mapped(arena_name: str) -> bool:
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip().split("/")[-1].split(" ")[0] == arena_name for line in f)
+
+
+def test_a_reconnected_client_unmaps_the_dead_servers_arena(start_server, make_client, sock_path):
+    # The dead server's arena file is unlinked by its successor, but its tmpfs pages stay
+    # allocated while any process maps it: a client that keeps the old mapping holds a second
+    # memory tier's worth of /dev/shm, and the successor's free-space check or writes can fail.
+    import gc
+
+    server = start_server()
+    c = make_client(name="remap", ping=False, retry_interval_s=0.05)  # no pinger holding the old link
+    (v,) = _values(1, 4096, 7)
+    assert c.put(["k"], [[v]]) == [OK]
+    assert c.exists(["k"], lease=True) == [True]  # a lookup lease kept for a load that never comes
+    old = c.server_info.arena_name
+    assert _mapped(old)
+    server.kill()
+    start_server(socket_path=sock_path)
+    c.put(["k"], [[v]])  # the first call after the kill finds the connection gone
+    assert c.wait_connected(10)
+    assert c.server_info.arena_name != old
+    gc.collect()
+    assert not _mapped(old)

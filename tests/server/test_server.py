@@ -92,6 +92,43 @@ def test_a_signal_taken_by_another_thread_still_stops_the_server(start_server, m
     assert arena_files(sock_path) == []
 
 
+def test_a_connection_without_a_thread_does_not_stop_the_server(sock_path, make_client, monkeypatch):
+    # One thread per connection: out of threads (a container's pids limit, RLIMIT_NPROC) the
+    # new connection must be turned away as an accept() EMFILE is, not end serve_forever() for all.
+    from kvpool.server.daemon import Server
+
+    server = Server(parse_flags("--socket", sock_path, "--memory-size", "4MB"))
+    server.start()
+    serving = threading.Thread(target=server.serve_forever, name="test-serve", daemon=True)
+    serving.start()
+    try:
+        first = make_client(name="first", ping=False)
+        assert first.ping() == OK
+        start = threading.Thread.start
+        refused: list[str] = []
+
+        def no_thread_for_the_next_connection(self: threading.Thread) -> None:
+            if self.name.startswith("kvpool-conn-") and not refused:
+                refused.append(self.name)
+                raise RuntimeError("can't start new thread")
+            start(self)
+
+        monkeypatch.setattr(threading.Thread, "start", no_thread_for_the_next_connection)
+        unlucky = make_client(name="unlucky", ping=False, connect_timeout_s=2.0)
+        assert refused and not unlucky.connected
+        assert serving.is_alive()
+        assert first.ping() == OK  # the connections it had are still served
+        assert unlucky.wait_connected(5) and unlucky.ping() == OK  # and new ones once threads are back
+        assert server.stats()["connected_clients"] == 2
+    finally:
+        server.stop()
+        serving.join(10)
+        left = arena_files(sock_path)
+        for name in left:  # a failed shutdown must not leave its arena in /dev/shm
+            shm.unlink(name)
+    assert not serving.is_alive() and left == []
+
+
 def test_socket_mode_widens_the_socket_only(start_server, sock_path):
     start_server("--socket-mode", "0660")
     assert stat.S_IMODE(os.stat(sock_path).st_mode) == 0o660
@@ -378,6 +415,30 @@ def test_metrics_endpoint_on_loopback_only(start_server, make_client):
     numbers = {k for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     assert numbers - sources - set(catalog.SERVER_STATS_NOT_EXPORTED) == set()
     assert sources - set(stats) == set()
+
+
+def test_an_idle_metrics_connection_is_closed(monkeypatch):
+    # Anyone on the host can connect to the metrics port (no auth), and a scraper whose host
+    # vanished mid-request never closes its end: each such connection held a thread and an fd
+    # of the server for good, until the server ran out of fds for its clients.
+    import socket
+
+    from kvpool.server import metrics as server_metrics
+
+    monkeypatch.setattr(server_metrics, "REQUEST_TIMEOUT_S", 0.3, raising=False)
+    stats = lambda: {"object_count": 0}  # noqa: E731
+    endpoint = server_metrics.MetricsServer("127.0.0.1", 0, stats, server_metrics.ServerMetrics(stats))
+    endpoint.start()
+    try:
+        idle = socket.create_connection(("127.0.0.1", endpoint.port))
+        idle.settimeout(30)  # a bound for the test only: the server must close it long before
+        try:
+            assert idle.recv(1) == b""  # closed by the server, without a request
+        finally:
+            idle.close()
+        assert urllib.request.urlopen(f"{endpoint.url}/healthz").read() == b"ok\n"
+    finally:
+        endpoint.close()
 
 
 def test_metrics_host_binds_the_address_given(start_server):

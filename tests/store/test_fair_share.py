@@ -126,6 +126,26 @@ def test_one_owner_across_connections_shares_one_quota():
         engine.close()
 
 
+def test_a_reaped_client_that_talks_again_still_counts_against_its_owner():
+    # A connection silent past client_ttl_s (its process stalled) is reaped but stays open; when
+    # it talks again it must not come back as an owner of its own with a fresh quota.
+    clock = FakeClock()
+    engine = make(clock, client_ttl_s=1.0)
+    try:
+        engine.bind_client("conn1", "pid:7")
+        engine.bind_client("conn2", "pid:7")
+        engine.ping("conn1")
+        clock.advance(0.6)
+        engine.ping("conn2")
+        clock.advance(0.6)
+        assert engine.reap().clients == 1  # conn1 only
+        assert isinstance(engine.allocate("conn1", "a", 20 * KiB), Allocation)
+        assert engine.holding("pid:7")[0] >= 20 * KiB
+        assert engine.allocate("conn2", "b", 20 * KiB) is NO_HANDLE  # 40 KiB > half of 64
+    finally:
+        engine.close()
+
+
 def test_hold_count_is_capped():
     engine = make(FakeClock(), client_pool_share=1.0, client_max_leases=100)
     try:

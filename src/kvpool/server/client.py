@@ -760,6 +760,11 @@ class PoolClient:
             pass
         link.sock.close()
         link.arena.close()
+        # Its lookup leases can never be used again, and each keeps the link and so its arena
+        # mapped: after a server restart that pins the dead server's whole memory tier in /dev/shm.
+        with self._held_lock:
+            for key in [key for key, h in self._held.items() if h.link is link]:
+                del self._held[key]
         if self._link is link:
             self._link = None
         if reason is not None:
@@ -768,9 +773,11 @@ class PoolClient:
     def _report_down(self, reason: object) -> None:
         if not self._reported_down and not self._closed:
             self._reported_down = True
+            # As text: an exception's traceback holds the dropped link, and a handler that keeps
+            # records (pytest's, a buffering one) would keep its arena mapped with it.
             logger.warning("kvpool: no kvpool server at %s (%s); pool calls fail (misses) until one is "
                            "back; start it with `kvpool server --socket %s`",
-                           self.socket_path, reason, self.socket_path)
+                           self.socket_path, str(reason), self.socket_path)
 
     def _ping_loop(self) -> None:
         interval = self.retry_interval_s

@@ -322,7 +322,23 @@ class Server:
         t = threading.Thread(target=self._serve_conn, args=(conn,), name=f"kvpool-conn-{conn.seq}", daemon=True)
         with self._state:
             self._threads.add(t)
-        t.start()
+        try:
+            t.start()
+        except RuntimeError as exc:
+            # Out of threads (a container's pids limit, RLIMIT_NPROC): as with EMFILE above, this
+            # connection goes and the others are still served; serve_forever must not end over it.
+            with self._state:
+                self._threads.discard(t)
+            logger.warning("cannot start a thread for connection %d (pid %d): %s; closing it",
+                           conn.seq, conn.peer_pid, exc)
+            try:  # from the accept thread: never block on a peer that does not read
+                conn.sock.send(P.encode_frame(P.Error(
+                    int(ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS),
+                    f"the server cannot start a thread for this connection ({exc}); retry later, or "
+                    f"raise the server's thread limit (pids cgroup, ulimit -u)")), socket.MSG_DONTWAIT)
+            except OSError:
+                pass
+            self._close_conn(conn, f"no thread for it: {exc}")
 
     def _peer_trusted(self, sock: socket.socket) -> bool:
         """Refuse (with an error reply that says why) a peer outside this pool's trust domain."""

@@ -25,6 +25,11 @@ logger = logging.getLogger(__name__)
 
 _BY_NAME = catalog.by_name("server")
 
+# Seconds a metrics connection may take to send its request or read its answer. Without it a
+# peer that sends nothing (any local user may connect) or a scraper that vanished mid-request
+# keeps a thread and an fd of the server forever. A scrape takes milliseconds.
+REQUEST_TIMEOUT_S = 30.0
+
 
 class ServerMetrics:
     """The server's registry: stats read at scrape time, plus what the daemon observes."""
@@ -59,6 +64,8 @@ class MetricsServer:
         fetch = stats_fn
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = REQUEST_TIMEOUT_S
+
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
                 path = self.path.split("?", 1)[0]
                 if path == "/healthz":

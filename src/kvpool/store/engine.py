@@ -1098,7 +1098,9 @@ class PoolEngine:
             dropped_leases = self._prune_locked(now)
             for client in dead:
                 dropped_leases += self._drop_client_leases_locked(client)
-                self._owner_of.pop(client, None)
+                # Its binding stays: a stalled process's connection may talk again, and what it
+                # then holds must count against its process, not as a quota of its own.
+                # forget_client, on the connection's close, unbinds it.
             # Allocations are filed in creation order, so the timed-out ones are a prefix (an
             # allocation made a moment out of order is caught by the next reap); the dead
             # clients' come from the per-client index: neither walks every pending allocation.
@@ -1144,7 +1146,8 @@ class PoolEngine:
 
     def bind_client(self, client_id: str, owner: str) -> None:
         """Count ``client_id``'s leases and allocations against ``owner`` (e.g. its process), so a
-        client with several connections shares one quota. Unbound clients are their own owner."""
+        client with several connections shares one quota. Unbound clients are their own owner. The
+        binding outlives a reap (the client may talk again) and ends with :meth:`forget_client`."""
         with self._lock:
             self._owner_of[client_id] = owner
 
