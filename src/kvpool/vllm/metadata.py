@@ -15,9 +15,10 @@ class BlockTask:
     block_hashes: list[bytes]
     block_ids: list[int]
     is_async: bool = False  # loads only: run on the transfer thread, report via get_finished
-    # Saves only, in a step with loads: the request's blocks before `block_ids`, which this
-    # step's computation of them attended over. A save whose request holds a block that failed
-    # to load in this step is dropped: its KV may have been computed from wrong bytes.
+    # Saves only, in a step with loads or the step after one: the request's blocks before
+    # `block_ids`, which this step's computation of them attended over. A save whose request
+    # holds a block that failed to load in this step (or, among these, in the last one) is
+    # dropped: its KV may have been computed from wrong bytes.
     prior_block_ids: list[int] = dataclasses.field(default_factory=list)
 
 

@@ -7,8 +7,11 @@ Invariants:
   not saved again. The worker also skips keys already pooled (another request may have won).
 - A block computed over a block that failed to load is never saved: the worker drops such saves
   (`BlockTask.prior_block_ids`), and when vLLM reports the failed blocks the request's saves
-  rewind to its first failed block, so what vLLM recomputes is saved then.
-- A request with IO sent to the workers is not freed until the workers report it done.
+  rewind to its first failed block, so what vLLM recomputes is saved then. A request is never
+  offered again the blocks from its first failed one on: vLLM recomputes them.
+- A request with IO sent to the workers is not freed until the workers report it done: in
+  finished_sending, or, when it finished while its async load was in flight, in the
+  finished_recving vLLM itself waits for (never both: vLLM forgets a request once freed).
 """
 
 from __future__ import annotations
@@ -50,6 +53,11 @@ class _RequestState:
     block_ids: list[int] = dataclasses.field(default_factory=list)
     saved_upto: int = 0  # blocks [0, saved_upto) are pooled or queued for saving
     has_io: bool = False
+    # An async load sent, its finished_recving not seen yet: vLLM itself holds the blocks.
+    async_loading: bool = False
+    # Blocks from this one on failed to load for this request once: never offered to it again,
+    # or a block the store keeps failing would be retried instead of recomputed.
+    pool_limit: int | None = None
 
 
 def check_hash_seed(hash_algo: str) -> None:
@@ -94,7 +102,8 @@ class PoolScheduler:
         self._pending_loads: list[BlockTask] = []
         self._finished_with_io: list[str] = []
         self._awaiting_free: set[str] = set()
-        self._step_has_sync_loads = False
+        self._step_has_sync_loads = False  # this step's saves carry prior_block_ids
+        self._last_step_had_sync_loads = False
         self._stats = KVPoolStats()
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -105,6 +114,8 @@ class PoolScheduler:
         if self._client is None:
             return 0, False
         hashes = request.block_hashes
+        if (state := self._requests.get(request.request_id)) is not None and state.pool_limit is not None:
+            hashes = hashes[:state.pool_limit]
         start = num_computed_tokens // self.block_size
         if len(hashes) <= start:
             return 0, False
@@ -118,9 +129,12 @@ class PoolScheduler:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self._requests.setdefault(request.request_id, _RequestState(request))
+        looked_up = request.request_id in self._local_blocks
         local_blocks = self._local_blocks.pop(request.request_id, 0)
         state.saved_upto = max(state.saved_upto, local_blocks)
-        if self._client is not None:
+        # Only an allocation that followed a lookup says where the prompt's KV came from; vLLM
+        # allocates again, without one, when it schedules a request whose async load is done.
+        if self._client is not None and looked_up:
             local = min(local_blocks * self.block_size, request.num_prompt_tokens)
             pool = min(num_external_tokens, request.num_prompt_tokens - local)
             self._stats.add("local_tokens", local)
@@ -141,6 +155,7 @@ class PoolScheduler:
         ))
         state.saved_upto = max(state.saved_upto, end)
         state.has_io = True
+        state.async_loading = self.config.load_async
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPoolMetadata:
         meta = KVPoolMetadata(loads=self._pending_loads, finished_with_io=self._finished_with_io,
@@ -148,8 +163,12 @@ class PoolScheduler:
         self._pending_loads, self._finished_with_io = [], []
         if not self.config.saves:
             return meta
-        # A sync load's failures are known only after the forward pass that used its blocks.
-        self._step_has_sync_loads = any(not t.is_async for t in meta.loads)
+        # A sync load's failures are known only after the forward pass that used its blocks, and
+        # with async scheduling only after the next step is planned too: that step's saves also
+        # name the blocks they were computed over.
+        sync_loads = any(not t.is_async for t in meta.loads)
+        self._step_has_sync_loads = sync_loads or self._last_step_had_sync_loads
+        self._last_step_had_sync_loads = sync_loads
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is None:
@@ -195,6 +214,13 @@ class PoolScheduler:
         state = self._requests.pop(req_id, None)
         if state is None or not state.has_io:
             return False, None
+        if state.async_loading:
+            # Finished in WAITING_FOR_REMOTE_KVS (aborted, or failed by kv_load_failure_policy):
+            # vLLM keeps the blocks until finished_recving and then frees the request at once.
+            # Holding them too would have the workers report it in finished_sending as well,
+            # for a request vLLM no longer knows. It was never scheduled with these blocks, so
+            # no save reads them.
+            return False, None
         self._finished_with_io.append(req_id)
         self._awaiting_free.add(req_id)
         return True, None
@@ -202,6 +228,9 @@ class PoolScheduler:
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         for req_id in connector_output.finished_sending or ():
             self._awaiting_free.discard(req_id)
+        for req_id in connector_output.finished_recving or ():
+            if (state := self._requests.get(req_id)) is not None:
+                state.async_loading = False
         failed = connector_output.invalid_block_ids
         if failed:
             # vLLM recomputes each affected request from its first failed block; the worker did
@@ -210,6 +239,7 @@ class PoolScheduler:
                 first = next((i for i, b in enumerate(state.block_ids[:state.saved_upto]) if b in failed), None)
                 if first is not None:
                     state.saved_upto = first
+                    state.pool_limit = first if state.pool_limit is None else min(state.pool_limit, first)
 
     def get_stats(self) -> KVPoolStats | None:
         """This interval's prompt tokens by source (counted at allocation: a preempted request

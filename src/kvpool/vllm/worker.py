@@ -8,7 +8,8 @@ Invariants:
 - A save reads a block only while vLLM keeps it allocated: the scheduler delays the free of a
   request with saves in flight until `get_finished` reports them done, and a preempted request's
   saves are drained before its blocks can be rewritten (`handle_preemptions`).
-- A block computed in a step over a block whose load failed in that step is never saved.
+- A block computed in a step over a block whose load failed in that step, or in the step
+  before (planned before the failure was reported, with async scheduling), is never saved.
 - The pool is touched only through `Backend` and the copier; nothing here knows which store it is.
 """
 
@@ -49,7 +50,8 @@ LAYER_WAIT_TIMEOUT_S = 60.0
 
 
 def _code_name(code: int) -> str:
-    """The error code's name for the failures counter (its number if it is not one of ours)."""
+    """The error code's name for logs and the failures counter (its number if it is not one of
+    ours: a store may answer others, and a log line must never fail the transfer it reports)."""
     try:
         return ErrorCode(code).name
     except ValueError:
@@ -103,6 +105,12 @@ class PoolWorker:
         self._layers_saved: set[int] = set()  # layers of this step already queued by save_kv_layer
         self._lock = threading.Lock()  # guards the sets below, shared with the transfer thread
         self._load_errors: set[int] = set()
+        # This step's failed sync loads, kept for wait_for_save: with speculative decoding vLLM
+        # calls it after get_block_ids_with_load_errors has handed `_load_errors` over. Touched
+        # only on vLLM's thread, so outside the lock.
+        self._step_load_errors: set[int] = set()
+        # The previous step's: with async scheduling vLLM planned this step before it saw them.
+        self._last_step_load_errors: set[int] = set()
         self._async_done: dict[str, set[int]] = {}  # req_id -> failed block ids
         self._awaiting_free: set[str] = set()
         self._stats = KVPoolStats()
@@ -206,6 +214,7 @@ class PoolWorker:
             return
         for task in sync:
             failed = self._load(task)
+            self._step_load_errors |= failed
             with self._lock:
                 self._load_errors |= failed
 
@@ -248,6 +257,7 @@ class PoolWorker:
             logger.error("kvpool: the forward pass waited for %d of %d loaded layers; these blocks "
                          "are reported as load errors and recomputed", loads.waited, len(loads.arrived))
             loads.failed |= {b for t in loads.tasks for b in t.block_ids}
+        self._step_load_errors |= loads.failed
         with self._lock:
             self._load_errors |= loads.failed
 
@@ -280,7 +290,7 @@ class PoolWorker:
             first_bad = next(c for c in codes if c != ErrorCode.OK)
             logger.warning(
                 "kvpool: %d of %d blocks of request %s failed to load (%s); vLLM will handle them "
-                "per kv_load_failure_policy", len(failed), len(keys), task.req_id, ErrorCode(first_bad).name,
+                "per kv_load_failure_policy", len(failed), len(keys), task.req_id, _code_name(first_bad),
             )
         seconds = time.perf_counter() - t0
         self._count(load_blocks=ok if count_blocks else 0, load_bytes=ok * self.layout.layer_block_bytes * len(layers),
@@ -303,10 +313,13 @@ class PoolWorker:
         assert self.scheme is not None and self._copier is not None
         self._finish_layer_loads()
         saved_layers, self._layers_saved = self._layers_saved, set()
+        saves = self._untainted(meta.saves) if self.scheme.is_writer else []
+        # The step's last call: its failures taint only the next step's saves computed over them.
+        self._last_step_load_errors, self._step_load_errors = self._step_load_errors, set()
         if not self.scheme.is_writer:
             return
         ready = self._copier.written()
-        for task in self._untainted(meta.saves):
+        for task in saves:
             if self.scheme.layers:  # the layers save_kv_layer did not send (a hook that never ran)
                 for layer in sorted(set(range(self.scheme.layers)) - saved_layers):
                     self._transfer.submit(SAVE, task.req_id, lambda t=task, i=layer: self._save_layer(t, i, ready))
@@ -335,7 +348,8 @@ class PoolWorker:
             self._transfer.submit(SAVE, task.req_id, lambda t=task: self._save_layer(t, layer, ready))
 
     def _untainted(self, saves: list[BlockTask], count: bool = True) -> list[BlockTask]:
-        """The saves whose request holds no block that failed to load in this step.
+        """The saves whose request holds no block that failed to load in this step (or, before
+        them, in the last step).
 
         A sync load's failures are known only after the forward pass that used the blocks, so
         the blocks a request computed in this step may hold KV derived from bytes that never
@@ -343,13 +357,17 @@ class PoolWorker:
         the failed blocks, offers them again (`PoolScheduler.update_connector_output`).
         """
         loads = self._layer_loads
-        with self._lock:
-            failed = set(self._load_errors)
+        failed = set(self._step_load_errors)
         if loads is not None:
             failed |= loads.failed
-        if not failed:
+        # With async scheduling a step is planned before the last step's failures reach vLLM: a
+        # save computed over one of those blocks is dropped too. A save of the failed block itself
+        # is vLLM's recompute of it (its first failed block, planned after the report): kept.
+        earlier = self._last_step_load_errors
+        if not failed and not earlier:
             return saves
-        kept = [t for t in saves if failed.isdisjoint(t.prior_block_ids) and failed.isdisjoint(t.block_ids)]
+        kept = [t for t in saves if failed.isdisjoint(t.prior_block_ids) and failed.isdisjoint(t.block_ids)
+                and earlier.isdisjoint(t.prior_block_ids)]
         dropped = sum(len(t.block_ids) for t in saves) - sum(len(t.block_ids) for t in kept)
         if dropped and count:
             self._count(save_dropped_blocks=dropped)
@@ -385,7 +403,7 @@ class PoolWorker:
         if failed:
             first_bad = next(c for c in codes if not is_stored(c))
             logger.warning("kvpool: %d of %d blocks of %s were not saved (%s)",
-                           failed, len(keys), task.req_id, ErrorCode(first_bad).name)
+                           failed, len(keys), task.req_id, _code_name(first_bad))
         saved = len(keys) - skipped - failed
         value_bytes = self.layout.layer_block_bytes * len(layers)
         if not count_blocks:  # layerwise: a block counts once, with its last layer

@@ -220,7 +220,9 @@ def test_blocks_computed_over_a_failed_load_are_offered_again_after_the_recomput
     sched.update_connector_output(KVConnectorOutput(invalid_block_ids={11}))
     meta = sched.build_connector_meta(scheduler_output(cached=[(Cached("a", BS), 4 * BS + 1)]))
     assert tasks(meta.saves) == [("a", req.block_hashes[1:5], [11, 12, 13, 14])]
-    assert meta.saves[0].prior_block_ids == []  # no load in this step: nothing can taint it
+    # The step after a load names its prior blocks too (with async scheduling it is planned
+    # before the load's failures are reported); the recomputed failed block is not among them.
+    assert meta.saves[0].prior_block_ids == [10]
     # Another request's failed block does not move this one.
     sched.update_connector_output(KVConnectorOutput(invalid_block_ids={99}))
     assert sched.build_connector_meta(scheduler_output(cached=[(Cached("a", 5 * BS + 1), 1)])).saves == []
@@ -323,14 +325,73 @@ def test_request_with_io_is_freed_only_after_the_workers_report_it(fake_lookup):
     assert not sched.has_pending_block_frees()
 
 
-def test_request_with_only_a_load_is_also_held(fake_lookup):
-    # An async load may still be writing into its blocks when the request is aborted.
+def test_request_with_only_a_finished_load_is_also_held(fake_lookup):
+    # Its load is done (vLLM saw finished_recving): only this connector can hold its blocks now.
     sched = make_scheduler({"load_async": True})
     req = make_request("a", 2 * BS + 1)
     pool(fake_lookup, req, 2)
     sched.get_num_new_matched_tokens(req, 0)
     sched.update_state_after_alloc(req, kv_blocks([0, 1, 2]), 2 * BS)
+    empty_step(sched)
+    sched.update_connector_output(KVConnectorOutput(finished_recving={"a"}))
     assert sched.request_finished(req, [0, 1, 2]) == (True, None)
+
+
+def test_a_request_finished_during_its_async_load_leaves_the_free_to_vllm(fake_lookup):
+    """Aborted (or failed by kv_load_failure_policy=fail) while WAITING_FOR_REMOTE_KVS: vLLM
+    itself keeps the blocks until the workers report finished_recving, then frees the request
+    and forgets it. A delayed free on top would make the workers also report it in
+    finished_sending, for a request vLLM no longer has (its scheduler asserts on that)."""
+    sched = make_scheduler({"load_async": True})
+    req = make_request("a", 2 * BS + 1)
+    pool(fake_lookup, req, 2)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, kv_blocks([0, 1, 2]), 2 * BS)
+    assert len(empty_step(sched).loads) == 1
+    assert sched.request_finished(req, [0, 1, 2]) == (False, None)
+    assert not sched.has_pending_block_frees()
+    assert empty_step(sched).finished_with_io == []
+    # The finish vLLM then sees frees the blocks; nothing is left waiting on the workers.
+    sched.update_connector_output(KVConnectorOutput(finished_recving={"a"}))
+    assert not sched.has_pending_block_frees()
+
+
+def test_an_async_load_counts_its_prompt_tokens_once(fake_lookup):
+    # vLLM allocates twice for an async load: with the hit, then (no lookup in between, 0
+    # external tokens) when it schedules the request after the load. Only the first one says
+    # where the prompt's KV came from.
+    sched = make_scheduler({"load_async": True})
+    req = make_request("a", 3 * BS + 1)
+    pool(fake_lookup, req, 3)
+    assert sched.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
+    sched.update_state_after_alloc(req, kv_blocks([4, 5, 6, 7]), 3 * BS)
+    empty_step(sched)
+    sched.update_connector_output(KVConnectorOutput(finished_recving={"a"}))
+    sched.update_state_after_alloc(req, kv_blocks([4, 5, 6, 7]), 0)
+    stats = sched.get_stats()
+    assert stats is not None
+    counted = {k: stats.data[k] for k in ("pool_tokens", "local_tokens", "computed_tokens")}
+    assert counted == {"pool_tokens": 3 * BS, "local_tokens": 0, "computed_tokens": 1}
+
+
+def test_an_async_load_that_failed_is_not_offered_again_to_the_same_request(fake_lookup):
+    # recompute policy: vLLM cuts the request back to its first failed block; when that is block
+    # 0 it frees the blocks and asks the connector again. Offering the same blocks again only
+    # starts the same load: with a block the store keeps failing (every read timing out), the
+    # request would cycle through WAITING_FOR_REMOTE_KVS forever instead of being recomputed.
+    sched = make_scheduler({"load_async": True})
+    req = make_request("a", 3 * BS + 1)
+    pool(fake_lookup, req, 3)
+    assert sched.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
+    sched.update_state_after_alloc(req, kv_blocks([4, 5, 6, 7]), 3 * BS)
+    assert len(empty_step(sched).loads) == 1
+    sched.update_connector_output(KVConnectorOutput(finished_recving={"a"}, invalid_block_ids={4}))
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, kv_blocks([8, 9, 10, 11]), 0)
+    assert empty_step(sched).loads == []
+    # Another request is offered those blocks as before.
+    other = make_request("b", 3 * BS + 1)
+    assert sched.get_num_new_matched_tokens(other, 0) == (3 * BS, True)
 
 
 def test_request_without_io_is_freed_at_once(fake_lookup):

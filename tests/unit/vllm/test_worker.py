@@ -148,6 +148,81 @@ def test_blocks_computed_over_a_failed_sync_load_are_not_saved(make_worker):
     assert all(worker.scheme.key(h) in pool.data for h in H[6:8])
 
 
+def test_a_failed_sync_load_still_drops_saves_when_vllm_finalizes_the_step_late(make_worker):
+    # With speculative decoding vLLM defers wait_for_save until after the draft model, so this
+    # step's load errors are collected (get_block_ids_with_load_errors) before it runs. The
+    # blocks b computed over its failed block 6 must still not reach the pool.
+    worker, kv, pool = make_worker()
+    save(worker, "a", H[:1], [1])
+    drain(worker)
+    meta = KVPoolMetadata(
+        loads=[BlockTask("b", [H[0], H[5]], [5, 6])],
+        saves=[BlockTask("b", H[6:8], [7, 8], prior_block_ids=[5, 6]),
+               BlockTask("c", H[2:3], [3], prior_block_ids=[1, 2])])
+    worker.start_load_kv(meta)
+    assert worker.get_finished(meta) == (None, None)
+    assert worker.get_block_ids_with_load_errors() == {6}
+    worker.wait_for_save(meta)
+    drain(worker)
+    assert not any(worker.scheme.key(h) in pool.data for h in H[6:8])
+    assert worker.scheme.key(H[2]) in pool.data
+    # The next step loads nothing: its saves are not held against the last step's failure.
+    save(worker, "b", H[6:8], [7, 8])
+    drain(worker)
+    assert all(worker.scheme.key(h) in pool.data for h in H[6:8])
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_chunk_planned_before_a_failed_sync_load_was_reported_is_not_saved(make_worker, fake_lookup,
+                                                                             async_scheduling):
+    # With async scheduling (vLLM's default on accelerators) step N+1 is planned before step N's
+    # output arrives: the scheduler sends request b's next prefill chunk before it learns that
+    # b's load in step N failed. That chunk attended over the failed block, so its blocks must
+    # not reach the pool under the prompt's hashes. What vLLM recomputes afterwards is saved.
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from connector_fakes import (Cached, kv_blocks, make_kv_cache_config, make_request, make_vllm_config,
+                                 new_req, scheduler_output)
+    from kvpool.config import load_config
+    from kvpool.vllm.scheduler import PoolScheduler
+
+    bs = 4
+    worker, kv, pool = make_worker()
+    sched = PoolScheduler(make_vllm_config(block_size=bs), load_config(None, "kv_both"),
+                          make_kv_cache_config(block_size=bs))
+    req = make_request("b", 5 * bs + 1, block_size=bs)
+    h = req.block_hashes
+
+    def step(meta: KVPoolMetadata) -> set[int]:
+        worker.start_load_kv(meta)
+        worker.wait_for_save(meta)
+        worker.get_finished(meta)
+        errors = worker.get_block_ids_with_load_errors()
+        drain(worker)
+        return errors
+
+    # The lookup finds blocks 0-2; block 1 is gone (evicted) by the time it is read.
+    fake_lookup.pooled.update(h[:3])
+    save(worker, "a", [h[0], h[2]], [0, 2])
+    drain(worker)
+    ids = [4, 5, 6, 7, 8, 9]
+    assert sched.get_num_new_matched_tokens(req, 0) == (3 * bs, False)
+    sched.update_state_after_alloc(req, kv_blocks(ids), 3 * bs)
+    # Step N: load blocks 0-2 (block 1 into vLLM block 5 fails), compute block 3.
+    failed = step(sched.build_connector_meta(scheduler_output(new=[(new_req(req, ids, 3 * bs), bs)])))
+    assert failed == {5}
+    if async_scheduling:
+        # Step N+1, planned before step N's output: block 4, computed over vLLM block 5.
+        meta = sched.build_connector_meta(scheduler_output(cached=[(Cached("b", 4 * bs), bs + 1)]))
+        assert [t.block_hashes for t in meta.saves] == [h[4:5]]
+        assert step(meta) == set()
+        assert worker.scheme.key(h[4]) not in pool.data
+    # vLLM reports block 5 and recomputes b from block 1: blocks 1-4 are saved now.
+    sched.update_connector_output(KVConnectorOutput(invalid_block_ids=failed))
+    step(sched.build_connector_meta(scheduler_output(cached=[(Cached("b", bs), 4 * bs + 1)])))
+    assert all(worker.scheme.key(x) in pool.data for x in h[1:5])
+
+
 def test_layerwise_saves_stop_at_a_failed_layer_load(make_worker):
     worker, kv, pool = make_worker({"use_layerwise": True})
     save(worker, "a", H[:1], [1])
@@ -202,6 +277,26 @@ def test_async_load_without_errors_is_reported_finished_once(make_worker):
     assert worker.get_block_ids_with_load_errors() == set()
     assert worker.get_finished(None) == (None, None)
     assert same_block(kv, 5, kv, 1) and same_block(kv, 6, kv, 2)
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_a_store_code_kvpool_does_not_know_is_still_a_reported_load_failure(make_worker, is_async):
+    # A store may answer codes outside ErrorCode (Mooncake's -703 REPLICA_IS_NOT_READY, a newer
+    # kvpool server's): the block failed like any other. Unreported, an async load's request
+    # would wait in WAITING_FOR_REMOTE_KVS forever.
+    class OddCodes(DictBackend):
+        def batch_get_into(self, keys, values):
+            return [c if c == 0 else -703 for c in super().batch_get_into(keys, values)]
+
+    worker, kv, _ = make_worker(backend=OddCodes())
+    save(worker, "a", H[:1], [1])
+    drain(worker)
+    load(worker, "b", [H[0], H[5]], [5, 6], is_async=is_async)  # H[5] was never saved
+    drain(worker, {"b"})
+    assert worker.get_finished(None) == (None, {"b"} if is_async else None)
+    assert worker.get_block_ids_with_load_errors() == {6}
+    assert same_block(kv, 5, kv, 1)
+    assert counters(worker)["load_failures"] == {"-703": 1}
 
 
 # ---- saves ------------------------------------------------------------------------------------------
