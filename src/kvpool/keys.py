@@ -11,7 +11,9 @@ modes never read each other's values.
 
 The block hash is vLLM's chained prefix hash, so it already covers LoRA, multimodal inputs and
 `cache_salt`. The layout fingerprint makes an instance with another dtype, block size, head
-split or layer count miss instead of loading bytes it would misread.
+split or layer count miss instead of loading bytes it would misread, and one whose weights
+compute other values for the same tokens (another revision, quantization, compute dtype or
+RoPE scaling of the same model name) miss instead of loading KV that would change its answers.
 """
 
 from __future__ import annotations
@@ -36,8 +38,14 @@ class LayoutInfo:
     num_layers_total: int  # of the whole model, so every PP stage computes the same fingerprint
     cache_layout: str  # e.g. the attention backend name
 
-    def fingerprint(self) -> str:
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+    def fingerprint(self, values: str = "") -> str:
+        """12 hex digits over the layout and ``values``: a description of what computes the KV
+        values (revision, quantization, ...), which must be the same text on every instance that
+        should share blocks."""
+        fields = dataclasses.asdict(self)
+        if values:
+            fields["values"] = values
+        blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
 

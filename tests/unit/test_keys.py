@@ -78,6 +78,13 @@ def test_fingerprint_is_pinned():
     assert BASE.fingerprint() == "81fc96ce23b9"
 
 
+def test_what_computes_the_values_changes_the_fingerprint():
+    assert BASE.fingerprint(values="") == BASE.fingerprint()
+    fps = {BASE.fingerprint(), BASE.fingerprint(values='{"quantization": null}'),
+           BASE.fingerprint(values='{"quantization": "fp8"}')}
+    assert len(fps) == 3
+
+
 def test_fingerprint_is_the_same_in_another_process_with_another_hash_seed():
     code = (
         "from kvpool.keys import LayoutInfo;"

@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -37,7 +38,7 @@ from kvpool.vllm.stats import KVPoolStats
 from kvpool.vllm.transfer import LOAD, SAVE, TransferThread
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import ModelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,30 @@ DRAIN_TIMEOUT_S = 60.0
 # Where a layer's load has not arrived after this long, the forward pass goes on without it and
 # the step's loaded blocks are reported as load errors (vLLM recomputes them).
 LAYER_WAIT_TIMEOUT_S = 60.0
+
+
+# The text-model config fields that change the KV a token gets (keys are rotated by RoPE).
+_ROPE_FIELDS = ("rope_scaling", "rope_parameters", "rope_theta")
+
+
+def values_identity(model_config: ModelConfig) -> str:
+    """What besides the layout decides the KV values of a token, as canonical text.
+
+    Two instances serving the same model name from other weights (a revision, a quantization)
+    or at another compute dtype or RoPE scaling compute other KV for the same tokens; with the
+    same key they would load each other's blocks and answer differently from a cold prefill.
+    Only fields that are plain data and equal on every process of one deployment go in: a
+    field that differed per process (an address, a path) would make every lookup miss.
+    """
+    text = model_config.hf_text_config
+    fields = {
+        "revision": model_config.revision,
+        "code_revision": model_config.code_revision,
+        "quantization": model_config.quantization,
+        "dtype": str(model_config.dtype),
+        "rope": {name: getattr(text, name, None) for name in _ROPE_FIELDS},
+    }
+    return json.dumps(fields, sort_keys=True, default=str)
 
 
 def _code_name(code: int) -> str:
@@ -137,7 +162,7 @@ class PoolWorker:
         kv_shards = 1 if mc.use_mla else min(self.tp_size, total_kv_heads)
         self.scheme = KeyScheme(
             model=model_key_name(mc.model),
-            layout=self.layout.info.fingerprint(),
+            layout=self.layout.info.fingerprint(values=values_identity(mc)),
             tp_rank=self.tp_rank, tp_size=self.tp_size, kv_shards=kv_shards,
             pp_rank=self.pp_rank, pp_size=self.pp_size,
             layers=len(self.layout.layers) if self.config.use_layerwise else 0,

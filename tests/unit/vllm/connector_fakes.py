@@ -11,6 +11,7 @@ import dataclasses
 import threading
 from collections.abc import Iterable, Sequence
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,14 +41,22 @@ init_none_hash(sha256)  # what vLLM's engine does once per process before hashin
 
 
 def make_vllm_config(block_size: int = BLOCK_SIZE, hash_algo: str = "sha256", dp_rank: int = 0,
-                     num_layers: int = NUM_LAYERS, kv_heads: int = KV_HEADS, use_mla: bool = False) -> SimpleNamespace:
-    """The attributes of `VllmConfig` the connector reads (a real one needs a model on disk)."""
+                     num_layers: int = NUM_LAYERS, kv_heads: int = KV_HEADS, use_mla: bool = False,
+                     **model: Any) -> SimpleNamespace:
+    """The attributes of `VllmConfig` the connector reads (a real one needs a model on disk);
+    ``model`` overrides fields of its model config (``quantization="fp8"``)."""
     model_config = SimpleNamespace(
         model="unit-test-model",
+        revision=None,
+        code_revision=None,
+        quantization=None,
+        dtype=torch.float32,
+        hf_text_config=SimpleNamespace(rope_theta=10000.0, rope_scaling=None),
         use_mla=use_mla,
         get_total_num_hidden_layers=lambda: num_layers,
         get_total_num_kv_heads=lambda: kv_heads,
     )
+    vars(model_config).update(model)
     return SimpleNamespace(
         cache_config=SimpleNamespace(block_size=block_size, prefix_caching_hash_algo=hash_algo),
         parallel_config=SimpleNamespace(data_parallel_rank=dp_rank),

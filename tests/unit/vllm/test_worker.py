@@ -8,6 +8,7 @@ The KV caches are real `[num_blocks, 2, block_size, heads*head_dim]` tensors vie
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -80,6 +81,26 @@ def test_save_then_load_into_other_blocks_is_byte_exact(make_worker):
     assert (w["save_blocks"], w["save_bytes"], w["save_failed_blocks"], w["save_skipped_blocks"]) == (2, 2 * n, 0, 0)
     assert (r["load_blocks"], r["load_bytes"], r["load_failed_blocks"]) == (2, 2 * n, 0)
     assert len(pool.data) == 2 and all(len(v) == n for v in pool.data.values())
+
+
+@pytest.mark.parametrize("field,value", [("revision", "v2"), ("quantization", "fp8"), ("dtype", torch.float16),
+                                         ("hf_text_config", SimpleNamespace(rope_theta=10000.0,
+                                                                            rope_scaling={"factor": 4.0}))])
+def test_other_weights_of_the_same_model_name_miss_instead_of_loading(make_worker, field, value):
+    # Same name, same KV layout, other values per token: loading would change the answers.
+    writer, w_kv, pool = make_worker(seed=1)
+    twin, _, _ = make_worker({"lookup_rpc_port": 1}, backend=pool, seed=2)
+    other, o_kv, _ = make_worker({"lookup_rpc_port": 2}, backend=pool, seed=3, model={field: value})
+    assert twin.scheme.key(H[0]) == writer.scheme.key(H[0])
+    assert other.scheme.key(H[0]) != writer.scheme.key(H[0])
+    before = snapshot(o_kv)
+
+    save(writer, "a", H[:1], [1])
+    drain(writer)
+    load(other, "b", H[:1], [5])
+
+    assert other.get_block_ids_with_load_errors() == {5}
+    assert not same_block(o_kv, 5, w_kv, 1) and same_block(o_kv, 4, before, 4)
 
 
 def test_sync_load_errors_are_reported_in_the_same_step(make_worker):
