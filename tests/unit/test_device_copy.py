@@ -130,6 +130,30 @@ def test_a_failed_direct_load_leaves_zeros_not_the_failed_bytes(kind, dtype):
 
 
 @cases
+def test_a_direct_load_that_raises_mid_copy_leaves_zeros(kind, dtype):
+    # The store's connection breaks after it wrote part of the batch into the cache.
+    _, src = layout_of(kind, dtype, seed=10)
+    dst_caches, dst = layout_of(kind, dtype, seed=11)
+    store = DictStore()
+    DirectCopier(src).save(["k0", "k1"], [0, 1], ALL, store.put)
+
+    def breaking_get(keys, values):
+        store.get(keys[:1], values[:1])
+        values[1][0].fill(0xFF)
+        raise ConnectionResetError("the store went away")
+
+    before = {n: raw(t).clone() for n, t in dst_caches.items()}
+    with pytest.raises(ConnectionResetError):
+        DirectCopier(dst).load(["k0", "k1"], [3, 4], ALL, breaking_get)
+    block_dim = 0 if kind == "cpu" else 1
+    for name, t in dst_caches.items():
+        for failed in (3, 4):
+            assert not torch.any(raw(t.select(block_dim, failed))), name
+        for other in set(range(NUM_BLOCKS)) - {3, 4}:
+            assert torch.equal(raw(t.select(block_dim, other)), before[name].select(block_dim, other))
+
+
+@cases
 def test_a_layer_slice_moves_only_those_layers(kind, dtype):
     """One layer (layerwise mode) or one PP stage's layers: the value holds exactly those."""
     src_caches, src = layout_of(kind, dtype, seed=6)

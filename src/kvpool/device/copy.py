@@ -63,6 +63,12 @@ class Copier(Protocol):
         """One line for the start-up log."""
 
 
+def _zero(values: Sequence[Sequence[np.ndarray]]) -> None:
+    for value in values:
+        for buf in value:
+            buf.fill(0)
+
+
 class DirectCopier:
     """The backend copies between its store and views of a host-memory KV cache."""
 
@@ -83,11 +89,13 @@ class DirectCopier:
 
     def load(self, keys: Sequence[str], block_ids: Sequence[int], layers: range, get: BatchCall) -> list[int]:
         values = [self.layout.stage_buffers(b, layers) for b in block_ids]
-        codes = get(list(keys), values)
-        for value, code in zip(values, codes):
-            if code != OK:  # the backend copied into the cache itself: it may have left a partial value
-                for buf in value:
-                    buf.fill(0)
+        # The backend copies into the cache itself: a block that failed may hold part of a value.
+        try:
+            codes = get(list(keys), values)
+        except BaseException:  # a store gone mid-copy: every block failed (the caller reports them)
+            _zero(values)
+            raise
+        _zero([value for value, code in zip(values, codes) if code != OK])
         return codes
 
     def describe(self) -> str:

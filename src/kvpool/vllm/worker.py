@@ -238,7 +238,7 @@ class PoolWorker:
             self._layer_loader.submit(LOAD, "layerwise", lambda: self._run_layer_loads(loads))
             return
         for task in sync:
-            failed = self._load(task)
+            failed = self._load_or_fail(task)
             self._step_load_errors |= failed
             with self._lock:
                 self._load_errors |= failed
@@ -287,9 +287,20 @@ class PoolWorker:
             self._load_errors |= loads.failed
 
     def _finish_async_load(self, task: BlockTask) -> None:
-        failed = self._load(task)
+        failed = self._load_or_fail(task)
         with self._lock:
             self._async_done[task.req_id] = failed
+
+    def _load_or_fail(self, task: BlockTask) -> set[int]:
+        """`_load`, with an unexpected error (a bug, not a store's failure, which `_load` turns
+        into codes) failing every block of the task: raised from a sync load it would end vLLM's
+        step, and from an async one the request would never be reported and wait forever."""
+        try:
+            return self._load(task)
+        except Exception:
+            logger.exception("kvpool: the load of %d blocks for %s raised; they are reported as load "
+                             "errors and recomputed", len(task.block_ids), task.req_id)
+            return set(task.block_ids)
 
     def _load(self, task: BlockTask, layers: range | None = None, count_blocks: bool = True) -> set[int]:
         """Copy a request's pooled blocks (all layers, or the given ones in layerwise mode) into

@@ -301,6 +301,25 @@ def test_async_load_without_errors_is_reported_finished_once(make_worker):
 
 
 @pytest.mark.parametrize("is_async", [False, True])
+def test_a_load_that_raises_is_reported_failed_not_lost(make_worker, monkeypatch, is_async):
+    # A bug past the copy (here in the timing histogram): a sync load must not end vLLM's step,
+    # and an async one must still be reported, or its request waits for it forever.
+    worker, kv, _ = make_worker()
+    save(worker, "a", H[:2], [1, 2])
+    drain(worker)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug after the copy")
+
+    monkeypatch.setattr(worker, "_observe", broken)
+    load(worker, "b", H[:2], [5, 6], is_async=is_async)
+    if is_async:
+        drain(worker, {"b"})
+        assert worker.get_finished(None) == (None, {"b"})
+    assert worker.get_block_ids_with_load_errors() == {5, 6}
+
+
+@pytest.mark.parametrize("is_async", [False, True])
 def test_a_store_code_kvpool_does_not_know_is_still_a_reported_load_failure(make_worker, is_async):
     # A store may answer codes outside ErrorCode (Mooncake's -703 REPLICA_IS_NOT_READY, a newer
     # kvpool server's): the block failed like any other. Unreported, an async load's request
