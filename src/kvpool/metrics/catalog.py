@@ -203,6 +203,9 @@ CONNECTOR: tuple[Series, ...] = (
            ("version",)),
     Series("vllm:kvpool_lookups", "counter", "Prefix lookups in the pool (one per request the scheduler looks "
            "up)", "connector"),
+    Series("vllm:kvpool_lookups_skipped", "counter", "Lookups answered as misses without asking worker rank "
+           "0, while the lookup channel backs off after a lookup that timed out (a worker stuck on a hung "
+           "store)", "connector"),
     Series("vllm:kvpool_lookup_hit_blocks", "counter", "Blocks the pool's lookups found, after those vLLM's "
            "own prefix cache had", "connector"),
     Series("vllm:kvpool_prompt_tokens", "counter", "Prompt tokens of the requests the pool was asked about, by "

@@ -43,6 +43,11 @@ logger = logging.getLogger(__name__)
 
 # A lookup that does not answer in time is a miss: a stuck worker must never stall scheduling.
 LOOKUP_TIMEOUT_MS = 2000
+# After a lookup timed out, the next ones are misses without asking, for this long, doubling on
+# each timeout up to the maximum: a worker stuck on a hung store would otherwise cost every
+# waiting request the whole timeout, on every step.
+LOOKUP_BACKOFF_S = 1.0
+LOOKUP_BACKOFF_MAX_S = 30.0
 # How often the server thread wakes to see whether close() was called (bounds close()'s wait).
 POLL_INTERVAL_MS = 200
 # A reply is one small integer.
@@ -144,11 +149,19 @@ class LookupServer:
 
 
 class LookupClient:
-    """Scheduler-side client. Any failure (timeout, no server yet) is reported as 0 hits."""
+    """Scheduler-side client. Any failure (timeout, no server yet) is reported as 0 hits.
+
+    A timeout opens a breaker: lookups are misses without asking until its back-off has passed,
+    then one lookup tries again (a success closes it, a timeout doubles the back-off). Failures
+    that cost no time (no server yet, a closed connection) do not open it.
+    """
 
     def __init__(self, lookup_rpc_port: int, dp_rank: int = 0) -> None:
         self.path = lookup_socket_path(lookup_rpc_port, dp_rank)
         self._sock: socket.socket | None = None
+        self._skip_until = 0.0  # time.monotonic(): lookups before it are misses without asking
+        self._backoff_s = 0.0  # 0: the breaker is closed
+        self.skipped = 0  # lookups answered as misses by the open breaker
 
     def _socket(self) -> socket.socket:
         if self._sock is None:
@@ -172,7 +185,11 @@ class LookupClient:
         """Number of leading blocks pooled for every rank; 0 on any error."""
         if not block_hashes:
             return 0
-        deadline = time.monotonic() + LOOKUP_TIMEOUT_MS / 1000
+        now = time.monotonic()
+        if now < self._skip_until:
+            self.skipped += 1
+            return 0
+        deadline = now + LOOKUP_TIMEOUT_MS / 1000
         try:
             sock = self._socket()
             sock.settimeout(LOOKUP_TIMEOUT_MS / 1000)
@@ -185,10 +202,22 @@ class LookupClient:
             logger.warning("kvpool lookup on %s: a malformed reply (%s); treating as a miss", self.path, e)
             self._drop()
             return 0
-        except OSError as e:  # no server yet, a timeout, a closed connection
+        except TimeoutError:
+            self._backoff_s = min(max(2 * self._backoff_s, LOOKUP_BACKOFF_S), LOOKUP_BACKOFF_MAX_S)
+            self._skip_until = time.monotonic() + self._backoff_s
+            logger.warning("kvpool lookup on %s: no answer in %d ms (worker rank 0 stuck, e.g. on a hung "
+                           "store); the next %.0f s of lookups are misses without asking",
+                           self.path, LOOKUP_TIMEOUT_MS, self._backoff_s)
+            self._drop()
+            return 0
+        except OSError as e:  # no server yet, a closed connection
             logger.warning("kvpool lookup on %s failed (%s); treating as a miss", self.path, e)
             self._drop()
             return 0
+        if self._backoff_s:
+            logger.info("kvpool lookup on %s answers again; %d lookups were misses meanwhile",
+                        self.path, self.skipped)
+            self._backoff_s = 0.0
         # More hits than blocks asked about would have vLLM load blocks nobody stored.
         return hits if 0 <= hits <= len(block_hashes) else 0
 

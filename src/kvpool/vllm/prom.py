@@ -22,6 +22,7 @@ _BY_NAME = catalog.by_name("connector")
 # Each counter of the stats, as (series, its label values).
 _COUNTED: dict[str, tuple[str, tuple[str, ...]]] = {
     "lookups": ("vllm:kvpool_lookups", ()),
+    "lookups_skipped": ("vllm:kvpool_lookups_skipped", ()),
     "lookup_hit_blocks": ("vllm:kvpool_lookup_hit_blocks", ()),
     "pool_tokens": ("vllm:kvpool_prompt_tokens", ("pool",)),
     "local_tokens": ("vllm:kvpool_prompt_tokens", ("local",)),

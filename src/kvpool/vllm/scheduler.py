@@ -105,6 +105,7 @@ class PoolScheduler:
         self._step_has_sync_loads = False  # this step's saves carry prior_block_ids
         self._last_step_had_sync_loads = False
         self._stats = KVPoolStats()
+        self._skipped_seen = 0  # the lookup client's `skipped` at the last get_stats
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         # Blocks vLLM's own prefix cache supplies were computed here earlier (and saved then) or
@@ -244,6 +245,9 @@ class PoolScheduler:
     def get_stats(self) -> KVPoolStats | None:
         """This interval's prompt tokens by source (counted at allocation: a preempted request
         that is scheduled again counts again, as in vLLM's own prefix-cache counters)."""
+        if self._client is not None and self._client.skipped > self._skipped_seen:
+            self._stats.add("lookups_skipped", self._client.skipped - self._skipped_seen)
+            self._skipped_seen = self._client.skipped
         snap = self._stats.take()
         return None if snap.is_empty() else snap
 

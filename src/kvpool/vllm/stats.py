@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 COUNTERS = (
     "lookups", "lookup_hit_blocks",
+    "lookups_skipped",  # scheduler side: misses answered without asking, the lookup channel backing off
     # Scheduler side: prompt tokens of looked-up requests by where their KV came from.
     "pool_tokens", "local_tokens", "computed_tokens",
     "load_blocks", "load_bytes", "load_time_s", "load_failed_blocks",

@@ -157,6 +157,7 @@ class FakeLookupClient:
         self.port, self.dp_rank = lookup_rpc_port, dp_rank
         self.calls: list[list[bytes]] = []
         self.closed = False
+        self.skipped = 0  # lookups the real client's breaker answered without asking
         FakeLookupClient.instances.append(self)
 
     def lookup(self, block_hashes: Sequence[bytes]) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import pytest
@@ -138,8 +139,38 @@ def test_a_stuck_server_is_a_miss_and_does_not_poison_the_next_lookup(monkeypatc
     stuck_call = len(calls)
     release.set()
     monkeypatch.setattr(lookup_mod, "LOOKUP_TIMEOUT_MS", 5000)
+    client._skip_until = 0.0  # past the breaker's back-off (its own test is below)
     # The stuck lookup's late answer went to the abandoned socket; this one gets its own.
     assert client.lookup(HASHES) == stuck_call + 1
+
+
+def test_a_stuck_server_costs_one_timeout_per_back_off_not_one_per_lookup(monkeypatch, closing):
+    monkeypatch.setattr(lookup_mod, "LOOKUP_TIMEOUT_MS", 300)
+    monkeypatch.setattr(lookup_mod, "LOOKUP_BACKOFF_S", 0.5)
+    calls: list[int] = []
+    release = threading.Event()
+
+    def count_hits(hashes: Sequence[bytes]) -> int:
+        calls.append(len(hashes))
+        if len(calls) > 1:
+            release.wait(10)
+        return 2
+
+    closing(LookupServer(14, 0, count_hits))
+    client = closing(LookupClient(14))
+    assert client.lookup(HASHES) == 2  # connected and answering
+    assert client.lookup(HASHES) == 0  # stuck: one timeout, and the breaker opens
+    assert len(calls) == 2
+    for _ in range(50):  # a scheduler's next lookups: misses at once, the worker is not asked
+        assert client.lookup(HASHES) == 0
+    assert len(calls) == 2 and client.skipped == 50
+    time.sleep(0.6)
+    release.set()  # the worker recovers; after the back-off one lookup asks again
+    deadline = time.monotonic() + 10
+    while client.lookup(HASHES) != 2:
+        assert time.monotonic() < deadline, "the breaker never closed"
+        time.sleep(0.05)
+    assert client.lookup(HASHES) == 2  # closed: every lookup asks again
 
 
 def test_a_second_server_on_the_same_port_is_refused_until_the_first_closes(closing):

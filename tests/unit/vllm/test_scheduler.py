@@ -523,3 +523,14 @@ def test_block_hash_log_writes_a_trace_line_per_finished_request(fake_lookup, tm
 def test_block_hash_log_path_must_be_a_writable_file_path(value):
     with pytest.raises(ConfigError, match="block_hash_log"):
         load_config({"block_hash_log": value})
+
+
+def test_lookups_the_channels_breaker_skipped_are_counted_once(fake_lookup):
+    sched = make_scheduler()
+    client = fake_lookup.instances[-1]
+    client.skipped = 7
+    stats = sched.get_stats()
+    assert stats is not None and stats.data["lookups_skipped"] == 7
+    assert sched.get_stats() is None  # nothing new: not counted again
+    client.skipped = 9
+    assert sched.get_stats().data["lookups_skipped"] == 2
