@@ -508,3 +508,34 @@ def test_kvpool_stats_json_table_and_errors(start_server, make_client, sock_path
     server.stop()
     gone = _kvpool("stats", "--socket", sock_path)
     assert gone.returncode == 1 and "cannot reach the kvpool server" in gone.stderr
+
+
+def test_allocations_the_engine_reclaimed_do_not_pile_up_in_the_connection(sock_path, make_client, monkeypatch):
+    # A client that allocates and never commits: the engine reclaims each allocation after
+    # put_timeout_s; the server's own per-connection record of them must not keep them all.
+    from kvpool.server import daemon
+
+    monkeypatch.setattr(daemon, "PENDING_PRUNE_AT", 8)
+    server = daemon.Server(parse_flags("--socket", sock_path, "--memory-size", "4MB", "--put_timeout", "0.2",
+                                       "--client_ttl", "2"))
+    server.start()
+    serving = threading.Thread(target=server.serve_forever, name="test-serve", daemon=True)
+    serving.start()
+    try:
+        client = make_client(name="leaky")
+        for round_ in range(6):
+            reclaimed = server.stats()["reclaimed_allocations"]
+            got = client.allocate([f"r{round_}k{i}" for i in range(8)], [1024] * 8)
+            assert got.codes == [OK] * 8
+            deadline = time.monotonic() + 10
+            while server.stats()["reclaimed_allocations"] < reclaimed + 8:
+                assert time.monotonic() < deadline, "the engine never reclaimed the allocations"
+                time.sleep(0.05)
+        [conn] = list(server._conns.values())
+        assert len(conn.pending) <= 16  # 48 allocated, all reclaimed
+        assert client.commit(got.handles) == [int(ErrorCode.OBJECT_NOT_FOUND)] * 8
+    finally:
+        server.stop()
+        serving.join(10)
+        for name in arena_files(sock_path):
+            shm.unlink(name)

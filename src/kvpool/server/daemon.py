@@ -67,6 +67,9 @@ logger = logging.getLogger("kvpool.server")
 # A connection may hold this many unreleased read leases; past it the oldest are released
 # (a client that never releases must not grow the server without bound).
 _MAX_LEASES_PER_CONN = 1 << 16
+# A connection's map of its uncommitted allocations is pruned of those the engine reclaimed once
+# it holds more than this many (or twice what the last prune kept).
+PENDING_PRUNE_AT = 4096
 # Heap bytes an object costs the server besides its key, charged to the memory budget with the
 # key's bytes, so a flood of tiny objects with long keys fills the pool instead of the server's
 # heap. An object alone takes ~170 B (benchmarks/scale.py measures it); while it carries a lookup
@@ -187,6 +190,7 @@ class _Conn:
     warned_quota: bool = False
     requests: int = 0
     pending: dict[int, Allocation] = dataclasses.field(default_factory=dict)
+    prune_at: int = 0  # len(pending) past which the handles the engine reclaimed are dropped from it
     leases: dict[int, Lease] = dataclasses.field(default_factory=dict)
 
 
@@ -594,6 +598,12 @@ class Server:
                     handles.append(0)
                     offsets.append(0)
             self._note_refusals(conn, codes)
+            if len(conn.pending) > max(conn.prune_at, PENDING_PRUNE_AT):
+                # The engine reclaims what a client leaves uncommitted (put_timeout_s) without
+                # telling this map: a client that never commits would grow it without bound.
+                live = engine.pending_handles(cid)
+                conn.pending = {h: a for h, a in conn.pending.items() if h in live}
+                conn.prune_at = 2 * len(conn.pending)  # amortised: a prune per as many allocations
             return P.Allocated(codes, handles, offsets)
         if isinstance(req, (P.Commit, P.Abort)):
             sums = req.checksums if isinstance(req, P.Commit) else []

@@ -1144,6 +1144,11 @@ class PoolEngine:
             self._stats["reclaimed_allocations"] += reclaimed
         return ReapReport(clients=int(known), leases=dropped_leases, allocations=reclaimed)
 
+    def pending_handles(self, client_id: str) -> set[int]:
+        """Handles of ``client_id``'s allocations not yet committed, aborted or reclaimed."""
+        with self._lock:
+            return set(self._pending_by_client.get(client_id, ()))
+
     def bind_client(self, client_id: str, owner: str) -> None:
         """Count ``client_id``'s leases and allocations against ``owner`` (e.g. its process), so a
         client with several connections shares one quota. Unbound clients are their own owner. The
