@@ -535,14 +535,15 @@ class Forwarder:
             router.settle(decision, answered=ok, usage=usage)
             return passthrough(resp, out_headers)
 
-        seen: list[dict[str, Any]] = []
+        # The last usage record only: with continuous_usage_stats every event carries one.
+        last: dict[str, dict[str, Any] | None] = {"usage": None}
 
         def on_close() -> None:
             lease.release()
-            router.settle(decision, answered=True, usage=seen[-1] if seen else None)
+            router.settle(decision, answered=True, usage=last["usage"])
 
         ctype = resp.headers.get("content-type", "")
-        watcher = SSEUsageRewriter(None, on_usage=seen.append) if ctype.startswith("text/event-stream") else None
+        watcher = SSEUsageRewriter(None, on_usage=lambda usage: last.update(usage=usage)) if ctype.startswith("text/event-stream") else None
         return UpstreamStream(resp, on_close=on_close, on_error=lambda reason: self.registry.mark_down(inst, reason),
                               rewriter=watcher, headers=out_headers)
 
