@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
 
 from connector_fakes import (
     BLOCK_SIZE,
@@ -34,6 +35,17 @@ def make_scheduler(extra: dict[str, Any] | None = None, role: str = "kv_both", h
                    groups: int = 1, cache_block_size: int = BS) -> PoolScheduler:
     return PoolScheduler(make_vllm_config(block_size=BS, hash_algo=hash_algo), load_config(extra, role),
                          make_kv_cache_config(block_size=cache_block_size, groups=groups))
+
+
+def async_hit(fake: type[FakeLookupClient], n_blocks: int, block_ids: list[int]) -> tuple[PoolScheduler, Request]:
+    """A scheduler with async loads and request "a", its first `n_blocks` blocks pooled and one
+    token more: looked up (a hit of every pooled block) and allocated `block_ids`."""
+    sched = make_scheduler({"load_async": True})
+    req = make_request("a", n_blocks * BS + 1)
+    pool(fake, req, n_blocks)
+    assert sched.get_num_new_matched_tokens(req, 0) == (n_blocks * BS, True)
+    sched.update_state_after_alloc(req, kv_blocks(block_ids), n_blocks * BS)
+    return sched, req
 
 
 def pool(fake: type[FakeLookupClient], request, n_blocks: int) -> None:
@@ -128,11 +140,7 @@ def test_local_hit_covering_the_pool_hit_offers_nothing(fake_lookup):
 
 
 def test_load_async_is_reported_and_planned(fake_lookup):
-    sched = make_scheduler({"load_async": True})
-    req = make_request("a", 3 * BS + 1)
-    pool(fake_lookup, req, 3)
-    assert sched.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
-    sched.update_state_after_alloc(req, kv_blocks([4, 5, 6, 7]), 3 * BS)
+    sched, req = async_hit(fake_lookup, 3, [4, 5, 6, 7])
     (task,) = empty_step(sched).loads
     assert task.is_async is True and task.block_ids == [4, 5, 6]
 
@@ -327,11 +335,7 @@ def test_request_with_io_is_freed_only_after_the_workers_report_it(fake_lookup):
 
 def test_request_with_only_a_finished_load_is_also_held(fake_lookup):
     # Its load is done (vLLM saw finished_recving): only this connector can hold its blocks now.
-    sched = make_scheduler({"load_async": True})
-    req = make_request("a", 2 * BS + 1)
-    pool(fake_lookup, req, 2)
-    sched.get_num_new_matched_tokens(req, 0)
-    sched.update_state_after_alloc(req, kv_blocks([0, 1, 2]), 2 * BS)
+    sched, req = async_hit(fake_lookup, 2, [0, 1, 2])
     empty_step(sched)
     sched.update_connector_output(KVConnectorOutput(finished_recving={"a"}))
     assert sched.request_finished(req, [0, 1, 2]) == (True, None)
@@ -342,11 +346,7 @@ def test_a_request_finished_during_its_async_load_leaves_the_free_to_vllm(fake_l
     itself keeps the blocks until the workers report finished_recving, then frees the request
     and forgets it. A delayed free on top would make the workers also report it in
     finished_sending, for a request vLLM no longer has (its scheduler asserts on that)."""
-    sched = make_scheduler({"load_async": True})
-    req = make_request("a", 2 * BS + 1)
-    pool(fake_lookup, req, 2)
-    sched.get_num_new_matched_tokens(req, 0)
-    sched.update_state_after_alloc(req, kv_blocks([0, 1, 2]), 2 * BS)
+    sched, req = async_hit(fake_lookup, 2, [0, 1, 2])
     assert len(empty_step(sched).loads) == 1
     assert sched.request_finished(req, [0, 1, 2]) == (False, None)
     assert not sched.has_pending_block_frees()
@@ -360,11 +360,7 @@ def test_an_async_load_counts_its_prompt_tokens_once(fake_lookup):
     # vLLM allocates twice for an async load: with the hit, then (no lookup in between, 0
     # external tokens) when it schedules the request after the load. Only the first one says
     # where the prompt's KV came from.
-    sched = make_scheduler({"load_async": True})
-    req = make_request("a", 3 * BS + 1)
-    pool(fake_lookup, req, 3)
-    assert sched.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
-    sched.update_state_after_alloc(req, kv_blocks([4, 5, 6, 7]), 3 * BS)
+    sched, req = async_hit(fake_lookup, 3, [4, 5, 6, 7])
     empty_step(sched)
     sched.update_connector_output(KVConnectorOutput(finished_recving={"a"}))
     sched.update_state_after_alloc(req, kv_blocks([4, 5, 6, 7]), 0)
@@ -379,11 +375,7 @@ def test_an_async_load_that_failed_is_not_offered_again_to_the_same_request(fake
     # 0 it frees the blocks and asks the connector again. Offering the same blocks again only
     # starts the same load: with a block the store keeps failing (every read timing out), the
     # request would cycle through WAITING_FOR_REMOTE_KVS forever instead of being recomputed.
-    sched = make_scheduler({"load_async": True})
-    req = make_request("a", 3 * BS + 1)
-    pool(fake_lookup, req, 3)
-    assert sched.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
-    sched.update_state_after_alloc(req, kv_blocks([4, 5, 6, 7]), 3 * BS)
+    sched, req = async_hit(fake_lookup, 3, [4, 5, 6, 7])
     assert len(empty_step(sched).loads) == 1
     sched.update_connector_output(KVConnectorOutput(finished_recving={"a"}, invalid_block_ids={4}))
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)

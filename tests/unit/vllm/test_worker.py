@@ -59,6 +59,15 @@ def snapshot(caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in caches.items()}
 
 
+def failing_load_beside_saves() -> KVPoolMetadata:
+    """A step where b loads H[0] (saved into block 1 first) and H[5] (never saved: block 6
+    fails) and saves blocks 7-8, computed over both; c saves block 3, computed over 1-2."""
+    return KVPoolMetadata(
+        loads=[BlockTask("b", [H[0], H[5]], [5, 6])],
+        saves=[BlockTask("b", H[6:8], [7, 8], prior_block_ids=[5, 6]),
+               BlockTask("c", H[2:3], [3], prior_block_ids=[1, 2])])
+
+
 # ---- copies -----------------------------------------------------------------------------------------
 
 
@@ -150,10 +159,7 @@ def test_blocks_computed_over_a_failed_sync_load_are_not_saved(make_worker):
     save(worker, "a", H[:1], [1])
     drain(worker)
     counters(worker)
-    meta = KVPoolMetadata(
-        loads=[BlockTask("b", [H[0], H[5]], [5, 6])],
-        saves=[BlockTask("b", H[6:8], [7, 8], prior_block_ids=[5, 6]),
-               BlockTask("c", H[2:3], [3], prior_block_ids=[1, 2])])
+    meta = failing_load_beside_saves()
     worker.start_load_kv(meta)
     worker.wait_for_save(meta)
     drain(worker)
@@ -176,10 +182,7 @@ def test_a_failed_sync_load_still_drops_saves_when_vllm_finalizes_the_step_late(
     worker, kv, pool = make_worker()
     save(worker, "a", H[:1], [1])
     drain(worker)
-    meta = KVPoolMetadata(
-        loads=[BlockTask("b", [H[0], H[5]], [5, 6])],
-        saves=[BlockTask("b", H[6:8], [7, 8], prior_block_ids=[5, 6]),
-               BlockTask("c", H[2:3], [3], prior_block_ids=[1, 2])])
+    meta = failing_load_beside_saves()
     worker.start_load_kv(meta)
     assert worker.get_finished(meta) == (None, None)
     assert worker.get_block_ids_with_load_errors() == {6}
