@@ -40,7 +40,10 @@ so a process that dies without ``close`` leaves none behind. Otherwise the tier 
 index by reading every file's header. The index only lists what should be there: ``get``
 still checks every file's length, key and checksum, so a stale or forged entry reads as a miss.
 Thread-safe: one internal lock guards the index; file reads and writes happen
-outside it (an unlinked file stays readable through an open descriptor).
+outside it (an unlinked file stays readable through an open descriptor). A put of a key
+another thread is writing waits for that write (bounded), so its OK always names a file; a
+read that finds its file corrupt, unreadable or gone drops the key only if no new copy was
+renamed into place meanwhile.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ import logging
 import os
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
@@ -80,6 +84,11 @@ _TMP_MARK = ".tmp."
 LOCK_NAME = ".kvpool.lock"
 FILE_MODE = 0o600
 DIR_MODE = 0o700
+# How long a put waits for another thread's write of the same key: one file write, so only a
+# hung device takes this long; the put then reports failure rather than an unbacked OK.
+INFLIGHT_WAIT_S = 30.0
+# Read errors that say nothing about the file (the process ran out of something): no deletion.
+_TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR})
 
 
 def _lock_dir(path: str) -> int:
@@ -165,6 +174,8 @@ class DiskTier:
         self._lock_fd: int | None = _lock_dir(self.path)
         self.policy: DiskPolicy = policy
         self._lock = threading.Lock()
+        # Notified whenever a write in flight settles or is cancelled (a put of the same key waits).
+        self._landed = threading.Condition(self._lock)
         # key -> file size, in eviction order, plus the writes in flight.
         self._order = QuotaIndex(quota_bytes, policy)
         self._tmp_counter = itertools.count()
@@ -235,7 +246,9 @@ class DiskTier:
     def put(self, key: str, data: Buffer | Sequence[Buffer]) -> ErrorCode:
         """Store ``data`` (one buffer or a list written back-to-back) under ``key``.
 
-        Objects are immutable: a key already stored (or being stored) is a no-op OK.
+        Objects are immutable: a key already stored is a no-op OK. A key being stored by
+        another thread is waited for (up to ``INFLIGHT_WAIT_S``): OK only once a file of it
+        landed, else this put writes it itself, so an OK is never backed by a write that failed.
         """
         views = _as_bytes_views(data)
         key_bytes = key.encode("utf-8")
@@ -248,29 +261,50 @@ class DiskTier:
                 key, size, self.quota_bytes,
             )
             return ErrorCode.NO_AVAILABLE_HANDLE
+        deadline = time.monotonic() + INFLIGHT_WAIT_S
         with self._lock:
-            if self._order.has(key):
-                return ErrorCode.OK
+            while True:
+                if key in self._order:
+                    return ErrorCode.OK
+                if not self._order.has(key):
+                    break
+                # Another thread is writing this key (the engine spills an evicted copy while
+                # writing through its promoted one): its write may still fail, so wait for it.
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    logger.warning(
+                        "disk tier: key=%r is still being written by another thread after %.0f s; "
+                        "not reporting it stored (check %s for a hung device)", key, INFLIGHT_WAIT_S, self.path)
+                    return ErrorCode.INTERNAL_ERROR
+                self._landed.wait(left)
             fits, victims = self._order.reserve(key, size)
             self._unlink_victims_locked(victims)
             if not fits:
                 return ErrorCode.NO_AVAILABLE_HANDLE
 
         final = self._file_path(key)
-        for attempt in (1, 2):
-            try:
-                self._write(final, key_bytes, views, payload_len)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT) and attempt == 1 and self._room_after_full_disk(size):
-                    continue  # the disk filled up under the quota: evicted to make room, try again
-                logger.warning("disk tier: writing key=%r to %s failed: %s", key, final, exc)
-                with self._lock:
-                    self._order.cancel(key)
-                return ErrorCode.INTERNAL_ERROR
+        settled = False
+        try:
+            for attempt in (1, 2):
+                try:
+                    self._write(final, key_bytes, views, payload_len)
+                except OSError as exc:
+                    if exc.errno in (errno.ENOSPC, errno.EDQUOT) and attempt == 1 and self._room_after_full_disk(size):
+                        continue  # the disk filled up under the quota: evicted to make room, try again
+                    logger.warning("disk tier: writing key=%r to %s failed: %s", key, final, exc)
+                    return ErrorCode.INTERNAL_ERROR
+                settled = True
+                return ErrorCode.OK
+            raise AssertionError("unreachable")
+        finally:
+            # Whatever happened, the reservation ends here: a key left reserved would answer
+            # every later put of it with a wait, and its bytes would count against the quota.
             with self._lock:
-                self._order.settle(key)
-            return ErrorCode.OK
-        raise AssertionError("unreachable")
+                if settled:
+                    self._order.settle(key)
+                else:
+                    self._order.cancel(key)
+                self._landed.notify_all()
 
     def _write(self, final: str, key_bytes: bytes, views: list[memoryview], payload_len: int) -> None:
         """Write one object's file next to ``final`` and rename it into place (no temp file is
@@ -325,27 +359,33 @@ class DiskTier:
         """Return the payload of ``key``.
 
         Raises StoreError(OBJECT_NOT_FOUND) when absent, StoreError(CHECKSUM_MISMATCH)
-        when the file is corrupt or truncated (the file is deleted: it can never
-        become valid, and leaving it would fail every later read too).
+        when the file is corrupt, truncated or unreadable (EIO; the file is deleted: it can
+        never become valid, and leaving it would fail every later read too).
         """
         self._touch(key)
         file_path = self._file_path(key)
+        fd = self._open(key, file_path)
         try:
-            with open(file_path, "rb") as f:
-                # Read the parts separately so the payload is not copied a second
-                # time by slicing one big buffer (objects are often megabytes).
-                head = f.read(HEADER_SIZE)
-                parsed = _HEADER.unpack(head) if len(head) == HEADER_SIZE else None
-                key_bytes = f.read(parsed[3]) if parsed else b""
-                payload = f.read(parsed[4]) if parsed else b""
-                trailing = bool(f.read(1))
-        except FileNotFoundError:
-            self._gone(key)
-        problem = self._check_file(parsed, key_bytes, len(payload), trailing, key)
-        if problem is None and parsed is not None:
-            problem = self._check_sum(parsed, payload)[1]
-        if problem is not None:
-            self._corrupt(key, file_path, problem)
+            try:
+                with open(fd, "rb", closefd=False) as f:
+                    # Read the parts separately so the payload is not copied a second
+                    # time by slicing one big buffer (objects are often megabytes).
+                    head = f.read(HEADER_SIZE)
+                    parsed = _HEADER.unpack(head) if len(head) == HEADER_SIZE else None
+                    key_bytes = f.read(parsed[3]) if parsed else b""
+                    payload = f.read(parsed[4]) if parsed else b""
+                    trailing = bool(f.read(1))
+            except OSError as exc:
+                self._unreadable(key, file_path, exc, fd)
+            problem = self._check_file(parsed, key_bytes, len(payload), trailing, key)
+            if problem is None and parsed is not None:
+                problem = self._check_sum(parsed, payload)[1]
+            if problem is not None:
+                self._corrupt(key, file_path, problem, fd)
+        finally:
+            # Open until any deletion above is decided: the descriptor pins the inode, so the
+            # identity check there cannot meet a new file reusing its number.
+            os.close(fd)
         return payload
 
     def read_into(self, key: str, dest: np.ndarray) -> int:
@@ -361,29 +401,38 @@ class DiskTier:
         file_path = self._file_path(key)
         key_bytes = key.encode("utf-8")
         start = HEADER_SIZE + len(key_bytes)  # where the payload begins, if the key is the file's
+        fd = self._open(key, file_path)
         try:
-            fd = os.open(file_path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                file_size = os.fstat(fd).st_size
+                head = os.pread(fd, start, 0)
+                parsed = _HEADER.unpack(head[:HEADER_SIZE]) if len(head) >= HEADER_SIZE else None
+                payload_len = parsed[4] if parsed is not None else -1
+                whole = parsed is not None and parsed[3] == len(key_bytes) and file_size == start + payload_len
+                if whole and payload_len != dest.nbytes:
+                    raise StoreError(ErrorCode.OBJECT_NOT_FOUND,
+                                     f"key={key!r} on the disk tier is {payload_len} bytes now, not {dest.nbytes}")
+                got = _pread_into(fd, dest, start) if payload_len == dest.nbytes else 0
+            except OSError as exc:
+                self._unreadable(key, file_path, exc, fd)
+            problem = self._check_file(parsed, head[HEADER_SIZE:], got, file_size > start + got, key)
+            digest = 0
+            if problem is None and parsed is not None:
+                digest, problem = self._check_sum(parsed, dest)
+            if problem is not None:
+                self._corrupt(key, file_path, problem, fd)
+        finally:
+            os.close(fd)  # after any deletion (see get)
+        return digest
+
+    def _open(self, key: str, file_path: str) -> int:
+        """Open ``key``'s file for reading; raises StoreError as ``get`` does."""
+        try:
+            return os.open(file_path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             self._gone(key)
-        try:
-            file_size = os.fstat(fd).st_size
-            head = os.pread(fd, start, 0)
-            parsed = _HEADER.unpack(head[:HEADER_SIZE]) if len(head) >= HEADER_SIZE else None
-            payload_len = parsed[4] if parsed is not None else -1
-            whole = parsed is not None and parsed[3] == len(key_bytes) and file_size == start + payload_len
-            if whole and payload_len != dest.nbytes:
-                raise StoreError(ErrorCode.OBJECT_NOT_FOUND,
-                                 f"key={key!r} on the disk tier is {payload_len} bytes now, not {dest.nbytes}")
-            got = _pread_into(fd, dest, start) if payload_len == dest.nbytes else 0
-        finally:
-            os.close(fd)
-        problem = self._check_file(parsed, head[HEADER_SIZE:], got, file_size > start + got, key)
-        digest = 0
-        if problem is None and parsed is not None:
-            digest, problem = self._check_sum(parsed, dest)
-        if problem is not None:
-            self._corrupt(key, file_path, problem)
-        return digest
+        except OSError as exc:
+            self._unreadable(key, file_path, exc, None)
 
     def _touch(self, key: str) -> None:
         """Mark ``key`` read (its LRU place); OBJECT_NOT_FOUND when it is not stored."""
@@ -395,8 +444,21 @@ class DiskTier:
     def _gone(self, key: str) -> NoReturn:
         """Its file vanished between the index check and the open (evicted or removed)."""
         with self._lock:
-            self._drop_locked(key, unlink=False)
+            # Unless a new copy was stored meanwhile (renames happen under this lock): that one
+            # is acknowledged and stays listed.
+            if not os.path.lexists(self._file_path(key)):
+                self._drop_locked(key, unlink=False)
         raise StoreError(ErrorCode.OBJECT_NOT_FOUND, f"key={key!r} is not on the disk tier") from None
+
+    def _unreadable(self, key: str, file_path: str, exc: OSError, fd: int | None) -> NoReturn:
+        """A read of ``key``'s file failed: a miss, never an OSError to the caller (through the
+        server that would end the reader's connection, on every read of a bad sector)."""
+        if exc.errno in _TRANSIENT:  # the process, not the file: keep it
+            raise StoreError(
+                ErrorCode.INTERNAL_ERROR,
+                f"key={key!r}: could not read {file_path} ({exc}); the file is kept, retry later",
+            ) from None
+        self._corrupt(key, file_path, f"unreadable: {exc}", fd)
 
     def remove(self, key: str) -> ErrorCode:
         """Delete ``key``'s file; OBJECT_NOT_FOUND if it is not stored."""
@@ -439,19 +501,32 @@ class DiskTier:
             return digest, None if zlib.crc32(payload) == check else "crc32 mismatch"
         return digest, None if digest & _LOW32 == check else "checksum mismatch"
 
-    def _corrupt(self, key: str, file_path: str, problem: str) -> NoReturn:
+    def _corrupt(self, key: str, file_path: str, problem: str, fd: int | None) -> NoReturn:
+        """Report ``key``'s file (read through ``fd``; None: could not be opened) as corrupt and
+        delete it, unless a new copy was renamed over it meanwhile: that one was acknowledged."""
         logger.warning(
             "disk tier: key=%r file %s is corrupt (%s); deleted it and reporting a miss",
             key, file_path, problem,
         )
         with self._lock:
             self.checksum_failures += 1
-            self._drop_locked(key, unlink=True)
+            if fd is None or self._is_file_locked(file_path, fd):
+                self._drop_locked(key, unlink=True)
         raise StoreError(
             ErrorCode.CHECKSUM_MISMATCH,
             f"key={key!r}: disk copy at {file_path} is corrupt ({problem}); it was deleted, "
             f"the object must be recomputed",
         )
+
+    @staticmethod
+    def _is_file_locked(file_path: str, fd: int) -> bool:
+        """Whether ``file_path`` still names the file open as ``fd`` (call under the lock, which
+        every rename and unlink in the tier holds, with ``fd`` open so its inode is not reused)."""
+        try:
+            now, read = os.stat(file_path, follow_symlinks=False), os.fstat(fd)
+        except OSError:
+            return False
+        return (now.st_dev, now.st_ino) == (read.st_dev, read.st_ino)
 
     def _drop_locked(self, key: str, unlink: bool) -> None:
         if self._order.discard(key) and unlink:
@@ -464,6 +539,12 @@ class DiskTier:
                 os.unlink(file_path)
             except FileNotFoundError:
                 pass
+            except OSError as exc:
+                # E.g. EROFS: a failing SSD remounted read-only. The victim is out of the index
+                # either way (never read again); raising here would fail the caller's put or
+                # read with an exception and leave its reservation behind.
+                logger.warning("disk tier: could not delete %s (key=%r): %s; it stays on disk, unindexed, "
+                               "until a restart's scan", file_path, victim, exc)
             self._saw_shard_locked(os.path.dirname(file_path))
 
     def _shard_times(self) -> dict[str, int]:

@@ -1704,7 +1704,12 @@ class PoolEngine:
         for key, entry in spills:
             if not self._spilled_intact(key, entry):
                 continue
-            rc = self._disk.put(key, entry.data)
+            try:
+                rc = self._disk.put(key, entry.data)
+            except Exception:  # raising here would strand this spill and the later ones in the
+                # spill buffer, their bytes held in memory for good
+                logger.exception("spilling key=%r to the disk tier raised", key)
+                rc = ErrorCode.INTERNAL_ERROR
             with self._lock:
                 if rc is not ErrorCode.OK:
                     self._stats["disk_write_errors"] += 1

@@ -1,0 +1,257 @@
+"""Faults on the SSD tier: I/O errors, races between writers, readers and removers of one key."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvpool.errors import ErrorCode, StoreError
+from kvpool.store import disk as disk_mod
+
+
+def _block_first_write(monkeypatch, disk, fail: bool) -> tuple[threading.Event, threading.Event]:
+    """Make the tier's first file write wait for ``go`` (signalling ``started``), then fail with
+    EIO when ``fail``; later writes run normally."""
+    started, go = threading.Event(), threading.Event()
+    real = disk._write
+    calls = []
+
+    def write(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            started.set()
+            assert go.wait(10)
+            if fail:
+                raise OSError(errno.EIO, "Input/output error")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(disk, "_write", write)
+    return started, go
+
+
+@pytest.mark.parametrize("first_fails", [True, False])
+def test_a_put_of_a_key_being_written_is_ok_only_once_a_write_of_it_landed(make_disk, monkeypatch,
+                                                                          first_fails) -> None:
+    # Two writers of one key (the engine's spill of an evicted object and the write-through of
+    # its promoted copy): the second must not report OK while the first may still fail, or the
+    # engine marks its object on disk and later evicts it without spilling: lost. When the first
+    # lands, the second writes nothing more.
+    disk = make_disk()
+    started, go = _block_first_write(monkeypatch, disk, fail=first_fails)
+    first: list[ErrorCode] = []
+    writer = threading.Thread(target=lambda: first.append(disk.put("k", b"v" * 100)))
+    writer.start()
+    assert started.wait(10)
+    second: list[ErrorCode] = []
+    other = threading.Thread(target=lambda: second.append(disk.put("k", b"v" * 100)))
+    other.start()
+    other.join(0.3)
+    assert other.is_alive()  # waiting for the first write, not answering yet
+    go.set()
+    writer.join(10)
+    other.join(10)
+    assert first == [ErrorCode.INTERNAL_ERROR if first_fails else ErrorCode.OK]
+    assert second == [ErrorCode.OK]
+    assert disk.contains("k") and disk.get("k") == b"v" * 100  # the OK is backed by a file
+    assert disk.count == 1 and disk.used_bytes == disk.entry_size("k", 100)
+
+
+@pytest.mark.parametrize("how", ["get", "read_into"])
+def test_an_io_error_reading_a_file_is_a_store_error_naming_the_key(make_disk, monkeypatch, how) -> None:
+    # A bad sector must read as a miss (StoreError, which the engine turns into a code), not
+    # as an OSError: through the server that ends the reader's connection, on every read.
+    disk = make_disk()
+    assert disk.put("k", b"v" * 100) is ErrorCode.OK
+
+    def eio(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(disk_mod.os, "preadv", eio)
+    monkeypatch.setattr(disk_mod.os, "pread", eio)
+    monkeypatch.setattr(disk_mod, "open", eio, raising=False)
+    with pytest.raises(StoreError) as info:
+        if how == "get":
+            disk.get("k")
+        else:
+            disk.read_into("k", np.empty(100, dtype=np.uint8))
+    assert "'k'" in str(info.value)
+    monkeypatch.undo()
+    assert not disk.contains("k") and disk.used_bytes == 0  # unreadable: dropped, not retried forever
+
+
+def test_an_io_error_promoting_from_disk_is_a_miss_for_the_reader(make_engine, make_disk, monkeypatch) -> None:
+    disk = make_disk()
+    engine = make_engine(memory_size=1024, disk=disk)
+    assert disk.put("k", b"v" * 100) is ErrorCode.OK
+
+    def eio(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(disk_mod.os, "preadv", eio)
+    monkeypatch.setattr(disk_mod.os, "pread", eio)
+    assert engine.acquire("c", "k") is not ErrorCode.OK
+    assert isinstance(engine.batch_acquire("c", ["k", "absent"])[0], ErrorCode)
+    assert engine.stats()["pending_allocations"] == 0
+
+
+def _pause_after_read(monkeypatch, disk) -> tuple[threading.Event, threading.Event]:
+    """Make the next checksum check wait (after the file was read) until ``go``."""
+    paused, go = threading.Event(), threading.Event()
+    real = disk_mod.DiskTier._check_sum
+    calls = []
+
+    def check(parsed, payload):
+        calls.append(1)
+        if len(calls) == 1:
+            paused.set()
+            assert go.wait(10)
+        return real(parsed, payload)
+
+    monkeypatch.setattr(disk_mod.DiskTier, "_check_sum", staticmethod(check))
+    return paused, go
+
+
+@pytest.mark.parametrize("how", ["get", "read_into"])
+def test_a_corrupt_read_does_not_delete_a_good_copy_stored_meanwhile(make_disk, monkeypatch, how) -> None:
+    disk = make_disk()
+    assert disk.put("k", b"v" * 100) is ErrorCode.OK
+    path = disk._file_path("k")
+    with open(path, "r+b") as f:  # damage the payload's last byte
+        f.seek(-1, os.SEEK_END)
+        f.write(b"x")
+    paused, go = _pause_after_read(monkeypatch, disk)
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            disk.get("k") if how == "get" else disk.read_into("k", np.empty(100, dtype=np.uint8))
+        except StoreError as exc:
+            errors.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert paused.wait(10)
+    # Meanwhile the damaged copy is removed and a good one stored (acknowledged with OK).
+    assert disk.remove("k") is ErrorCode.OK
+    assert disk.put("k", b"v" * 100) is ErrorCode.OK
+    go.set()
+    reader.join(10)
+    assert len(errors) == 1  # the damaged copy it read is never passed off as data
+    assert disk.contains("k") and disk.get("k") == b"v" * 100  # the acknowledged one survives
+
+
+def test_a_vanished_file_does_not_unlist_a_copy_stored_meanwhile(make_disk, monkeypatch) -> None:
+    disk = make_disk()
+    assert disk.put("k", b"v" * 100) is ErrorCode.OK
+    real_open = os.open
+    swapped = []
+
+    def racing_open(path, *args, **kwargs):
+        if path == disk._file_path("k") and not swapped:
+            swapped.append(1)
+            # Between the reader's index check and its open: removed, then stored again.
+            assert disk.remove("k") is ErrorCode.OK
+            monkeypatch.setattr(disk_mod.os, "open", real_open)
+            assert disk.put("k", b"v" * 100) is ErrorCode.OK
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(disk_mod.os, "open", racing_open)
+    with pytest.raises(StoreError):
+        disk.read_into("k", np.empty(100, dtype=np.uint8))
+    assert disk.contains("k") and disk.get("k") == b"v" * 100
+    assert disk.used_bytes == disk.entry_size("k", 100)
+
+
+def test_a_disk_that_refuses_unlinks_fails_puts_with_a_code_and_leaks_no_reservation(make_disk, monkeypatch) -> None:
+    # A failing SSD is often remounted read-only: unlinking an evicted file then fails with
+    # EROFS. A put must answer with a code (the engine writes spills on its callers' threads),
+    # and must not leave its key reserved: that would answer every later put of it OK unwritten.
+    disk = make_disk(quota_bytes=2 * disk_mod.DiskTier.entry_size("k0", 100), policy="fifo")
+    for key in ("k0", "k1"):
+        assert disk.put(key, b"v" * 100) is ErrorCode.OK
+
+    def erofs(path, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", path)
+
+    monkeypatch.setattr(disk_mod.os, "unlink", erofs)
+    monkeypatch.setattr(disk, "_write", lambda *a, **k: erofs(a[0]))
+    assert disk.put("k2", b"v" * 100) is ErrorCode.INTERNAL_ERROR
+    assert disk.used_bytes == disk.entry_size("k1", 100) and disk._order.writing == 0
+    monkeypatch.undo()
+    assert disk.put("k2", b"v" * 100) is ErrorCode.OK and disk.get("k2") == b"v" * 100
+
+
+def test_a_spill_the_disk_raises_on_leaves_no_copy_in_the_spill_buffer(make_engine, make_disk, monkeypatch) -> None:
+    disk = make_disk()
+    engine = make_engine(memory_size=1024, disk=disk, disk_write_through=False)
+
+    def broken(key, data):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(disk, "put", broken)
+    for i in range(20):  # each eviction spills; none of them can be written
+        assert engine.put("c", f"k{i}", [np.full(200, i, dtype=np.uint8)]) is ErrorCode.OK
+    assert engine.stats()["spilling"] == 0  # no evicted copy kept in memory forever
+    assert engine.stats()["disk_write_errors"] > 0
+
+
+def test_an_object_whose_spill_fails_while_its_promoted_copy_is_written_through_is_not_lost(
+    make_engine, make_disk, monkeypatch
+) -> None:
+    # k is evicted before the write-through reached it, so its spill writes it (and fails, EIO);
+    # meanwhile a reader promotes it from the spill buffer and the write-through writes that
+    # copy. Before the fix the second write answered OK at once, so the engine marked k on disk,
+    # evicted it without a spill, and k was gone.
+    disk = make_disk()
+    engine = make_engine(memory_size=1024, disk=disk)
+    real = disk._write
+    gates = {name: (threading.Event(), threading.Event()) for name in ("block", "k")}
+    (block_started, block_go), (k_started, k_go) = gates["block"], gates["k"]
+
+    def write(final, key_bytes, views, payload_len):
+        gate = gates.pop(key_bytes.decode(), None)
+        if gate is not None:
+            gate[0].set()
+            assert gate[1].wait(10)
+            if key_bytes == b"k":
+                raise OSError(errno.EIO, "Input/output error")
+        return real(final, key_bytes, views, payload_len)
+
+    monkeypatch.setattr(disk, "_write", write)
+    real_put, writer_at_k = disk.put, threading.Event()
+
+    def put(key, data):
+        if key == "k" and threading.current_thread().name == "kvpool-disk-writer":
+            writer_at_k.set()
+        return real_put(key, data)
+
+    monkeypatch.setattr(disk, "put", put)
+    value = np.arange(200, dtype=np.uint8)
+    assert engine.put("c", "block", [value]) is ErrorCode.OK  # holds the write-through thread
+    assert block_started.wait(10)
+    assert engine.put("c", "k", [value]) is ErrorCode.OK  # queued behind it
+    spiller = threading.Thread(
+        target=lambda: [engine.put("c", f"f{i}", [value]) for i in range(3)])  # evicts k: spill
+    spiller.start()
+    assert k_started.wait(10)
+    lease = engine.acquire("c", "k")  # from the spill buffer, promoted into memory
+    assert not isinstance(lease, ErrorCode)
+    engine.release(lease)
+    block_go.set()  # the write-through now reaches the promoted k, while its spill is in flight
+    assert writer_at_k.wait(10)
+    time.sleep(0.2)  # let it answer (before the fix: OK at once) or wait (after)
+    k_go.set()  # the spill fails
+    spiller.join(10)
+    deadline = time.monotonic() + 10
+    while not disk.contains("k") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for i in range(3, 8):  # evict k again
+        assert engine.put("c", f"f{i}", [value]) is ErrorCode.OK
+    out = np.zeros(200, dtype=np.uint8)
+    assert engine.get_into("c", "k", [out]) is ErrorCode.OK and (out == value).all()
