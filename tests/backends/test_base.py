@@ -171,3 +171,17 @@ def test_buffer_helpers():
         scatter(whole, [np.zeros(99, np.uint8)])
     with pytest.raises(ValueError):
         gather(parts, np.zeros(99, np.uint8))
+
+
+def test_an_exception_from_the_availability_check_is_a_per_key_code():
+    # `_available` (Mooncake's health_check, a reconnect) ran outside the hooks' exception
+    # handling: its exception escaped the batch call into vLLM's worker.
+    class Flaky(Memory):
+        def _available(self) -> bool:
+            raise RuntimeError("health_check on a client being torn down")
+
+    b = Flaky()
+    assert b.batch_exists(["a"]) == [False]
+    assert b.batch_put(["a"], [val(10)]) == [RPC_FAIL]
+    assert b.batch_get_into(["a"], [[np.zeros(10, np.uint8)]]) == [RPC_FAIL]
+    assert b.calls == []

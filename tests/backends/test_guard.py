@@ -308,3 +308,94 @@ def test_a_guarded_backends_copies_run_on_the_callers_thread(monkeypatch):
         assert asked_from == [threading.get_ident()]
     finally:
         b.close()
+
+
+# ---- found by the fault audit -------------------------------------------------------------------
+
+
+class _LateWake(threading.Condition):
+    """The guard's work condition, whose woken thread takes `delay` to get the lock back (a busy
+    host): `woken` is set when a notified worker starts reacquiring it."""
+
+    def __init__(self, lock: threading.Lock, delay: float) -> None:
+        super().__init__(lock)
+        self.delay = delay
+        self.armed = False
+        self.woken = threading.Event()
+
+    def _acquire_restore(self, state: object) -> None:  # called by wait() to take the lock back
+        if self.armed:
+            self.armed = False
+            self.woken.set()
+            time.sleep(self.delay)
+        super()._acquire_restore(state)  # type: ignore[misc]
+
+
+def test_a_call_is_never_queued_behind_another_for_an_idle_thread_that_wakes_late():
+    # A worker notified for call A but not yet awake still counted as idle, so call B, a moment
+    # later, only "notified" it too and waited in the queue behind A (a 5 s save): B's lookup
+    # deadline passed with free threads to spare, and the breaker opened on a healthy store.
+    g = Guard("t", GuardSettings(lookup_timeout_s=1.0, transfer_timeout_s=5.0, cooldown_s=60), lambda: None)
+    g._work = late = _LateWake(g._lock, delay=0.05)
+    release = threading.Event()
+    try:
+        assert g.call(lambda: "warm", 5) == "warm"  # one guard thread, now idle
+        assert wait_for(lambda: g._idle == 1, 10)
+        late.armed = True
+        slow = threading.Thread(target=lambda: g.call(lambda: release.wait(10), 5.0))
+        slow.start()  # A: a long save wakes the idle thread, which takes a while to get going
+        assert late.woken.wait(10)
+        assert g.call(lambda: "hit", 1.0) == "hit"  # B: a lookup, not queued behind A
+        assert g.state == CLOSED and g.counters["timeouts"] == 0
+    finally:
+        release.set()
+        g.close()
+
+
+class _SlowReconnect(Freezable):
+    """A store that went away: reconnecting (a port probe, a client's init) hangs until `reachable`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reachable = threading.Event()
+        self.connect_threads: list[int] = []
+
+    def _connect(self) -> bool:
+        self.connect_threads.append(threading.get_ident())
+        return self.reachable.wait(10)
+
+
+def test_reconnecting_runs_under_the_deadline_not_on_the_callers_time():
+    # The reconnect after a store's outage (Yuanrong's probe and KVClient init: up to
+    # connect_timeout_ms, 9 s) ran on the caller's thread, before the deadline and the breaker
+    # were consulted: a lookup or a load stalled for as long as connecting took.
+    b = _SlowReconnect()
+    b.use_guard(FAST)
+    b._link._up = False  # the store went away; the backoff is over, the next call reconnects
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(b.batch_exists(["k"])))
+    try:
+        t.start()
+        t.join(5)
+        assert out == [[False]]  # a miss at the deadline, while connecting still hangs
+        assert b.connect_threads and threading.get_ident() not in b.connect_threads
+        assert t.ident not in b.connect_threads
+        # The breaker's probe reconnects too (no user call goes through while it is open).
+        b.reachable.set()
+        assert wait_for(lambda: b.batch_exists(["k"]) == [True], 10)
+        assert b._state.guard.state == CLOSED and b._link.up
+    finally:
+        b.reachable.set()
+        t.join(10)
+        b.close()
+
+
+def test_a_fault_injecting_wrapper_reports_the_stores_guard(store):
+    # The worker reads `guard_stats()` for vLLM's store_timeouts / store_calls_skipped: the
+    # wrapper (inject_load_failure_every) has no guard of its own and reported zeros.
+    from kvpool.backends.faults import FaultInjectingBackend
+
+    wrapped = FaultInjectingBackend(store, every=2)
+    store.answer.clear()
+    assert wrapped.batch_exists(["k"]) == [False]
+    assert wrapped.guard_stats()["timeouts"] == 1 and wrapped.guard_stats()["breaker_opened"] == 1

@@ -219,3 +219,121 @@ def test_kvpool_stats_summarises_redis(redis_service):
     assert info["keys"] >= 1 and info["keyspace_hits"] >= 1 and "used_memory" in info
     live = subprocess.run([*run, "--watch", "0.2", "--count", "2"], capture_output=True, text=True, timeout=60)
     assert live.returncode == 0 and live.stdout.count("reads/s") == 2 and "read hit rate" in live.stdout
+
+
+# ---- a store that answers badly or hangs: a fake client, no redis-server ---------------------------
+
+
+class _FakePipe:
+    def __init__(self, store: "_FakeRedis") -> None:
+        self.store, self.cmds = store, []
+
+    def set(self, key, value, nx=False, px=None):
+        self.cmds.append(("set", key, bytes(value), nx))
+
+    def get(self, key):
+        self.cmds.append(("get", key))
+
+    def exists(self, key):
+        self.cmds.append(("exists", key))
+
+    touch = exists
+
+    def execute(self, raise_on_error=True):
+        self.store.executing.set()
+        assert self.store.answer.wait(10), "the test never let the store answer"
+        out = []
+        for cmd in self.cmds:
+            if cmd[0] == "set":
+                stored = cmd[3] and cmd[1] in self.store.data
+                if not stored:
+                    self.store.data[cmd[1]] = cmd[2]
+                out.append(None if stored else True)
+            elif cmd[0] == "get":
+                self.store.gets += 1
+                out.append(self.store.data.get(cmd[1]))
+            else:
+                out.append(int(cmd[1] in self.store.data))
+        return out
+
+
+class _FakeRedis:
+    """Just enough of redis-py's client for the adapter: a dict, and a switch (`answer`) that
+    freezes every pipeline before it answers."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.gets = 0
+        self.answer = threading.Event()
+        self.answer.set()
+        self.executing = threading.Event()
+
+    def pipeline(self, transaction=False):
+        return _FakePipe(self)
+
+    def info(self, section):
+        return {}
+
+    def unlink(self, *keys):
+        for k in keys:
+            self.data.pop(k, None)
+
+    def eval(self, script, n, key, head):
+        return 0
+
+    def close(self):
+        pass
+
+
+def fake_backend():
+    from kvpool.backends.guard import GuardSettings
+    from kvpool.testing.services import free_port
+
+    b = backend(f"redis://127.0.0.1:{free_port()}/0", redis_timeout_s="0.5")
+    b.use_guard(GuardSettings(lookup_timeout_s=0.1, transfer_timeout_s=0.2, cooldown_s=60))
+    b.r = _FakeRedis()
+    return b
+
+
+def test_a_corrupt_chunked_header_fails_its_key_only_and_asks_for_nothing():
+    # A header that says CHUNKED but is cut short (struct.error) failed every key of the batch
+    # with RPC_FAIL, and a chunk count the size cannot need (any client can SET the key) made
+    # the reader build and ask for that many chunk keys: 4 billion of them took the worker down.
+    from kvpool.backends.redis import _CHUNKS, _HEAD, CHUNKED, MAGIC
+
+    b = fake_backend()
+    try:
+        assert b.batch_put(["good"], [[data(100)]]) == [OK]
+        b.r.data["short"] = _HEAD.pack(MAGIC, CHUNKED, 100, 0)
+        b.r.data["many"] = _HEAD.pack(MAGIC, CHUNKED, 100, 0) + _CHUNKS.pack(100_000, MiB, bytes(16))
+        b.r.data["nosize"] = _HEAD.pack(MAGIC, CHUNKED, 100, 0) + _CHUNKS.pack(1, 0, bytes(16))
+        dests = [[np.full(100, 0xA5, np.uint8)] for _ in range(4)]
+        gets = b.r.gets
+        codes = b.batch_get_into(["good", "short", "many", "nosize"], dests)
+        assert codes == [OK] + [ErrorCode.INTERNAL_ERROR] * 3, codes
+        assert np.array_equal(dests[0][0], data(100))
+        assert all((d[0] == 0xA5).all() for d in dests[1:])  # nothing delivered
+        assert b.r.gets - gets == 4  # the headers only: no chunk was asked for
+    finally:
+        b.close()
+
+
+def test_a_hung_redis_costs_a_put_its_deadline_not_the_socket_timeout():
+    # The put's whole round trip ran inside `_buffers()`, where the caller must wait past its
+    # deadline: a frozen Redis held vLLM's save for redis_timeout_s (5 s by default) on top of
+    # transfer_timeout_s. Only the copy out of the caller's buffers needs to be waited for.
+    b = fake_backend()
+    b.r.answer.clear()  # Redis freezes
+    src = data(4096)
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(b.batch_put(["k"], [[src]])))
+    try:
+        t.start()
+        assert b.r.executing.wait(10)
+        t.join(3)
+        assert out == [[ErrorCode.RPC_TIMEOUT]]  # answered at the deadline, Redis still frozen
+        assert not b.r.answer.is_set()
+    finally:
+        b.r.answer.set()
+        t.join(10)
+        b.close()

@@ -196,7 +196,7 @@ class Backend(abc.ABC):
             if _valid_key(key) and key not in first:
                 first[key] = i
         todo = list(first)
-        if todo and self._available():
+        if todo:
             hits = self._call("exists", self._exists, todo, lease)
             if hits is not None:
                 by_key = {k: bool(h) for k, h in zip(todo, hits)}
@@ -338,7 +338,11 @@ class Backend(abc.ABC):
         return self._state.link.ready()
 
     def _probe(self) -> object:
-        """One cheap call that only a store that answers can complete: the breaker's probe."""
+        """One cheap call that only a store that answers can complete: the breaker's probe.
+        While the breaker is open no user call reaches `_available`, so the probe is what
+        reconnects a store whose client went away (on the guard's thread, under its deadline)."""
+        if not self._available():
+            raise KVPoolError(f"kvpool {self.name}: the store is not connected", ErrorCode.RPC_FAIL)
         return self._exists([PROBE_KEY], False)
 
     def _close(self) -> None:
@@ -380,16 +384,24 @@ class Backend(abc.ABC):
         return st
 
     def _call(self, what: str, hook: Callable[..., list], keys: list[str], *args: object) -> list | None:
-        """Run a hook; None (and a log line, and a failure counted) if it raised, missed its
-        deadline or answered with the wrong number of results."""
+        """Run a hook; None (and a log line, and a failure counted) if the store is down, the
+        hook raised, missed its deadline or answered with the wrong number of results."""
         guard = self._state.guard
         try:
             if guard is None:
+                if not self._available():
+                    return None
                 out = list(hook(keys, *args))
             else:
                 if not guard.allows():
                     return None
-                out = list(guard.call(lambda: hook(keys, *args), guard.settings.lookup_timeout_s))
+                # `_available` may reconnect (a port probe, a client's set-up: seconds against a
+                # store that went away): on the guard's thread, under the deadline, like the call.
+                got = guard.call(lambda: hook(keys, *args) if self._available() else None,
+                                 guard.settings.lookup_timeout_s)
+                if got is None:
+                    return None
+                out = list(got)
                 guard.succeeded()
         except Timeout:
             self._bump("failures", len(keys))
@@ -408,16 +420,21 @@ class Backend(abc.ABC):
              values: list[list[np.ndarray]]) -> list[int]:
         """A put or get hook's codes, or one code for all keys when the store is down or the
         hook failed."""
-        if not self._available():
-            return [RPC_FAIL] * len(todo)
         guard = self._state.guard
         try:
             if guard is None:
+                if not self._available():
+                    return [RPC_FAIL] * len(todo)
                 out = [int(c) for c in hook(keys, values)]
             else:
                 if not guard.allows():
                     return [RPC_FAIL] * len(todo)
-                out = [int(c) for c in guard.call(lambda: hook(keys, values), guard.settings.transfer_timeout_s)]
+                # `_available` may reconnect: on the guard's thread, under the deadline (`_call`).
+                got = guard.call(lambda: hook(keys, values) if self._available() else None,
+                                 guard.settings.transfer_timeout_s)
+                if got is None:
+                    return [RPC_FAIL] * len(todo)  # down: the reconnect backoff answers, not a failure
+                out = [int(c) for c in got]
                 if out and all(c in (RPC_FAIL, RPC_TIMEOUT) for c in out):
                     guard.failed(f"every key of a {what} answered {out[0]}")
                 else:

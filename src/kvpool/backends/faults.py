@@ -53,5 +53,9 @@ class FaultInjectingBackend(Backend):
         """The wrapped backend's numbers (what the store saw, not the injected misses)."""
         return self.inner.stats()
 
+    def guard_stats(self) -> dict[str, int]:
+        """The wrapped backend's deadline and breaker counters: the wrapper has no guard."""
+        return self.inner.guard_stats()
+
     def _close(self) -> None:
         self.inner.close()

@@ -153,7 +153,11 @@ class Guard:
                 raise Timeout("no free call thread")
             self._queue.append((c, fn))
             self._busy += 1
-            if self._idle:
+            # A worker counts as idle until it has the lock back and took a call, notified or
+            # not: notify only while every queued call has an idle worker of its own. Otherwise
+            # this call would wait behind another one (a long save, a hung store) with threads to
+            # spare, and miss its deadline on a healthy store.
+            if self._idle >= len(self._queue):
                 self._work.notify()
             else:
                 t = threading.Thread(target=self._worker, name=f"kvpool-{self.name}-call", daemon=True)

@@ -190,13 +190,20 @@ class RedisBackend(Backend):
         return codes
 
     def _put_round(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
+        # Only the copies into the pipeline (private bytes) run while the caller must wait: the
+        # round trip runs after, so a frozen Redis costs the caller its deadline, not the socket
+        # timeout on top of it.
         with self._buffers() as admitted:
             if not admitted:  # the caller stopped waiting: its buffers may hold other KV now
                 return [RPC_TIMEOUT] * len(keys)
-            return self._put_admitted(keys, values)
+            codes = [OK] * len(keys)
+            pipe, plan = self._put_pipeline(keys, values, codes)
+        return self._put_send(pipe, plan, codes)
 
-    def _put_admitted(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
-        codes = [OK] * len(keys)
+    def _put_pipeline(self, keys: list[str], values: list[list[np.ndarray]],
+                      codes: list[int]) -> tuple[Any, list[tuple[int, int, list[str]]]]:
+        """A pipeline holding copies of the values (it never refers to the caller's buffers),
+        and its plan; keys refused up front get their code in `codes`."""
         chunk = self.config.redis_chunk_size
         px = self._ttl_ms
         # Chunks expire a little after their header, so a header never outlives its chunks' TTL
@@ -230,6 +237,9 @@ class RedisBackend(Backend):
             pipe.set(key, head, nx=True, px=px)
             plan.append((i, ncmd, ckeys))
             ncmd += 1
+        return pipe, plan
+
+    def _put_send(self, pipe: Any, plan: list[tuple[int, int, list[str]]], codes: list[int]) -> list[int]:
         if not plan:
             return codes
         try:
@@ -303,7 +313,16 @@ class RedisBackend(Backend):
                     continue
                 codes[i] = self._deliver(memoryview(blob)[HEADER_SIZE:], dests, want_sum)
             else:
-                nchunks, _, nonce = _CHUNKS.unpack_from(blob, HEADER_SIZE)
+                # Any client can SET this key: a header cut short, or one whose chunk count its
+                # size cannot need (4 billion chunk keys would take the worker down), is not ours.
+                nchunks, csize, nonce = _CHUNKS.unpack_from(blob, HEADER_SIZE) if (
+                    len(blob) == HEADER_SIZE + _CHUNKS.size) else (0, 0, b"")
+                if csize <= 0 or nchunks != (size + csize - 1) // csize:
+                    codes[i] = INTERNAL
+                    logger.error("kvpool redis: key %r holds a chunked header of %d bytes that does not describe "
+                                 "%d bytes (another application's key?); it is treated as an error, never as data",
+                                 key, len(blob), size)
+                    continue
                 chunked.append((i, size, [chunk_key(key, nonce, c) for c in range(nchunks)], bytes(blob)))
         if chunked:
             self._get_chunks(keys, values, codes, chunked)
