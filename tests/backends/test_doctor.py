@@ -170,6 +170,8 @@ def test_mooncake_master_down_alignment_and_lease(tmp_path):
     r = run(tmp_path, {"backend": "mooncake", "mooncake_config_path": path}, env=env, default_kv_lease_ttl=9000)
     has(r, "error", "default_kv_lease_ttl=9000", "ASCEND_CONNECT_TIMEOUT=10000")
     has(r, "error", "ASCEND_TRANSFER_TIMEOUT=10000")
+    r = run(tmp_path, {"backend": "mooncake", "mooncake_config_path": path}, env={}, default_kv_lease_ttl=2000)
+    has(r, "error", "default_kv_lease_ttl=2000", "--default_kv_lease_ttl 5000")
     r = run(tmp_path, {"backend": "mooncake", "mooncake_config_path": mooncake_json(tmp_path, global_segment_size="1280MB")},
             env={"ASCEND_ENABLE_USE_FABRIC_MEM": "1"})
     has(r, "error", "global_segment_size='1280MB' is invalid", "multiple of 1GB")

@@ -337,7 +337,7 @@ def check_redis(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) -> 
 
 
 def check_mooncake(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) -> None:
-    from kvpool.backends.mooncake import DEFAULT_OFFLOAD_BUFFER, load_mooncake_config
+    from kvpool.backends.mooncake import DEFAULT_OFFLOAD_BUFFER, MASTER_LEASE_TTL_S, load_mooncake_config
 
     env = args.env
     mc = read_store_config(report, "Mooncake", load_mooncake_config,
@@ -364,6 +364,13 @@ def check_mooncake(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) 
     lease = args.default_kv_lease_ttl or MOONCAKE_DEFAULT_LEASE_MS
     check_lease(lease, "--default_kv_lease_ttl of mooncake_master" if args.default_kv_lease_ttl
                 else "mooncake_master's default; pass --default-kv-lease-ttl with the master's value", env, report)
+    trusted_ms = int(MASTER_LEASE_TTL_S * 1000)
+    if lease < trusted_ms:
+        # kvpool calls a read a hit when its copy ended within this long of the lease's grant: a
+        # shorter lease lets the master evict and reuse the replica while a copy may still read it.
+        report.error(f"default_kv_lease_ttl={lease} ms is shorter than the {trusted_ms} ms for which kvpool trusts "
+                     "a Mooncake read: a replica could be evicted and reused while a load still copies it",
+                     f"start mooncake_master with --default_kv_lease_ttl {trusted_ms} or more (the spec uses 11000)")
     offload_buffer = DEFAULT_OFFLOAD_BUFFER
     if env.get("MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES"):
         offload_buffer = int(env["MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES"])  # digits: checked by the loader
