@@ -330,6 +330,34 @@ def test_a_full_disk_with_policy_none_fails_the_write_and_keeps_the_files(make_d
     assert disk.put("k3", bytes(100)) is ErrorCode.NO_AVAILABLE_HANDLE  # the lowered quota says no first
 
 
+@pytest.mark.parametrize("policy", ["none", "lru"])
+def test_a_quota_a_full_disk_lowered_grows_back_once_the_disk_has_room(make_disk, monkeypatch, policy) -> None:
+    disk = make_disk(quota_bytes=quota_for(10), policy=policy)
+    for i in range(2):
+        assert disk.put(f"k{i}", bytes(100)) is ErrorCode.OK
+    _disk_full_once(monkeypatch, disk)
+    disk.put("k2", bytes(100))
+    lowered = disk.quota_bytes
+    assert lowered < quota_for(4)
+    real_statvfs = os.statvfs
+    free = {"bytes": 0}
+
+    def statvfs(path):
+        st = real_statvfs(path)
+        return type("St", (), {"f_bavail": free["bytes"] // st.f_frsize, "f_frsize": st.f_frsize})()
+
+    monkeypatch.setattr(disk_module.os, "statvfs", statvfs)
+    monkeypatch.setattr(disk, "_regrow_at", 0.0)
+    disk.put("k3", bytes(100))  # still full: the quota stays where the disk put it
+    assert disk.quota_bytes == lowered
+    free["bytes"] = 1 << 30  # whatever filled the disk went away
+    monkeypatch.setattr(disk, "_regrow_at", 0.0)
+    for i in range(4, 10):
+        assert disk.put(f"k{i}", bytes(100)) is ErrorCode.OK
+    assert disk.quota_bytes == quota_for(10)
+    assert all(disk.contains(f"k{i}") for i in range(4, 10))  # none of them evicted or refused
+
+
 # ---- restart index ----------------------------------------------------------------------------
 
 

@@ -89,7 +89,7 @@ SERVER: tuple[Series, ...] = (
     _server("kvpool_disk_used_bytes", "gauge", "Bytes the SSD tier's files take (0 without --enable_offload)",
             "disk_used"),
     _server("kvpool_disk_quota_bytes", "gauge", "The SSD tier's quota: --offload_quota, or what the disk can "
-            "hold (lowered when the disk fills up below it)", "disk_quota"),
+            "hold (lowered when the disk fills up below it, raised again when it has room)", "disk_quota"),
     _server("kvpool_objects", "gauge", "Objects stored, per tier (an object on both tiers counts in each)",
             {("memory",): "object_count", ("disk",): "disk_count"}, ("tier",)),
     _server("kvpool_evictable_objects", "gauge", "Objects in the memory tier that no client holds: what eviction "

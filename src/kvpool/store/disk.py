@@ -87,6 +87,8 @@ DIR_MODE = 0o700
 # How long a put waits for another thread's write of the same key: one file write, so only a
 # hung device takes this long; the put then reports failure rather than an unbacked OK.
 INFLIGHT_WAIT_S = 30.0
+# After a full disk lowered the quota, how often a put looks whether the disk has room again.
+REGROW_CHECK_S = 5.0
 # Read errors that say nothing about the file (the process ran out of something): no deletion.
 _TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR})
 
@@ -178,6 +180,8 @@ class DiskTier:
         self._landed = threading.Condition(self._lock)
         # key -> file size, in eviction order, plus the writes in flight.
         self._order = QuotaIndex(quota_bytes, policy)
+        self._configured_quota = quota_bytes  # what a full disk's lowering grows back towards
+        self._regrow_at = 0.0  # time.monotonic() of the next look at the disk's free space
         self._tmp_counter = itertools.count()
         self.checksum_failures = 0
         self.full_disk_events = 0  # writes that met a full disk below the quota (ENOSPC)
@@ -254,6 +258,7 @@ class DiskTier:
         key_bytes = key.encode("utf-8")
         payload_len = sum(v.nbytes for v in views)
         size = HEADER_SIZE + len(key_bytes) + payload_len
+        self._regrow_quota()
         if size > self.quota_bytes:
             logger.warning(
                 "disk tier: key=%r needs %d bytes, more than the whole quota %d; "
@@ -340,6 +345,7 @@ class DiskTier:
             self.full_disk_events += 1
             held = self._order.used - size  # this write's reservation is still counted
             self._order.quota_bytes = max(size, held)
+            self._regrow_at = time.monotonic() + REGROW_CHECK_S
             if self.policy == "none":
                 return False
             logger.warning("disk tier: %s is full below its quota; quota lowered to %d bytes (what the "
@@ -348,6 +354,30 @@ class DiskTier:
             before = self._order.used
             self._unlink_victims_locked(self._order.evict(size))
             return before - self._order.used >= size
+
+    def _regrow_quota(self) -> None:
+        """Give back what a full disk took from the quota (`_room_after_full_disk`) once the
+        disk has room again, up to the configured quota: whatever filled it may have gone, and
+        a lowered quota would otherwise shrink the tier (or, with policy ``none``, refuse every
+        write) until a restart. Looks at most every ``REGROW_CHECK_S``."""
+        if self._order.quota_bytes >= self._configured_quota or time.monotonic() < self._regrow_at:
+            return  # the common case, without the lock: a stale read only delays the look
+        with self._lock:
+            now = time.monotonic()
+            if self._order.quota_bytes >= self._configured_quota or now < self._regrow_at:
+                return
+            self._regrow_at = now + REGROW_CHECK_S
+            try:
+                st = os.statvfs(self.path)
+            except OSError:
+                return
+            free = st.f_bavail * st.f_frsize
+            # A tenth of the free space stays free, so the next writes do not meet ENOSPC at once.
+            target = min(self._configured_quota, self._order.used + free - free // 10)
+            if target > self._order.quota_bytes:
+                logger.info("disk tier: %s has room again; quota raised from %d to %d bytes (configured: %d)",
+                            self.path, self._order.quota_bytes, target, self._configured_quota)
+                self._order.quota_bytes = target
 
     def payload_size(self, key: str) -> int | None:
         """Payload bytes of ``key`` as the index has them (no I/O); None when not stored."""
