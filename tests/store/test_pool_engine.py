@@ -543,6 +543,30 @@ def test_remove_deletes_the_disk_copy_too(make_engine, make_disk) -> None:
     assert not disk.contains("k") and engine.exists(["k"]) == [False]
 
 
+def test_remove_waits_for_a_hung_disk_write_only_so_long(make_engine, make_disk, monkeypatch) -> None:
+    from kvpool.store import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "REMOVE_PIN_WAIT_S", 0.3)
+    disk = make_disk()
+    writing, go = threading.Event(), threading.Event()
+    real_put = disk.put
+
+    def hung_put(key, data):
+        writing.set()
+        assert go.wait(10)
+        return real_put(key, data)
+
+    monkeypatch.setattr(disk, "put", hung_put)
+    engine = make_engine(disk=disk)
+    engine.put(C, "k", [payload("k", 64)])
+    assert writing.wait(10)  # the write-through holds its pin on "k"
+    assert engine.remove("k") is ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS
+    assert engine.exists(["k"]) == [True]  # not half-removed
+    go.set()
+    assert engine.remove("k") is ErrorCode.OK  # once the write is done, the pin goes
+    assert engine.exists(["k"]) == [False]
+
+
 def test_acquire_during_pending_reput_of_a_disk_key_serves_disk_without_promoting(
     make_engine, make_disk, clock
 ) -> None:

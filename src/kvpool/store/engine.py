@@ -410,6 +410,9 @@ _SERIAL = CopyEngine(1)  # copies on the calling thread
 # runs alternating): 4 readers 838-1025 MB/s, 8 readers 950-1060, 16 readers 761-822 (their
 # promotions and the client's copies then crowd the two cores).
 DISK_READERS = 8
+# How long `remove` waits for the disk writer to unpin its object (one file write) before it
+# answers that it could not: a hung SSD must not hold the caller's thread forever.
+REMOVE_PIN_WAIT_S = 30.0
 
 
 def _private_arena(size: int) -> np.ndarray:
@@ -1049,10 +1052,12 @@ class PoolEngine:
         """Delete ``key`` from memory and disk; OBJECT_HAS_LEASE if a reader holds an unexpired lease.
 
         The disk writer's pin is not a lease the caller can see or wait out, so
-        remove waits for it (one file write) instead of failing spuriously.
+        remove waits for it (one file write) instead of failing spuriously; for at most
+        ``REMOVE_PIN_WAIT_S`` (a hung disk), then UNAVAILABLE_IN_CURRENT_STATUS.
         """
         now = self._clock()
         found = False
+        deadline = time.monotonic() + REMOVE_PIN_WAIT_S
         with self._lock:
             self._prune_locked(now)
             while True:
@@ -1062,7 +1067,12 @@ class PoolEngine:
                 if self._is_leased(obj, now):
                     return ErrorCode.OBJECT_HAS_LEASE
                 if obj.pins:
-                    self._unpinned.wait()
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        logger.warning("remove of key=%r: its disk write has not finished in %.0f s (a hung "
+                                       "SSD tier?); not removed, retry later", key, REMOVE_PIN_WAIT_S)
+                        return ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS
+                    self._unpinned.wait(left)
                     continue  # re-check: the object may have changed meanwhile
                 self._drop_locked(obj)
                 found = True
