@@ -255,3 +255,64 @@ def test_an_object_whose_spill_fails_while_its_promoted_copy_is_written_through_
         assert engine.put("c", f"f{i}", [value]) is ErrorCode.OK
     out = np.zeros(200, dtype=np.uint8)
     assert engine.get_into("c", "k", [out]) is ErrorCode.OK and (out == value).all()
+
+
+@pytest.mark.parametrize("call", ["unlink", "replace"])
+def test_a_hung_device_does_not_stall_the_engine(make_engine, make_disk, monkeypatch, call) -> None:
+    # Every commit asks the tier `contains` under the engine lock. An unlink or a rename that
+    # hangs in the kernel (a failing SSD) used to hang while holding the lock that answers it,
+    # and with it the engine lock: every client of the pool stalled, memory hits included.
+    entry = disk_mod.DiskTier.entry_size("k0", 200)
+    disk = make_disk(quota_bytes=2 * entry, policy="fifo")
+    engine = make_engine(memory_size=1 << 16, disk=disk)
+    value = np.arange(200, dtype=np.uint8)
+    for key in ("k0", "k1"):
+        assert engine.put("c", key, [value]) is ErrorCode.OK
+    deadline = time.monotonic() + 10
+    while disk.count < 2 and time.monotonic() < deadline:  # the write-through wrote both
+        time.sleep(0.01)
+    assert disk.count == 2
+    hung, release = threading.Event(), threading.Event()
+    real = getattr(disk_mod.os, call)
+
+    def hanging(path, *args, **kwargs):
+        if call == "replace" or disk_mod._TMP_MARK not in str(path):
+            hung.set()
+            release.wait(30)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(disk_mod.os, call, hanging)
+    try:
+        # Its write-through evicts k0 from the tier: the unlink (or the rename) hangs.
+        assert engine.put("c", "k2", [value]) is ErrorCode.OK
+        assert hung.wait(10)
+        results: list[object] = []
+
+        def serve() -> None:
+            out = np.zeros(200, dtype=np.uint8)
+            results.append(engine.get_into("c", "k1", [out]))  # a memory hit
+            results.append(engine.put("c", "k3", [value]))  # a commit: asks the tier
+            results.append(engine.exists(["k0", "k1", "k3"]))
+            results.append((out == value).all())
+
+        client = threading.Thread(target=serve)
+        client.start()
+        client.join(10)
+        assert not client.is_alive(), "the engine stalled behind the hung device"
+        assert results == [ErrorCode.OK, ErrorCode.OK, [True, True, True], True]
+    finally:
+        release.set()
+
+
+def test_a_deletion_decided_before_a_new_copy_is_renamed_never_takes_it(make_disk) -> None:
+    # An evicted or removed key's file is deleted after the index lock is released, so a put of
+    # the same key can store a new copy before that deletion runs: the deletion must happen
+    # before the rename (whichever thread gets there first), never after it.
+    disk = make_disk()
+    assert disk.put("k", b"a" * 100) is ErrorCode.OK
+    with disk._lock:  # what an eviction leaves between deciding and deleting
+        assert disk._order.discard("k")
+        disk._doomed.add("k")
+    assert disk.put("k", b"b" * 100) is ErrorCode.OK
+    disk._delete_doomed()  # the evicting thread's deletion, late
+    assert disk.contains("k") and disk.get("k") == b"b" * 100

@@ -39,11 +39,18 @@ renamed or removed in a shard changes its directory's mtime), and deletes it bef
 so a process that dies without ``close`` leaves none behind. Otherwise the tier rebuilds the
 index by reading every file's header. The index only lists what should be there: ``get``
 still checks every file's length, key and checksum, so a stale or forged entry reads as a miss.
-Thread-safe: one internal lock guards the index; file reads and writes happen
-outside it (an unlinked file stays readable through an open descriptor). A put of a key
-another thread is writing waits for that write (bounded), so its OK always names a file; a
-read that finds its file corrupt, unreadable or gone drops the key only if no new copy was
-renamed into place meanwhile.
+Thread-safe, with two locks. The index lock guards the index, the writes in flight and the
+files still to be deleted, and is never held over a system call: the engine asks ``contains``
+under its own lock, so a hung device must not be able to hold the index lock (it would stall
+every client of the pool, memory hits included). The name lock serialises what changes or checks
+the names in the directory (a rename into place, an unlink, a reader's "is this still my file")
+and is taken before the index lock, never after. File reads and writes take neither (an
+unlinked file stays readable through an open descriptor). A key taken out of the index (evicted
+or removed) has its file deleted after the index lock is released, and always before any later
+rename into place, so a deletion never takes a newer copy with it. A put of a key another
+thread is writing waits for that write (bounded), so its OK always names a file; a read that
+finds its file corrupt, unreadable or gone drops the key only if no new copy was renamed into
+place meanwhile.
 """
 
 from __future__ import annotations
@@ -175,7 +182,10 @@ class DiskTier:
         self.path = os.path.normpath(path)
         self._lock_fd: int | None = _lock_dir(self.path)
         self.policy: DiskPolicy = policy
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the index lock (module docstring): memory only
+        self._names = threading.Lock()  # the name lock: renames, unlinks, identity checks
+        # Keys out of the index whose files are not deleted yet (`_delete_doomed`).
+        self._doomed: set[str] = set()
         # Notified whenever a write in flight settles or is cancelled (a put of the same key waits).
         self._landed = threading.Condition(self._lock)
         # key -> file size, in eviction order, plus the writes in flight.
@@ -190,6 +200,7 @@ class DiskTier:
         self.loaded_index = self._load_index()  # whether the restart skipped the full scan
         if not self.loaded_index:
             self._scan()
+        self._delete_doomed()  # what a shrunk quota evicted at start-up
         # Shard directory mtimes as this tier's own changes left them: a shard whose mtime
         # differs at close was changed by someone else, and the restart index is not written.
         self._shard_seen = self._shard_times()
@@ -272,24 +283,30 @@ class DiskTier:
                 if key in self._order:
                     return ErrorCode.OK
                 if not self._order.has(key):
+                    fits, victims = self._order.reserve(key, size)
+                    self._doomed.update(victims)
                     break
                 # Another thread is writing this key (the engine spills an evicted copy while
                 # writing through its promoted one): its write may still fail, so wait for it.
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    logger.warning(
-                        "disk tier: key=%r is still being written by another thread after %.0f s; "
-                        "not reporting it stored (check %s for a hung device)", key, INFLIGHT_WAIT_S, self.path)
-                    return ErrorCode.INTERNAL_ERROR
+                    fits, victims = False, None
+                    break
                 self._landed.wait(left)
-            fits, victims = self._order.reserve(key, size)
-            self._unlink_victims_locked(victims)
-            if not fits:
-                return ErrorCode.NO_AVAILABLE_HANDLE
+        if victims is None:
+            logger.warning("disk tier: key=%r is still being written by another thread after %.0f s; "
+                           "not reporting it stored (check %s for a hung device)", key, INFLIGHT_WAIT_S, self.path)
+            return ErrorCode.INTERNAL_ERROR
+        if not fits:
+            if victims:
+                self._delete_doomed()
+            return ErrorCode.NO_AVAILABLE_HANDLE
 
         final = self._file_path(key)
         settled = False
         try:
+            if victims:
+                self._delete_doomed()  # their room on the device before this write takes it
             for attempt in (1, 2):
                 try:
                     self._write(final, key_bytes, views, payload_len)
@@ -327,9 +344,10 @@ class DiskTier:
                 f.write(key_bytes)
                 for v in views:
                     f.write(v)
-            with self._lock:
+            with self._names:
+                self._delete_doomed_names_locked()  # an older copy of this key may be among them
                 os.replace(tmp, final)
-                self._saw_shard_locked(os.path.dirname(final))
+                self._saw_shard_names_locked(os.path.dirname(final))
         except OSError:
             try:
                 os.unlink(tmp)
@@ -348,12 +366,14 @@ class DiskTier:
             self._regrow_at = time.monotonic() + REGROW_CHECK_S
             if self.policy == "none":
                 return False
-            logger.warning("disk tier: %s is full below its quota; quota lowered to %d bytes (what the "
-                           "tier holds), evicting to make room", self.path, self.quota_bytes)
             # The disk had no room for `size` more bytes: free that much of our own.
             before = self._order.used
-            self._unlink_victims_locked(self._order.evict(size))
-            return before - self._order.used >= size
+            self._doomed.update(self._order.evict(size))
+            freed = before - self._order.used
+        logger.warning("disk tier: %s is full below its quota; quota lowered to %d bytes (what the "
+                       "tier holds), evicting to make room", self.path, self.quota_bytes)
+        self._delete_doomed()
+        return freed >= size
 
     def _regrow_quota(self) -> None:
         """Give back what a full disk took from the quota (`_room_after_full_disk`) once the
@@ -367,11 +387,12 @@ class DiskTier:
             if self._order.quota_bytes >= self._configured_quota or now < self._regrow_at:
                 return
             self._regrow_at = now + REGROW_CHECK_S
-            try:
-                st = os.statvfs(self.path)
-            except OSError:
-                return
-            free = st.f_bavail * st.f_frsize
+        try:
+            st = os.statvfs(self.path)  # outside the index lock: a system call (module docstring)
+        except OSError:
+            return
+        free = st.f_bavail * st.f_frsize
+        with self._lock:
             # A tenth of the free space stays free, so the next writes do not meet ENOSPC at once.
             target = min(self._configured_quota, self._order.used + free - free // 10)
             if target > self._order.quota_bytes:
@@ -473,11 +494,12 @@ class DiskTier:
 
     def _gone(self, key: str) -> NoReturn:
         """Its file vanished between the index check and the open (evicted or removed)."""
-        with self._lock:
-            # Unless a new copy was stored meanwhile (renames happen under this lock): that one
+        with self._names:
+            # Unless a new copy was stored meanwhile (renames hold the name lock): that one
             # is acknowledged and stays listed.
             if not os.path.lexists(self._file_path(key)):
-                self._drop_locked(key, unlink=False)
+                with self._lock:
+                    self._order.discard(key)
         raise StoreError(ErrorCode.OBJECT_NOT_FOUND, f"key={key!r} is not on the disk tier") from None
 
     def _unreadable(self, key: str, file_path: str, exc: OSError, fd: int | None) -> NoReturn:
@@ -493,10 +515,11 @@ class DiskTier:
     def remove(self, key: str) -> ErrorCode:
         """Delete ``key``'s file; OBJECT_NOT_FOUND if it is not stored."""
         with self._lock:
-            if key not in self._order:
+            if not self._order.discard(key):
                 return ErrorCode.OBJECT_NOT_FOUND
-            self._drop_locked(key, unlink=True)
-            return ErrorCode.OK
+            self._doomed.add(key)
+        self._delete_doomed()
+        return ErrorCode.OK
 
     # ---- internals ----------------------------------------------------------
 
@@ -538,10 +561,14 @@ class DiskTier:
             "disk tier: key=%r file %s is corrupt (%s); deleted it and reporting a miss",
             key, file_path, problem,
         )
-        with self._lock:
-            self.checksum_failures += 1
-            if fd is None or self._is_file_locked(file_path, fd):
-                self._drop_locked(key, unlink=True)
+        with self._names:
+            with self._lock:
+                self.checksum_failures += 1
+            if fd is None or self._is_file_names_locked(file_path, fd):
+                with self._lock:
+                    if self._order.discard(key):
+                        self._doomed.add(key)
+                self._delete_doomed_names_locked()
         raise StoreError(
             ErrorCode.CHECKSUM_MISMATCH,
             f"key={key!r}: disk copy at {file_path} is corrupt ({problem}); it was deleted, "
@@ -549,20 +576,28 @@ class DiskTier:
         )
 
     @staticmethod
-    def _is_file_locked(file_path: str, fd: int) -> bool:
-        """Whether ``file_path`` still names the file open as ``fd`` (call under the lock, which
-        every rename and unlink in the tier holds, with ``fd`` open so its inode is not reused)."""
+    def _is_file_names_locked(file_path: str, fd: int) -> bool:
+        """Whether ``file_path`` still names the file open as ``fd`` (call under the name lock,
+        which every rename and unlink in the tier holds, with ``fd`` open so its inode is not
+        reused)."""
         try:
             now, read = os.stat(file_path, follow_symlinks=False), os.fstat(fd)
         except OSError:
             return False
         return (now.st_dev, now.st_ino) == (read.st_dev, read.st_ino)
 
-    def _drop_locked(self, key: str, unlink: bool) -> None:
-        if self._order.discard(key) and unlink:
-            self._unlink_victims_locked([key])
+    def _delete_doomed(self) -> None:
+        """Delete the files of the keys taken out of the index (call with neither lock held)."""
+        with self._names:
+            self._delete_doomed_names_locked()
 
-    def _unlink_victims_locked(self, victims: list[str]) -> None:
+    def _delete_doomed_names_locked(self) -> None:
+        """``_delete_doomed`` for a caller that holds the name lock: every rename into place
+        calls this first, so no deletion decided before it can remove the file it renames."""
+        with self._lock:
+            if not self._doomed:
+                return
+            victims, self._doomed = self._doomed, set()
         for victim in victims:
             file_path = self._file_path(victim)
             try:
@@ -575,7 +610,7 @@ class DiskTier:
                 # read with an exception and leave its reservation behind.
                 logger.warning("disk tier: could not delete %s (key=%r): %s; it stays on disk, unindexed, "
                                "until a restart's scan", file_path, victim, exc)
-            self._saw_shard_locked(os.path.dirname(file_path))
+            self._saw_shard_names_locked(os.path.dirname(file_path))
 
     def _shard_times(self) -> dict[str, int]:
         hexdigits = set("0123456789abcdef")
@@ -585,7 +620,7 @@ class DiskTier:
             if shard.is_dir(follow_symlinks=False) and len(shard.name) == 2 and set(shard.name) <= hexdigits
         }
 
-    def _saw_shard_locked(self, shard_path: str) -> None:
+    def _saw_shard_names_locked(self, shard_path: str) -> None:
         try:
             self._shard_seen[os.path.basename(shard_path)] = os.stat(shard_path).st_mtime_ns
         except OSError:
@@ -594,10 +629,12 @@ class DiskTier:
     def _save_index(self) -> None:
         """Write the restart index (see the module docstring); nothing while a write is in flight
         or when a shard was changed by someone else."""
-        with self._lock:
-            if self._order.writing:
-                return
-            entries = self._order.items()
+        with self._names:
+            self._delete_doomed_names_locked()
+            with self._lock:
+                if self._order.writing:
+                    return
+                entries = self._order.items()
             times = self._shard_times()
             if times != self._shard_seen:
                 logger.info("disk tier: %s was changed behind this tier; the next start scans its files",
@@ -666,7 +703,7 @@ class DiskTier:
         if pos != len(body) or len(order) != count:
             raise ValueError("its entries do not add up")
         if order.used > self.quota_bytes:
-            self._unlink_victims_locked(order.evict(order.used - self.quota_bytes))
+            self._doomed.update(order.evict(order.used - self.quota_bytes))
         return True
 
     def _scan(self) -> None:
@@ -707,7 +744,7 @@ class DiskTier:
                 "disk tier: %d bytes on disk exceed quota %d at start-up; evicting oldest",
                 self._order.used, self.quota_bytes,
             )
-            self._unlink_victims_locked(self._order.evict(self._order.used - self.quota_bytes))
+            self._doomed.update(self._order.evict(self._order.used - self.quota_bytes))
 
     @staticmethod
     def _read_header(file_path: str, name: str) -> tuple[str | None, str]:

@@ -38,8 +38,9 @@ copied ranges stable meanwhile (a promotion from disk is a pending allocation on
 the engine itself can finish). The one exception is evicting an object that is not
 on disk yet: its bytes are copied to the spill buffer before its range is freed
 for the allocation that needed the room (their hash is checked after, unlocked).
-Lock order is engine lock -> disk tier lock; the disk tier never calls back into
-the engine.
+Lock order is engine lock -> the disk tier's index lock, which the tier never holds over a
+system call (store/disk.py), so a hung SSD stalls the threads doing disk I/O, never a
+memory hit; the disk tier never calls back into the engine.
 """
 
 from __future__ import annotations
