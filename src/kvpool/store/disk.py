@@ -186,6 +186,8 @@ class DiskTier:
         self._names = threading.Lock()  # the name lock: renames, unlinks, identity checks
         # Keys out of the index whose files are not deleted yet (`_delete_doomed`).
         self._doomed: set[str] = set()
+        # Keys found at start-up whose files no read has checked yet (`contains_checked`).
+        self._unchecked: set[str] = set()
         # Notified whenever a write in flight settles or is cancelled (a put of the same key waits).
         self._landed = threading.Condition(self._lock)
         # key -> file size, in eviction order, plus the writes in flight.
@@ -201,6 +203,7 @@ class DiskTier:
         if not self.loaded_index:
             self._scan()
         self._delete_doomed()  # what a shrunk quota evicted at start-up
+        self._unchecked = set(self._order.keys())
         # Shard directory mtimes as this tier's own changes left them: a shard whose mtime
         # differs at close was changed by someone else, and the restart index is not written.
         self._shard_seen = self._shard_times()
@@ -253,6 +256,14 @@ class DiskTier:
         with self._lock:
             return key in self._order
 
+    def contains_checked(self, key: str) -> bool:
+        """Stored, and its file written or read whole by this process (no I/O). A file found at
+        start-up may have been torn by a crash (files are not fsynced) in a way the header scan
+        does not see: the engine does not drop its memory copy of such a key as "already on
+        disk", and a put of it writes the file again."""
+        with self._lock:
+            return key in self._order and key not in self._unchecked
+
     def keys(self) -> list[str]:
         """Stored keys in eviction order (first = next victim)."""
         with self._lock:
@@ -281,10 +292,15 @@ class DiskTier:
         with self._lock:
             while True:
                 if key in self._order:
-                    return ErrorCode.OK
+                    if key not in self._unchecked:
+                        return ErrorCode.OK
+                    # A file from before the start that no read has checked: write it again
+                    # (the rename replaces it), rather than vouch for it.
+                    self._order.discard(key)
+                    self._unchecked.discard(key)
                 if not self._order.has(key):
                     fits, victims = self._order.reserve(key, size)
-                    self._doomed.update(victims)
+                    self._doom_locked(victims)
                     break
                 # Another thread is writing this key (the engine spills an evicted copy while
                 # writing through its promoted one): its write may still fail, so wait for it.
@@ -324,6 +340,7 @@ class DiskTier:
             with self._lock:
                 if settled:
                     self._order.settle(key)
+                    self._unchecked.discard(key)  # one `_gone` left listed: this file is ours
                 else:
                     self._order.cancel(key)
                 self._landed.notify_all()
@@ -368,7 +385,7 @@ class DiskTier:
                 return False
             # The disk had no room for `size` more bytes: free that much of our own.
             before = self._order.used
-            self._doomed.update(self._order.evict(size))
+            self._doom_locked(self._order.evict(size))
             freed = before - self._order.used
         logger.warning("disk tier: %s is full below its quota; quota lowered to %d bytes (what the "
                        "tier holds), evicting to make room", self.path, self.quota_bytes)
@@ -437,6 +454,7 @@ class DiskTier:
             # Open until any deletion above is decided: the descriptor pins the inode, so the
             # identity check there cannot meet a new file reusing its number.
             os.close(fd)
+        self._checked(key)
         return payload
 
     def read_into(self, key: str, dest: np.ndarray) -> int:
@@ -474,6 +492,7 @@ class DiskTier:
                 self._corrupt(key, file_path, problem, fd)
         finally:
             os.close(fd)  # after any deletion (see get)
+        self._checked(key)
         return digest
 
     def _open(self, key: str, file_path: str) -> int:
@@ -517,7 +536,7 @@ class DiskTier:
         with self._lock:
             if not self._order.discard(key):
                 return ErrorCode.OBJECT_NOT_FOUND
-            self._doomed.add(key)
+            self._doom_locked([key])
         self._delete_doomed()
         return ErrorCode.OK
 
@@ -567,7 +586,7 @@ class DiskTier:
             if fd is None or self._is_file_names_locked(file_path, fd):
                 with self._lock:
                     if self._order.discard(key):
-                        self._doomed.add(key)
+                        self._doom_locked([key])
                 self._delete_doomed_names_locked()
         raise StoreError(
             ErrorCode.CHECKSUM_MISMATCH,
@@ -585,6 +604,18 @@ class DiskTier:
         except OSError:
             return False
         return (now.st_dev, now.st_ino) == (read.st_dev, read.st_ino)
+
+    def _doom_locked(self, keys: list[str]) -> None:
+        """Keys just taken out of the index: their files are to be deleted (`_delete_doomed`)."""
+        self._doomed.update(keys)
+        if self._unchecked:
+            self._unchecked.difference_update(keys)
+
+    def _checked(self, key: str) -> None:
+        """A read of ``key``'s file passed every check."""
+        if self._unchecked:  # empty once every file found at start-up was read, or on a fresh tier
+            with self._lock:
+                self._unchecked.discard(key)
 
     def _delete_doomed(self) -> None:
         """Delete the files of the keys taken out of the index (call with neither lock held)."""

@@ -1625,7 +1625,9 @@ class PoolEngine:
         self._link_locked(obj)
         self._stats["puts"] += 1
         if self._disk is not None:
-            obj.on_disk = self._disk.contains(obj.key)
+            # Checked: a file found at start-up may be torn, and an object marked on disk is
+            # evicted without a spill.
+            obj.on_disk = self._disk.contains_checked(obj.key)
             if not obj.on_disk and self._queue is not None and not self._closed:
                 try:
                     self._queue.put_nowait(obj.key)
