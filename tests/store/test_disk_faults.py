@@ -353,3 +353,70 @@ def test_a_torn_file_from_before_a_restart_does_not_cost_the_memory_copy(make_en
     for key in ("torn", "whole"):
         out[:] = 0
         assert engine.get_into("c", key, [out]) is ErrorCode.OK and (out == value).all(), key
+
+
+def test_a_put_that_meets_a_failing_promotion_of_its_key_is_stored(make_engine, make_disk, monkeypatch) -> None:
+    # A reader promotes k from disk while a client puts k. The put used to be answered "already
+    # exists" (OK to the client); when the promotion then found the file corrupt it published
+    # nothing, and the client's bytes were lost. The put now overtakes the promotion.
+    disk = make_disk()
+    engine = make_engine(memory_size=1024, disk=disk)
+    value = np.arange(200, dtype=np.uint8)
+    assert engine.put("c", "k", [value]) is ErrorCode.OK
+    for i in range(8):  # evict k: it is on disk only
+        assert engine.put("c", f"f{i}", [np.full(200, i, dtype=np.uint8)]) is ErrorCode.OK
+    deadline = time.monotonic() + 10
+    while not disk.contains("k") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with open(disk._file_path("k"), "r+b") as f:  # the disk copy goes bad
+        f.seek(-1, os.SEEK_END)
+        f.write(b"x")
+    started, go = _pause_after_read(monkeypatch, disk)
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.append(engine.acquire("r", "k")))
+    reader.start()
+    assert started.wait(10)
+    assert engine.put("c", "k", [value]) is ErrorCode.OK  # while the promotion reads
+    go.set()
+    reader.join(10)
+    assert got == [ErrorCode.CHECKSUM_MISMATCH]  # the reader's miss, never wrong bytes
+    assert engine.stats()["pending_allocations"] == 0
+    monkeypatch.undo()
+    out = np.zeros(200, dtype=np.uint8)
+    assert engine.get_into("c", "k", [out]) is ErrorCode.OK and (out == value).all()
+
+
+def test_a_promotion_a_put_overtook_still_serves_its_reader(make_engine, make_disk, monkeypatch) -> None:
+    disk = make_disk()
+    engine = make_engine(memory_size=1024, disk=disk)
+    value = np.arange(200, dtype=np.uint8)
+    assert engine.put("c", "k", [value]) is ErrorCode.OK
+    for i in range(8):
+        assert engine.put("c", f"f{i}", [np.full(200, i, dtype=np.uint8)]) is ErrorCode.OK
+    deadline = time.monotonic() + 10
+    while not disk.contains("k") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started, go, real = threading.Event(), threading.Event(), disk.read_into
+
+    def slow_read(key, dest):
+        started.set()
+        assert go.wait(10)
+        return real(key, dest)
+
+    monkeypatch.setattr(disk, "read_into", slow_read)
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.append(engine.acquire("r", "k")))
+    reader.start()
+    assert started.wait(10)
+    assert engine.put("c", "k", [value]) is ErrorCode.OK
+    go.set()
+    reader.join(10)
+    lease = got[0]
+    assert not isinstance(lease, ErrorCode)
+    served = lease.data if lease.data is not None else engine.arena[lease.offset : lease.offset + lease.size]
+    assert bytes(served) == value.tobytes()
+    engine.release(lease)
+    stats = engine.stats()
+    assert stats["pending_allocations"] == 0 and stats["object_count"] <= 5  # its range went back
+    out = np.zeros(200, dtype=np.uint8)
+    assert engine.get_into("c", "k", [out]) is ErrorCode.OK and (out == value).all()

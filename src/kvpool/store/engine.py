@@ -381,6 +381,9 @@ class _Pending:
     # The engine's own copy of a disk-tier object into the arena, running unlocked in this
     # process: no abort or timeout may free its range while that copy is still writing it.
     promotion: bool = False
+    # A promotion that a client's put of the same key overtook: the put's copy is the one to
+    # publish (the disk's may yet read as corrupt), so this range is given back, not committed.
+    superseded: bool = False
 
 
 @dataclass(slots=True)
@@ -552,8 +555,9 @@ class PoolEngine:
     def allocate(self, client_id: str, key: str, size: int) -> Allocation | ErrorCode:
         """Reserve ``size`` bytes for ``key``; the caller writes them, then commits.
 
-        OBJECT_ALREADY_EXISTS when ``key`` is committed in memory or being written
-        (a key that is only on disk may be put again: that re-promotes it).
+        OBJECT_ALREADY_EXISTS when ``key`` is committed in memory or a client is writing it
+        (a key that is only on disk may be put again: that re-promotes it; a put of a key the
+        engine is promoting from disk overtakes the promotion, whose read may still fail).
         NO_AVAILABLE_HANDLE when it cannot fit even after eviction (eviction never
         touches leased, pinned or uncommitted objects) or when the client's owner
         would go over its pool share or hold count (``quota_refusals`` counts those).
@@ -1505,7 +1509,8 @@ class PoolEngine:
 
     def _unfile_pending_locked(self, pending: _Pending) -> None:
         del self._pending[pending.handle]
-        del self._pending_keys[pending.key]
+        if self._pending_keys.get(pending.key) == pending.handle:  # else a put superseded it
+            del self._pending_keys[pending.key]
         mine = self._pending_by_client[pending.client_id]
         del mine[pending.handle]
         if not mine:
@@ -1531,7 +1536,14 @@ class PoolEngine:
     def _allocate_locked(
         self, client_id: str, key: str, size: int, now: float
     ) -> tuple[Allocation | ErrorCode, list[tuple[str, _Spilled]]]:
-        if key in self._objects or key in self._pending_keys:
+        if key in self._objects:
+            return ErrorCode.OBJECT_ALREADY_EXISTS, []
+        overtaken = self._pending.get(self._pending_keys.get(key, -1))
+        if overtaken is not None and not (overtaken.promotion and client_id):
+            # Being written by a client (or promoted, for the engine's own next promotion).
+            # A client's put overtakes a promotion instead of being told the key exists: the
+            # promotion may find the disk copy corrupt and publish nothing, and the put's
+            # bytes would then be lost to a caller that was told they were stored.
             return ErrorCode.OBJECT_ALREADY_EXISTS, []
         total = size + self._meta_charge(key)
         owner = self._owner(client_id)
@@ -1565,6 +1577,8 @@ class PoolEngine:
             usage.holds += 1
         self._pending[pending.handle] = pending
         self._pending_keys[key] = pending.handle
+        if overtaken is not None:
+            overtaken.superseded = True
         self._pending_by_client.setdefault(client_id, {})[pending.handle] = pending
         return Allocation(pending.handle, key, offset, size), spills
 
@@ -1691,16 +1705,22 @@ class PoolEngine:
             raise
         if pending is not None:
             now = self._clock()
+            promoted: Lease | ErrorCode | None = None
             with self._lock:
-                self._commit_locked(pending).checksum = digest
-                self._stats["promotions"] += 1
-                promoted = self._lease_locked(client_id, key, now)
+                if not pending.superseded:
+                    self._commit_locked(pending).checksum = digest
+                    self._stats["promotions"] += 1
+                    promoted = self._lease_locked(client_id, key, now)
             if isinstance(promoted, Lease):
                 lease = promoted
             else:
-                # Over its quota the reader still gets the bytes, just not an arena lease. Copied
-                # unlocked and unleased, so the range may be reused meanwhile: the hash decides.
+                # Over its quota (or overtaken by a put) the reader still gets the bytes, just not
+                # an arena lease. Copied unleased, so a client scribbling on the shared arena could
+                # change them meanwhile: the hash decides.
                 data = bytes(self._arena[pending.offset : pending.offset + size])
+                if pending.superseded:
+                    with self._lock:
+                        self._reclaim_locked(pending)
                 if checksum([data]) != digest:
                     self._write_spills(spills)
                     return promoted if isinstance(promoted, ErrorCode) else ErrorCode.OBJECT_NOT_FOUND
