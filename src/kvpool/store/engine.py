@@ -1715,8 +1715,8 @@ class PoolEngine:
                 lease = promoted
             else:
                 # Over its quota (or overtaken by a put) the reader still gets the bytes, just not
-                # an arena lease. Copied unleased, so a client scribbling on the shared arena could
-                # change them meanwhile: the hash decides.
+                # an arena lease. Copied unleased (a committed range may be evicted and reused
+                # meanwhile, and any client can write the shared arena): the hash decides.
                 data = bytes(self._arena[pending.offset : pending.offset + size])
                 if pending.superseded:
                     with self._lock:
