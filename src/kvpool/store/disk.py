@@ -203,7 +203,6 @@ class DiskTier:
         if not self.loaded_index:
             self._scan()
         self._delete_doomed()  # what a shrunk quota evicted at start-up
-        self._unchecked = set(self._order.keys())
         # Shard directory mtimes as this tier's own changes left them: a shard whose mtime
         # differs at close was changed by someone else, and the restart index is not written.
         self._shard_seen = self._shard_times()
@@ -704,6 +703,7 @@ class DiskTier:
         except (struct.error, UnicodeDecodeError, ValueError) as exc:
             logger.warning("disk tier: ignoring %s (%s); scanning the files instead", final, exc)
             self._order.clear()
+            self._unchecked.clear()
             return False
 
     def _parse_index(self, blob: bytes) -> bool:
@@ -722,7 +722,7 @@ class DiskTier:
         if recorded != self._shard_times():
             logger.info("disk tier: %s changed since its index was written; scanning the files", self.path)
             return False
-        order, sizes = self._order, {}
+        order, sizes, unchecked = self._order, {}, self._unchecked.add
         unpack = _INDEX_ENTRY.unpack_from
         step = _INDEX_ENTRY.size
         for _ in range(count):
@@ -731,10 +731,11 @@ class DiskTier:
             key = body[pos : pos + key_len].decode("utf-8")
             pos += key_len
             order.load(key, sizes.setdefault(size, size))  # one int object per distinct size
+            unchecked(key)
         if pos != len(body) or len(order) != count:
             raise ValueError("its entries do not add up")
         if order.used > self.quota_bytes:
-            self._doomed.update(order.evict(order.used - self.quota_bytes))
+            self._doom_locked(order.evict(order.used - self.quota_bytes))
         return True
 
     def _scan(self) -> None:
@@ -769,13 +770,14 @@ class DiskTier:
         found.sort()
         for _, key, size in found:
             self._order.load(key, size)
+            self._unchecked.add(key)
         if self._order.used > self.quota_bytes:
             # The quota shrank since the previous run; honour it now rather than never.
             logger.warning(
                 "disk tier: %d bytes on disk exceed quota %d at start-up; evicting oldest",
                 self._order.used, self.quota_bytes,
             )
-            self._doomed.update(self._order.evict(self._order.used - self.quota_bytes))
+            self._doom_locked(self._order.evict(self._order.used - self.quota_bytes))
 
     @staticmethod
     def _read_header(file_path: str, name: str) -> tuple[str | None, str]:
