@@ -150,6 +150,14 @@ def _pread_into(fd: int, dest: np.ndarray, offset: int) -> int:
     return got
 
 
+class _FoundSize(int):
+    """The size of a file found at start-up that no read has checked yet, as the index holds it
+    (``DiskTier.contains_checked``). The type is the mark: one shared instance per distinct
+    size, so marking a million files costs neither memory nor start-up time."""
+
+    __slots__ = ()
+
+
 INDEX_NAME = ".kvpool.index"
 _INDEX_MAGIC = b"KVPI"
 _INDEX_VERSION = 1
@@ -186,8 +194,6 @@ class DiskTier:
         self._names = threading.Lock()  # the name lock: renames, unlinks, identity checks
         # Keys out of the index whose files are not deleted yet (`_delete_doomed`).
         self._doomed: set[str] = set()
-        # Keys found at start-up whose files no read has checked yet (`contains_checked`).
-        self._unchecked: set[str] = set()
         # Notified whenever a write in flight settles or is cancelled (a put of the same key waits).
         self._landed = threading.Condition(self._lock)
         # key -> file size, in eviction order, plus the writes in flight.
@@ -261,7 +267,8 @@ class DiskTier:
         does not see: the engine does not drop its memory copy of such a key as "already on
         disk", and a put of it writes the file again."""
         with self._lock:
-            return key in self._order and key not in self._unchecked
+            size = self._order.size_of(key)
+        return size is not None and type(size) is not _FoundSize
 
     def keys(self) -> list[str]:
         """Stored keys in eviction order (first = next victim)."""
@@ -291,12 +298,11 @@ class DiskTier:
         with self._lock:
             while True:
                 if key in self._order:
-                    if key not in self._unchecked:
+                    if type(self._order.size_of(key)) is not _FoundSize:
                         return ErrorCode.OK
                     # A file from before the start that no read has checked: write it again
                     # (the rename replaces it), rather than vouch for it.
                     self._order.discard(key)
-                    self._unchecked.discard(key)
                 if not self._order.has(key):
                     fits, victims = self._order.reserve(key, size)
                     self._doom_locked(victims)
@@ -339,7 +345,6 @@ class DiskTier:
             with self._lock:
                 if settled:
                     self._order.settle(key)
-                    self._unchecked.discard(key)  # one `_gone` left listed: this file is ours
                 else:
                     self._order.cancel(key)
                 self._landed.notify_all()
@@ -607,14 +612,13 @@ class DiskTier:
     def _doom_locked(self, keys: list[str]) -> None:
         """Keys just taken out of the index: their files are to be deleted (`_delete_doomed`)."""
         self._doomed.update(keys)
-        if self._unchecked:
-            self._unchecked.difference_update(keys)
 
     def _checked(self, key: str) -> None:
-        """A read of ``key``'s file passed every check."""
-        if self._unchecked:  # empty once every file found at start-up was read, or on a fresh tier
-            with self._lock:
-                self._unchecked.discard(key)
+        """A read of ``key``'s file passed every check: it is no longer a `_FoundSize`."""
+        with self._lock:
+            size = self._order.size_of(key)
+            if type(size) is _FoundSize:
+                self._order.resize(key, int(size))
 
     def _delete_doomed(self) -> None:
         """Delete the files of the keys taken out of the index (call with neither lock held)."""
@@ -703,7 +707,6 @@ class DiskTier:
         except (struct.error, UnicodeDecodeError, ValueError) as exc:
             logger.warning("disk tier: ignoring %s (%s); scanning the files instead", final, exc)
             self._order.clear()
-            self._unchecked.clear()
             return False
 
     def _parse_index(self, blob: bytes) -> bool:
@@ -722,7 +725,7 @@ class DiskTier:
         if recorded != self._shard_times():
             logger.info("disk tier: %s changed since its index was written; scanning the files", self.path)
             return False
-        order, sizes, unchecked = self._order, {}, self._unchecked.add
+        order, sizes = self._order, {}
         unpack = _INDEX_ENTRY.unpack_from
         step = _INDEX_ENTRY.size
         for _ in range(count):
@@ -730,8 +733,10 @@ class DiskTier:
             pos += step
             key = body[pos : pos + key_len].decode("utf-8")
             pos += key_len
-            order.load(key, sizes.setdefault(size, size))  # one int object per distinct size
-            unchecked(key)
+            mark = sizes.get(size)
+            if mark is None:  # one object per distinct size
+                mark = sizes[size] = _FoundSize(size)
+            order.load(key, mark)
         if pos != len(body) or len(order) != count:
             raise ValueError("its entries do not add up")
         if order.used > self.quota_bytes:
@@ -768,9 +773,12 @@ class DiskTier:
                 st = entry.stat(follow_symlinks=False)
                 found.append((st.st_mtime, key, st.st_size))
         found.sort()
+        sizes: dict[int, _FoundSize] = {}
         for _, key, size in found:
-            self._order.load(key, size)
-            self._unchecked.add(key)
+            mark = sizes.get(size)
+            if mark is None:
+                mark = sizes[size] = _FoundSize(size)
+            self._order.load(key, mark)
         if self._order.used > self.quota_bytes:
             # The quota shrank since the previous run; honour it now rather than never.
             logger.warning(

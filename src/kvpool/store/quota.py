@@ -103,6 +103,12 @@ class QuotaIndex:
         if size is not None:
             self._used -= size
 
+    def resize(self, key: str, size: int) -> None:
+        """Replace the stored ``key``'s size by an equal value (a caller's marks live in the
+        value's type), keeping its place in the order and ``used``."""
+        if key in self._index and self._index[key] == size:
+            self._index[key] = size
+
     def touch(self, key: str) -> None:
         """``key`` was read: under ``lru`` it becomes the last to be evicted."""
         if self.policy == "lru" and key in self._index:
