@@ -422,3 +422,38 @@ def test_a_promotion_a_put_overtook_still_serves_its_reader(make_engine, make_di
     assert stats["pending_allocations"] == 0 and stats["object_count"] <= 5  # its range went back
     out = np.zeros(200, dtype=np.uint8)
     assert engine.get_into("c", "k", [out]) is ErrorCode.OK and (out == value).all()
+
+
+def test_a_promotion_whose_overtaking_put_is_aborted_publishes_after_all(make_engine, make_disk,
+                                                                         monkeypatch) -> None:
+    disk = make_disk()
+    engine = make_engine(memory_size=1024, disk=disk)
+    value = np.arange(200, dtype=np.uint8)
+    assert engine.put("c", "k", [value]) is ErrorCode.OK
+    for i in range(8):
+        assert engine.put("c", f"f{i}", [np.full(200, i, dtype=np.uint8)]) is ErrorCode.OK
+    deadline = time.monotonic() + 10
+    while not disk.contains("k") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started, go, real = threading.Event(), threading.Event(), disk.read_into
+
+    def slow_read(key, dest):
+        started.set()
+        assert go.wait(10)
+        return real(key, dest)
+
+    monkeypatch.setattr(disk, "read_into", slow_read)
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.append(engine.acquire("r", "k")))
+    reader.start()
+    assert started.wait(10)
+    overtaking = engine.allocate("c", "k", 200)
+    assert not isinstance(overtaking, ErrorCode)
+    assert engine.abort(overtaking.handle) is ErrorCode.OK  # e.g. the client's copy failed
+    go.set()
+    reader.join(10)
+    lease = got[0]
+    assert not isinstance(lease, ErrorCode) and lease.data is None  # published in the arena
+    assert bytes(engine.arena[lease.offset : lease.offset + lease.size]) == value.tobytes()
+    engine.release(lease)
+    assert engine.stats()["promotions"] == 1 and engine.stats()["pending_allocations"] == 0

@@ -384,6 +384,9 @@ class _Pending:
     # A promotion that a client's put of the same key overtook: the put's copy is the one to
     # publish (the disk's may yet read as corrupt), so this range is given back, not committed.
     superseded: bool = False
+    # The promotion this client put overtook (``superseded``): if the put is given up, that
+    # promotion publishes its copy after all.
+    overtook: int = -1
 
 
 @dataclass(slots=True)
@@ -1519,6 +1522,10 @@ class PoolEngine:
     def _reclaim_locked(self, pending: _Pending) -> None:
         """Free an uncommitted allocation (aborted, timed out, or its client gone)."""
         self._unfile_pending_locked(pending)
+        promotion = self._pending.get(pending.overtook)
+        if promotion is not None and promotion.superseded and pending.key not in self._pending_keys:
+            promotion.superseded = False  # still reading: it publishes, as if never overtaken
+            self._pending_keys[pending.key] = promotion.handle
         self._alloc.free(pending.offset, pending.size + self._meta_charge(pending.key))
         self._uncharge_pending_locked(pending)
 
@@ -1579,6 +1586,7 @@ class PoolEngine:
         self._pending_keys[key] = pending.handle
         if overtaken is not None:
             overtaken.superseded = True
+            pending.overtook = overtaken.handle
         self._pending_by_client.setdefault(client_id, {})[pending.handle] = pending
         return Allocation(pending.handle, key, offset, size), spills
 
