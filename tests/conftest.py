@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
+
+# Mooncake's native library segfaults while it loads into a process where openYuanrong's
+# datasystem client was loaded first (both bundle native libraries that clash at load time). A
+# serving process loads one backend's library; this test process loads both, in whichever order
+# its tests run: Mooncake's first, always.
+if importlib.util.find_spec("mooncake") is not None:
+    import mooncake.store  # noqa: F401
 
 
 # Fixtures of tests/backends/ that start a store's own service (redis-server, mooncake_master,

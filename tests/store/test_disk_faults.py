@@ -457,3 +457,50 @@ def test_a_promotion_whose_overtaking_put_is_aborted_publishes_after_all(make_en
     assert bytes(engine.arena[lease.offset : lease.offset + lease.size]) == value.tobytes()
     engine.release(lease)
     assert engine.stats()["promotions"] == 1 and engine.stats()["pending_allocations"] == 0
+
+
+def test_close_waits_for_a_slow_ssd_and_gives_a_hung_one_up(make_engine, make_disk, monkeypatch) -> None:
+    # close flushes the write-through queue as long as files keep completing: a slow device is
+    # waited for however long the whole flush takes, a device that stopped answering is given up
+    # (a stopped server must not wait for it forever), its directory left locked.
+    from kvpool.errors import ConfigError
+    from kvpool.store import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "CLOSE_STALL_S", 0.5)
+    value = np.arange(200, dtype=np.uint8)
+    slow_disk = make_disk()
+    real_put = slow_disk.put
+
+    def slow_put(key, data):
+        time.sleep(0.2)
+        return real_put(key, data)
+
+    monkeypatch.setattr(slow_disk, "put", slow_put)
+    engine = make_engine(memory_size=1 << 16, disk=slow_disk)
+    for i in range(6):  # 1.2 s of writes in all, over twice the stall limit
+        assert engine.put("c", f"s{i}", [value]) is ErrorCode.OK
+    engine.close()
+    assert all(slow_disk.contains(f"s{i}") for i in range(6))
+    path = slow_disk.path
+
+    hung_disk = make_disk()  # the same directory, its lock released by the first close
+    hung, release = threading.Event(), threading.Event()
+
+    def hung_put(key, data):
+        hung.set()
+        release.wait(30)
+        return ErrorCode.OK
+
+    monkeypatch.setattr(hung_disk, "put", hung_put)
+    engine = make_engine(memory_size=1 << 16, disk=hung_disk)
+    try:
+        assert engine.put("c", "h", [value]) is ErrorCode.OK
+        assert hung.wait(10)
+        closer = threading.Thread(target=engine.close)
+        closer.start()
+        closer.join(10)
+        assert not closer.is_alive(), "close waited for a hung SSD"
+        with pytest.raises(ConfigError):  # given up, not released: the stuck writer may still write
+            disk_mod.DiskTier(path, 1 << 20, "none")
+    finally:
+        release.set()

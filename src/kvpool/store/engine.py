@@ -55,7 +55,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -68,6 +67,7 @@ from kvpool.store.buffers import checksum
 from kvpool.store.disk import DiskTier
 from kvpool.store.memcopy import CopyEngine
 from kvpool.store.prefault import Prefaulter
+from kvpool.store.workers import DaemonWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -420,6 +420,9 @@ DISK_READERS = 8
 # How long `remove` waits for the disk writer to unpin its object (one file write) before it
 # answers that it could not: a hung SSD must not hold the caller's thread forever.
 REMOVE_PIN_WAIT_S = 30.0
+# How long `close` waits for a disk write to complete before it gives the SSD up: it waits as long
+# as files keep completing, so only a device that stopped answering is given up.
+CLOSE_STALL_S = 30.0
 
 
 def _private_arena(size: int) -> np.ndarray:
@@ -523,7 +526,8 @@ class PoolEngine:
         self._lease_ops = 0  # lease-structure steps (adds, heap pops, drops), a complexity probe
         self._stats = dict.fromkeys(_STAT_NAMES, 0)
         self._closed = False
-        self._readers: ThreadPoolExecutor | None = None  # made at the first batch read from disk
+        self._readers: DaemonWorkers | None = None  # made at the first batch read from disk
+        self._disk_writes = 0  # files the write-through has finished (either way): close's progress mark
 
         self._stop = threading.Event()
         self._queue: queue.Queue[str | None] | None = None
@@ -731,10 +735,10 @@ class PoolEngine:
             return list(self._disk_readers().map(lambda key: self.acquire(client_id, key), keys))
         return [self.acquire(client_id, key) for key in keys]
 
-    def _disk_readers(self) -> ThreadPoolExecutor:
+    def _disk_readers(self) -> DaemonWorkers:
         with self._lock:
             if self._readers is None:
-                self._readers = ThreadPoolExecutor(DISK_READERS, thread_name_prefix="kvpool-disk-read")
+                self._readers = DaemonWorkers(DISK_READERS, "kvpool-disk-read")
             return self._readers
 
     def batch_release(self, leases: Sequence[Lease]) -> list[ErrorCode]:
@@ -1212,11 +1216,15 @@ class PoolEngine:
         return out
 
     def close(self) -> None:
-        """Stop background threads and flush the disk write-through queue.
+        """Stop background threads and flush the disk write-through queue. Idempotent.
 
-        With write-through, objects the bounded queue had no room for are written
-        now too, so a restarted engine on the same path finds every committed
-        object. Idempotent.
+        With write-through, objects the bounded queue had no room for are written now too, so a
+        restarted engine on the same path finds every committed object. The flush runs as long
+        as it makes progress: a healthy flush of any size finishes, but when no file completes
+        for `CLOSE_STALL_S` (a hung SSD), close gives the device up, logs how many objects it
+        left unwritten, and returns, leaving the tier's directory locked and without a restart
+        index (the next start scans the files, as after a crash). Every thread that may still be
+        stuck in the kernel is a daemon, so the process can exit.
         """
         with self._lock:
             if self._closed:
@@ -1225,19 +1233,48 @@ class PoolEngine:
         self._stop.set()
         if self._prefault is not None:
             self._prefault.close()
-        if self._writer is not None and self._queue is not None:
-            self._queue.put(None)  # FIFO: everything queued before it is written first
-            self._writer.join()
-            with self._lock:
-                unsaved = [k for k, o in self._objects.items() if not o.on_disk]
-            for key in unsaved:
-                self._persist(key)
-        if self._reaper is not None:
-            self._reaper.join()
         if self._readers is not None:
-            self._readers.shutdown(wait=True)
+            self._readers.close()
+        flushed = True
+        if self._writer is not None:
+            flusher = threading.Thread(target=self._flush_disk, name="kvpool-disk-flush", daemon=True)
+            flusher.start()
+            flushed = self._wait_making_progress(flusher)
+        if self._reaper is not None:
+            self._reaper.join(CLOSE_STALL_S)  # a reap may delete files: bounded like the flush
+            flushed = flushed and not self._reaper.is_alive()
         if self._disk is not None:
-            self._disk.close()  # its directory's lock: a restarted engine may take the directory
+            if flushed:
+                self._disk.close()  # its restart index, then its directory's lock
+            else:
+                with self._lock:
+                    left = sum(1 for o in self._objects.values() if not o.on_disk)
+                logger.error("closing the pool with the SSD tier at %s unresponsive for %.0f s: gave it up "
+                             "with %d object(s) not written to it; the next start scans the directory",
+                             self._disk.path, CLOSE_STALL_S, left)
+
+    def _flush_disk(self) -> None:
+        """Everything committed onto disk: the queue (FIFO, so all queued before the stop mark is
+        written first), then whatever the bounded queue had no room for."""
+        assert self._writer is not None and self._queue is not None
+        self._queue.put(None)
+        self._writer.join()
+        with self._lock:
+            unsaved = [k for k, o in self._objects.items() if not o.on_disk]
+        for key in unsaved:
+            self._persist(key)
+
+    def _wait_making_progress(self, thread: threading.Thread) -> bool:
+        """Wait for `thread` while the disk writes keep completing; False once none has for
+        `CLOSE_STALL_S` (the thread is then left to its fate)."""
+        seen = self._disk_writes
+        while True:
+            thread.join(CLOSE_STALL_S)
+            if not thread.is_alive():
+                return True
+            if self._disk_writes == seen:
+                return False
+            seen = self._disk_writes
 
     def __enter__(self) -> PoolEngine:
         return self
@@ -1795,6 +1832,7 @@ class PoolEngine:
             rc = self._disk.put(key, view)
         finally:
             with self._lock:
+                self._disk_writes += 1
                 obj.pins -= 1
                 if rc is ErrorCode.OK:
                     obj.on_disk = True
