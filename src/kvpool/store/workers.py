@@ -36,14 +36,17 @@ class DaemonWorkers:
             t.start()
 
     def map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
-        """`[fn(x) for x in items]`, computed on the workers; re-raises the first exception."""
+        """`[fn(x) for x in items]`, computed on the workers; re-raises the exception of the first
+        item (in order) that raised."""
         items = list(items)
         futures: list[Future[object]] = [Future() for _ in items]
         with self._lock:
-            if self._closed:
-                return [fn(x) for x in items]
-            for x, fut in zip(items, futures):
-                self._jobs.put((fn, x, fut))  # type: ignore[arg-type]
+            queued = not self._closed
+            if queued:
+                for x, fut in zip(items, futures):
+                    self._jobs.put((fn, x, fut))  # type: ignore[arg-type]
+        if not queued:
+            return [fn(x) for x in items]
         return [f.result() for f in futures]  # type: ignore[misc]
 
     def close(self) -> None:
