@@ -87,7 +87,7 @@ from common import (
 )
 from plotting import COLORS, finish
 
-from kvpool.testing.launch import DEFAULT_ENV, OpenAIServer, PoolServer, ServerError
+from kvpool.testing.launch import DEFAULT_ENV, IN_PROCESS_WORKER_ENV, OpenAIServer, PoolServer, ServerError
 from kvpool.testing.model import SPECS, build_model
 from kvpool.testing.services import MooncakeMaster, ServiceError, mooncake_master_binary
 
@@ -275,7 +275,7 @@ class Runner:
             kv_transfer_config=self.plan.kv_transfer_config, max_model_len=MAX_MODEL_LEN,
             max_num_batched_tokens=self.plan.max_num_batched_tokens or self.args.max_num_batched_tokens,
             request_timeout_s=self.args.request_timeout_s,
-            env={"VLLM_CPU_KVCACHE_SPACE": str(self.args.kvcache_gib), **self.plan.env},
+            env={**server_env(self.args), **self.plan.env},
             dtype=self.args.dtype,
         )
         try:
@@ -658,14 +658,20 @@ def memcpy_ms(kv_bytes_per_token: int | None, sizes: list[str], reps: int = 20) 
 # Environment, plot, main
 
 
-def environment(model_dir: Path, mooncake_version: str | None, kvcache_gib: int) -> dict[str, Any]:
+def server_env(args: argparse.Namespace) -> dict[str, str]:
+    """What every server's environment adds to the launcher's defaults, whatever its configuration."""
+    return {"VLLM_CPU_KVCACHE_SPACE": str(args.kvcache_gib),
+            **(IN_PROCESS_WORKER_ENV if args.worker_in_engine_core else {})}
+
+
+def environment(model_dir: Path, mooncake_version: str | None, args: argparse.Namespace) -> dict[str, Any]:
     spec = SPECS["bench"]
     return {
         **machine_info(vllm=package_version("vllm", "vllm-cpu"), torch=package_version("torch"),
                        mooncake_transfer_engine=mooncake_version),
         "model": {"spec": dataclasses.asdict(spec), "params": count_params(model_dir),
                   "stored_dtype": spec.dtype},
-        "server_env": {**DEFAULT_ENV, "VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib)},
+        "server_env": {**DEFAULT_ENV, **server_env(args)},
         "note": "2-core machine shared with other jobs (vLLM test runs at times): numbers are noisy. "
                 "Every sample records others_cpu, the share of the CPUs that other jobs used during its "
                 "prompt's cold+hit+ext requests; prompts above --disturbed-threshold were retaken with a "
@@ -778,6 +784,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="vLLM's --dtype for every server (auto: bf16 on CPU; float32 where the CPU has no "
                         "native bf16, which it emulates 10-30x slower)")
     p.add_argument("--kvcache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE for every server")
+    p.add_argument("--worker-in-engine-core", action="store_true",
+                   help="every server runs the model in its engine core's process "
+                        "(VLLM_ENABLE_V1_MULTIPROCESSING=0), as vLLM does by default with one GPU: "
+                        "kvpool's scheduler then asks worker rank 0 by a direct call")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="prefill chunk size for every server; default 2048, vLLM's own default for the "
                         "OpenAI server on CPU, so prompts over 2K tokens are prefilled in chunks")
@@ -808,7 +818,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = build_model(Path(tempfile.gettempdir()) / "kvpool-bench-model", SPECS["bench"])
 
     mooncake = mooncake_probe() if "mooncake" in configs else (None, None, None)
-    env = environment(model_dir, mooncake[1], args.kvcache_gib)
+    env = environment(model_dir, mooncake[1], args)
     log(f"model: {env['model']['params'] / 1e6:.1f}M parameters ({model_dir}); vLLM {env['vllm']}; "
         f"{env['cpu_count']} CPUs; sizes {sizes} x {reps} prompts; configs {configs}; workdir {workdir}")
     log("NOTE: numbers from a shared, noisy 2-core machine; one server at a time")

@@ -331,7 +331,7 @@ def test_the_lookup_channel_is_out_of_reach(attacker, fallback_base, monkeypatch
         return len(hashes)
 
     server = lookup.LookupServer(4242, 0, count_hits)
-    client = lookup.LookupClient(4242, 0)
+    client = lookup.LookupClient(4242, 0, direct=False)  # over the socket, as another process
     try:
         assert os.path.dirname(server.path) == paths.runtime_dir_path()
         report = attacker.run(f"import sys; sys.argv = ['x', {server.path!r}]\n" + LOOKUP_PROBE)

@@ -16,6 +16,15 @@ between two unpinned processes, 38 against 81 µs with each pinned to a core tha
 keep busy. (Inside vLLM on that machine each direction takes ~0.2 ms with either
 transport, so there something other than the transport sets that figure.)
 
+Where worker rank 0 runs in the scheduler's own process (vLLM's single-process executor: the
+default for one GPU or NPU, and vLLM-CPU with `VLLM_ENABLE_V1_MULTIPROCESSING=0`), the client
+calls the server's hit count directly, on the scheduler's thread: no socket, no frame and no
+hand-over to the server's thread and back, which is where the round trip's time goes inside a
+busy vLLM process (above). The call is bounded as the socket's is not: by the backend, whose
+stores outside the process answer a lookup within their guard's deadline (backends/guard.py),
+while `local`'s lookup is a walk of the engine's index under a lock never held over I/O. The
+server still listens, for schedulers in other processes.
+
 Socket and lock live in the per-user runtime directory (mode 0700, kvpool.paths), so no other
 user can connect, plant a socket there first or hold the lock; `VLLM_RPC_BASE_PATH`, when set,
 replaces that directory and must pass the same check as an explicit `kvpool server` socket path.
@@ -52,6 +61,19 @@ LOOKUP_BACKOFF_MAX_S = 30.0
 POLL_INTERVAL_MS = 200
 # A reply is one small integer.
 MAX_REPLY_FRAME = 64
+
+# The hit counts of the servers in this process, by socket path: a client with the same path is
+# in worker rank 0's process and asks it directly (see the module docstring).
+_IN_PROCESS: dict[str, Callable[[Sequence[bytes]], int]] = {}
+
+
+def _count_or_miss(count: Callable[[], int]) -> int:
+    """`count()`; a bad request or a backend error is a miss, never a dead server or a failed schedule."""
+    try:
+        return count()
+    except Exception:
+        logger.exception("kvpool lookup failed; answering 0 hits")
+        return 0
 
 
 def lookup_socket_path(lookup_rpc_port: int, dp_rank: int = 0) -> str:
@@ -96,6 +118,7 @@ class LookupServer:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kvpool-lookup", daemon=True)
         self._thread.start()
+        _IN_PROCESS[self.path] = count_hits
 
     def _serve(self) -> None:
         # One thread answers every connection in turn (normally there is one: the scheduler's).
@@ -125,11 +148,7 @@ class LookupServer:
             return False
         if body is None:
             return False
-        try:
-            hits = self._count_hits(msgspec.msgpack.decode(body, type=list[bytes]))
-        except Exception:  # a bad request or a backend error is a miss, never a dead server
-            logger.exception("kvpool lookup failed; answering 0 hits")
-            hits = 0
+        hits = _count_or_miss(lambda: self._count_hits(msgspec.msgpack.decode(body, type=list[bytes])))
         try:
             conn.settimeout(LOOKUP_TIMEOUT_MS / 1000)
             conn.sendall(encode_frame(hits))
@@ -138,6 +157,8 @@ class LookupServer:
         return True
 
     def close(self) -> None:
+        if _IN_PROCESS.get(self.path) is self._count_hits:
+            del _IN_PROCESS[self.path]
         self._stop.set()
         self._thread.join(timeout=2)
         self._listener.close()
@@ -154,10 +175,13 @@ class LookupClient:
     A timeout opens a breaker: lookups are misses without asking until its back-off has passed,
     then one lookup tries again (a success closes it, a timeout doubles the back-off). Failures
     that cost no time (no server yet, a closed connection) do not open it.
+
+    With `direct` (the default), a server in this process is asked by a plain call instead.
     """
 
-    def __init__(self, lookup_rpc_port: int, dp_rank: int = 0) -> None:
+    def __init__(self, lookup_rpc_port: int, dp_rank: int = 0, direct: bool = True) -> None:
         self.path = lookup_socket_path(lookup_rpc_port, dp_rank)
+        self._direct = direct
         self._sock: socket.socket | None = None
         self._skip_until = 0.0  # time.monotonic(): lookups before it are misses without asking
         self._backoff_s = 0.0  # 0: the breaker is closed
@@ -185,6 +209,15 @@ class LookupClient:
         """Number of leading blocks pooled for every rank; 0 on any error."""
         if not block_hashes:
             return 0
+        count_hits = _IN_PROCESS.get(self.path) if self._direct else None
+        if count_hits is not None:
+            hits = _count_or_miss(lambda: count_hits(block_hashes))
+        else:
+            hits = self._ask_over_socket(block_hashes)
+        # More hits than blocks asked about would have vLLM load blocks nobody stored.
+        return hits if 0 <= hits <= len(block_hashes) else 0
+
+    def _ask_over_socket(self, block_hashes: Sequence[bytes]) -> int:
         now = time.monotonic()
         if now < self._skip_until:
             self.skipped += 1
@@ -218,8 +251,7 @@ class LookupClient:
             logger.info("kvpool lookup on %s answers again; %d lookups were misses meanwhile",
                         self.path, self.skipped)
             self._backoff_s = 0.0
-        # More hits than blocks asked about would have vLLM load blocks nobody stored.
-        return hits if 0 <= hits <= len(block_hashes) else 0
+        return hits
 
     def close(self) -> None:
         self._drop()

@@ -1,5 +1,6 @@
 """The lookup channel: LookupClient (scheduler) <-> LookupServer (worker rank 0) over the real
-Unix socket, in this test's own VLLM_RPC_BASE_PATH; and the worker's hit count behind it.
+Unix socket, in this test's own VLLM_RPC_BASE_PATH, or by a direct call where both are in one
+process; and the worker's hit count behind it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,19 @@ from kvpool.vllm.scheduler import PoolScheduler
 HASHES = [bytes([i]) * 32 for i in range(5)]
 
 
+def socket_client(port: int, dp_rank: int = 0) -> LookupClient:
+    """A client that asks over the socket even though the server is in this process, as a
+    scheduler in another process does."""
+    return LookupClient(port, dp_rank, direct=False)
+
+
+@pytest.fixture(params=["socket", "direct"])
+def client_for(request) -> Callable[..., LookupClient]:
+    """For behaviour both ways of asking share: a client over the socket, or one in the server's
+    process that calls it directly."""
+    return socket_client if request.param == "socket" else LookupClient
+
+
 @pytest.fixture
 def closing() -> Iterator[Callable]:
     """Register servers/clients to close after the test, whatever it asserted."""
@@ -62,29 +76,29 @@ def test_round_trip_over_ipc(rpc_dir, closing):
     server = closing(counting_server(5, set(HASHES[:3]), seen))
     assert server.path == lookup_socket_path(5, 0)
     assert os.path.dirname(server.path) == rpc_dir and os.path.exists(server.path)
-    client = closing(LookupClient(5))
+    client = closing(socket_client(5))
     assert client.lookup(HASHES) == 3
     assert client.lookup(HASHES[3:]) == 0
     assert seen == [HASHES, HASHES[3:]]  # the hashes arrive as sent, as bytes
 
 
-def test_an_empty_lookup_is_answered_without_asking(closing):
+def test_an_empty_lookup_is_answered_without_asking(closing, client_for):
     seen: list[list[bytes]] = []
     closing(counting_server(5, set(HASHES), seen))
-    assert closing(LookupClient(5)).lookup([]) == 0
+    assert closing(client_for(5)).lookup([]) == 0
     assert seen == []
 
 
-def test_dp_ranks_have_separate_channels(closing):
+def test_dp_ranks_have_separate_channels(closing, client_for):
     seen0: list[list[bytes]] = []
     seen1: list[list[bytes]] = []
     closing(counting_server(5, set(HASHES[:1]), seen0, dp_rank=0))
     closing(counting_server(5, set(HASHES[:2]), seen1, dp_rank=1))
-    assert closing(LookupClient(5, 1)).lookup(HASHES) == 2
-    assert closing(LookupClient(5, 0)).lookup(HASHES) == 1
+    assert closing(client_for(5, 1)).lookup(HASHES) == 2
+    assert closing(client_for(5, 0)).lookup(HASHES) == 1
 
 
-def test_a_backend_error_answers_zero_and_the_server_lives_on(closing):
+def test_a_backend_error_answers_zero_and_the_server_lives_on(closing, client_for):
     calls = []
 
     def count_hits(hashes: Sequence[bytes]) -> int:
@@ -94,7 +108,7 @@ def test_a_backend_error_answers_zero_and_the_server_lives_on(closing):
         return len(hashes)
 
     closing(LookupServer(6, 0, count_hits))
-    client = closing(LookupClient(6))
+    client = closing(client_for(6))
     assert client.lookup(HASHES) == 0
     assert client.lookup(HASHES[:2]) == 2
     assert calls == [5, 2]
@@ -102,7 +116,7 @@ def test_a_backend_error_answers_zero_and_the_server_lives_on(closing):
 
 def test_no_server_is_a_miss_within_the_timeout_and_the_client_recovers(monkeypatch, closing):
     monkeypatch.setattr(lookup_mod, "LOOKUP_TIMEOUT_MS", 50)
-    client = closing(LookupClient(7))
+    client = closing(socket_client(7))
     assert client.lookup(HASHES) == 0
     assert client.lookup(HASHES) == 0
     # The server comes up late (worker rank 0 starts after the scheduler): the next lookup works.
@@ -126,7 +140,7 @@ def test_a_stuck_server_is_a_miss_and_does_not_poison_the_next_lookup(monkeypatc
         return len(calls)  # the n-th lookup answers n, so a stale answer is recognisable
 
     closing(LookupServer(8, 0, count_hits))
-    client = closing(LookupClient(8))
+    client = closing(socket_client(8))
     # Connect first, so the stuck lookup below times out waiting for its answer, not for the connect.
     for _ in range(20):
         if client.lookup(HASHES):
@@ -157,7 +171,7 @@ def test_a_stuck_server_costs_one_timeout_per_back_off_not_one_per_lookup(monkey
         return 2
 
     closing(LookupServer(14, 0, count_hits))
-    client = closing(LookupClient(14))
+    client = closing(socket_client(14))
     assert client.lookup(HASHES) == 2  # connected and answering
     assert client.lookup(HASHES) == 0  # stuck: one timeout, and the breaker opens
     assert len(calls) == 2
@@ -185,8 +199,31 @@ def test_a_second_server_on_the_same_port_is_refused_until_the_first_closes(clos
         first.close()
     assert not os.path.exists(first.path)
     second = closing(counting_server(9, set(HASHES[:1]), []))
-    assert closing(LookupClient(9)).lookup(HASHES) == 1
+    assert closing(socket_client(9)).lookup(HASHES) == 1
     assert second.path == first.path
+
+
+def test_a_client_in_the_servers_process_calls_it_directly(closing):
+    """No socket, no server thread: the hit count runs on the scheduler's own thread. Once the
+    server has closed, the client asks over the socket again (and, nobody listening, misses)."""
+    threads: list[int] = []
+
+    def count_hits(hashes: Sequence[bytes]) -> int:
+        threads.append(threading.get_ident())
+        return len(hashes)
+
+    server = LookupServer(19, 0, count_hits)
+    client = closing(LookupClient(19))
+    try:
+        assert client.lookup(HASHES) == 5
+        assert threads == [threading.get_ident()]
+        assert closing(LookupClient(19, 1)).lookup(HASHES) == 0  # another DP rank's worker is elsewhere
+        assert closing(socket_client(19)).lookup(HASHES) == 5 and threads[1] != threading.get_ident()
+    finally:
+        server.close()
+    assert client.lookup(HASHES) == 0 and len(threads) == 2
+    successor = closing(LookupServer(19, 0, lambda hashes: 1))  # a restarted worker: asked again
+    assert client.lookup(HASHES) == 1 and successor.path == server.path
 
 
 # ---- through the worker -----------------------------------------------------------------------------
@@ -237,22 +274,22 @@ def test_only_rank_zero_of_a_loading_instance_serves_lookups(make_worker, rpc_di
 
 
 @pytest.mark.parametrize("answer", [10**9, -1, len(HASHES) + 1])
-def test_an_impossible_hit_count_is_a_miss(closing, answer):
+def test_an_impossible_hit_count_is_a_miss(closing, answer, client_for):
     # More hits than blocks asked about (or fewer than none) would have vLLM load blocks nobody
     # stored: whatever answered, such a reply is a miss.
     closing(LookupServer(9, 0, lambda hashes: answer))
-    client = closing(LookupClient(9))
+    client = closing(client_for(9))
     for _ in range(20):
         assert client.lookup(HASHES) == 0
 
 
-def test_a_long_prompts_lookup_is_answered_whole(closing):
+def test_a_long_prompts_lookup_is_answered_whole(closing, client_for):
     # 100,000 hashes (3.5 MB): far beyond one socket buffer, as a million-token prompt in
     # 16-token blocks would be.
     hashes = [i.to_bytes(32, "big") for i in range(100_000)]
     seen: list[list[bytes]] = []
     closing(counting_server(17, set(hashes[:70_000]), seen))
-    assert closing(LookupClient(17)).lookup(hashes) == 70_000
+    assert closing(client_for(17)).lookup(hashes) == 70_000
     assert seen == [hashes]
 
 
@@ -261,7 +298,7 @@ def test_garbage_from_a_client_costs_only_its_connection(closing):
 
     seen: list[list[bytes]] = []
     server = closing(counting_server(18, set(HASHES), seen))
-    client = closing(LookupClient(18))
+    client = closing(socket_client(18))
     assert client.lookup(HASHES) == 5
 
     def raw() -> socket.socket:
