@@ -28,11 +28,12 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m kvpool.demo.run
 
-# Two passes: the tests that start neither vLLM nor a store's service on two xdist workers, then
-# the real-vLLM and store-service tests one at a time (engines and services fight for the cores).
+# Two passes: everything but real vLLM on two xdist workers (store services included: their
+# tests mostly wait, on services of their own with free ports), then the real-vLLM tests one at
+# a time (two engines would fight for the cores and stretch each other's deadlines).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -rs -n 2 -m "not vllm and not services" tests
-	$(BIN)/python -m pytest -q -p no:cacheprovider -rs --durations=15 -m "vllm or services" tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -rs -n 2 -m "not vllm" tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -rs --durations=15 -m vllm tests
 
 # Unit, engine, server, proxy and conformance tests of `local`/`server`: no vLLM engine and no
 # store service is started (under a minute), for quick iteration.
