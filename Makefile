@@ -36,9 +36,9 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -rs --durations=15 -m vllm tests
 
 # Unit, engine, server, proxy and conformance tests of `local`/`server`: no vLLM engine and no
-# store service is started (under a minute), for quick iteration.
+# store service is started, on two xdist workers (about two minutes; 3.5 on one), for quick iteration.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm and not services" tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 -m "not vllm and not services" tests
 
 # Each benchmark writes benchmarks/results/NAME.json and NAME.png (benchmarks/replot.py redraws the
 # PNGs from the JSON). benchmarks/device.py is not here: it is the check for an accelerator machine.
