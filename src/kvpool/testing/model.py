@@ -1,7 +1,11 @@
-"""Build a small random-weight Llama with a locally trained tokenizer, so nothing is downloaded.
+"""Build a small random-weight model with a locally trained tokenizer, so nothing is downloaded.
 
 The weights are random but seeded, so greedy outputs are deterministic: good enough to show
 that KV loaded from the pool gives exactly the numbers that recomputing it gives.
+
+Llama by default; `family` picks another architecture vLLM serves, for hybrid attention (layers
+with a sliding window next to full-attention layers, which vLLM puts in separate KV cache groups):
+see `_FAMILIES`.
 """
 
 from __future__ import annotations
@@ -13,9 +17,9 @@ import json
 import os
 import random
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 # Text for the tokenizer: the spec's two questions plus generated prose, so BPE learns
 # English-like merges. Byte-level BPE encodes any input, whatever the training text was.
@@ -40,7 +44,13 @@ _WORDS = (
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """Shape of the generated model; `tiny` for tests, `bench` (~100M parameters) for TTFT."""
+    """Shape of the generated model; `tiny` for tests, `bench` (~100M parameters) for TTFT.
+
+    `family` is a key of `_FAMILIES`. `sliding_window` is the window of the sliding-attention
+    layers, in tokens (0 for families without any); `num_experts` / `experts_per_token` shape the
+    MoE layers of MoE families (0 for dense ones). Fields added after the first on-disk markers
+    go at the end, with defaults that describe what those markers built (see `build_model`).
+    """
 
     hidden_size: int = 256
     intermediate_size: int = 512
@@ -51,6 +61,36 @@ class ModelSpec:
     max_position_embeddings: int = 16384
     dtype: str = "float32"
     seed: int = 0
+    family: str = "llama"
+    sliding_window: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        """Each layer's attention, "sliding_attention" or "full_attention", as the family lays them out."""
+        sliding = _family(self).sliding_layer
+        return tuple("sliding_attention" if sliding(i) else "full_attention" for i in range(self.num_hidden_layers))
+
+    @property
+    def sliding_layers(self) -> int:
+        return self.layer_types.count("sliding_attention")
+
+    @property
+    def full_layers(self) -> int:
+        return self.layer_types.count("full_attention")
+
+    @property
+    def kv_cache_groups(self) -> tuple[int, int]:
+        """(full, sliding) KV cache groups vLLM's hybrid KV cache manager makes of the layers: one
+        group where all layers are alike; otherwise each kind splits into groups as large as the
+        rarer kind (as the commoner one, where that is under 1.5 times as many), which is
+        `_get_kv_cache_groups_uniform_page_size` in vLLM 0.32. Gemma 3's 5:1 is (1, 5), not (1, 1)."""
+        full, sliding = self.full_layers, self.sliding_layers
+        if not (full and sliding):
+            return (int(bool(full)), int(bool(sliding)))
+        size = max(full, sliding) if max(full, sliding) < 1.5 * min(full, sliding) else min(full, sliding)
+        return (-(-full // size), -(-sliding // size))
 
 
 SPECS = {
@@ -62,6 +102,11 @@ SPECS = {
         hidden_size=768, intermediate_size=2560, num_hidden_layers=12,
         num_attention_heads=12, num_key_value_heads=4, vocab_size=4096,
     ),
+    # Hybrid attention: 5 sliding-window layers to 1 full-attention layer (Gemma 3's pattern),
+    # head_dim 64. The window spans two of vLLM-CPU's 128-token blocks.
+    "gemma3": ModelSpec(family="gemma3", num_hidden_layers=6, sliding_window=256),
+    # Alternating sliding (even layers) / full attention, attention sinks, 4 experts, top 2.
+    "gpt-oss": ModelSpec(family="gpt-oss", sliding_window=256, num_experts=4, experts_per_token=2),
 }
 
 
@@ -139,12 +184,22 @@ def _quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+def _built_spec(marker: Path) -> dict[str, Any] | None:
+    """The spec a marker file records; fields it predates take their defaults, which describe what
+    was built before they existed (a Llama, no sliding window, no experts)."""
+    if not marker.exists():
+        return None
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelSpec)}
+    return {**defaults, **json.loads(marker.read_text())}
+
+
 def build_model(out_dir: str | os.PathLike, spec: ModelSpec = ModelSpec()) -> Path:
-    """Write a seeded random Llama and its tokenizer to `out_dir` (skipped if already built)."""
+    """Write a seeded random model of `spec` and its tokenizer to `out_dir` (skipped if already built)."""
     out = Path(out_dir)
     marker = out / "kvpool_model_spec.json"
-    if marker.exists() and json.loads(marker.read_text()) == dataclasses.asdict(spec):
+    if _built_spec(marker) == dataclasses.asdict(spec):
         return out
+    _family(spec)  # an unknown family fails here, before the slow steps
     steps = _Steps(4, f"building model in {out}")
     try:
         with steps.step("importing torch and transformers"):  # seconds of their own on a cold start
@@ -155,7 +210,7 @@ def build_model(out_dir: str | os.PathLike, spec: ModelSpec = ModelSpec()) -> Pa
         with steps.step("training the tokenizer"):
             build_tokenizer(out, spec.vocab_size)
         with steps.step("random weights"):
-            model = _random_llama(spec)
+            model = _random_model(spec)
         with steps.step("writing safetensors"), _quiet_transformers():
             model.save_pretrained(str(out), safe_serialization=True)
     finally:
@@ -164,13 +219,9 @@ def build_model(out_dir: str | os.PathLike, spec: ModelSpec = ModelSpec()) -> Pa
     return out
 
 
-def _random_llama(spec: ModelSpec) -> Any:
-    """The seeded random-weight Llama of `spec`, in memory."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(spec.seed)
-    config = LlamaConfig(
+def _common(spec: ModelSpec) -> dict[str, Any]:
+    """The config arguments every family takes the same way."""
+    return dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -178,12 +229,105 @@ def _random_llama(spec: ModelSpec) -> Any:
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads,
         max_position_embeddings=spec.max_position_embeddings,
+        # The tokenizer's <s> and </s>. Random weights make </s> no likelier than any other token
+        # and no family adds stop tokens of its own; runs that need a fixed length set ignore_eos.
         bos_token_id=0,
         eos_token_id=1,
         tie_word_embeddings=False,
-        torch_dtype=spec.dtype,
     )
-    model = LlamaForCausalLM(config)
+
+
+def _require(spec: ModelSpec, *, sliding: bool, moe: bool) -> None:
+    """Refuse a spec whose sliding window or experts the family lacks, or has no use for."""
+    if sliding != (spec.sliding_window > 0) or spec.sliding_window < 0:
+        raise ValueError(f"family {spec.family!r} needs {'a' if sliding else 'no'} sliding window: {spec}")
+    dense = spec.num_experts == spec.experts_per_token == 0
+    if not (0 < spec.experts_per_token <= spec.num_experts if moe else dense):
+        want = "0 < experts_per_token <= num_experts" if moe else "no experts"
+        raise ValueError(f"family {spec.family!r} needs {want}: {spec}")
+
+
+def _llama_config(spec: ModelSpec) -> Any:
+    from transformers import LlamaConfig
+
+    _require(spec, sliding=False, moe=False)
+    return LlamaConfig(**_common(spec), torch_dtype=spec.dtype)
+
+
+def _gemma3_config(spec: ModelSpec) -> Any:
+    """Gemma 3 text-only: every sixth layer full attention, the others sliding (HF's default
+    pattern, spelled out in `layer_types`)."""
+    from transformers import Gemma3TextConfig
+
+    _require(spec, sliding=True, moe=False)
+    head_dim = spec.hidden_size // spec.num_attention_heads
+    return Gemma3TextConfig(
+        **_common(spec),
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
+        sliding_window=spec.sliding_window,
+        layer_types=list(spec.layer_types),
+        pad_token_id=None,  # not <s>, Gemma's default
+        dtype=spec.dtype,
+    )
+
+
+def _gpt_oss_config(spec: ModelSpec) -> Any:
+    """gpt-oss: sliding window on even layers, full attention on odd ones (vLLM hard-codes that
+    alternation and ignores `layer_types`), attention sinks, MoE on every layer. Rope is HF's
+    default YaRN (vLLM's gpt-oss reads each of its fields), with the factor that stretches its
+    4K original context to the spec's."""
+    from transformers import GptOssConfig
+
+    _require(spec, sliding=True, moe=True)
+    rope = dict(GptOssConfig().rope_parameters)
+    rope["factor"] = spec.max_position_embeddings / rope["original_max_position_embeddings"]
+    return GptOssConfig(
+        **_common(spec),
+        head_dim=spec.hidden_size // spec.num_attention_heads,
+        sliding_window=spec.sliding_window,
+        layer_types=list(spec.layer_types),
+        num_local_experts=spec.num_experts,
+        num_experts_per_tok=spec.experts_per_token,
+        rope_parameters=rope,
+        dtype=spec.dtype,
+    )
+
+
+class _Family(NamedTuple):
+    config: Callable[[ModelSpec], Any]  # the HF config of a spec
+    model_class: str  # the transformers class of the model
+    sliding_layer: Callable[[int], bool]  # whether layer i slides
+
+
+_FAMILIES: dict[str, _Family] = {
+    "llama": _Family(_llama_config, "LlamaForCausalLM", lambda i: False),
+    "gemma3": _Family(_gemma3_config, "Gemma3ForCausalLM", lambda i: (i + 1) % 6 != 0),
+    # vLLM's gpt-oss slides on even layers whatever the config's layer_types say.
+    "gpt-oss": _Family(_gpt_oss_config, "GptOssForCausalLM", lambda i: i % 2 == 0),
+}
+FAMILIES = tuple(_FAMILIES)
+
+
+def _family(spec: ModelSpec) -> _Family:
+    if spec.family not in _FAMILIES:
+        raise ValueError(f"unknown model family {spec.family!r}; known: {', '.join(FAMILIES)}")
+    return _FAMILIES[spec.family]
+
+
+def hf_config(spec: ModelSpec) -> Any:
+    """The transformers config of `spec` (no weights: cheap)."""
+    return _family(spec).config(spec)
+
+
+def _random_model(spec: ModelSpec) -> Any:
+    """The seeded random-weight model of `spec`, in memory."""
+    import torch
+    import transformers
+
+    config = hf_config(spec)
+    torch.manual_seed(spec.seed)
+    model = getattr(transformers, _family(spec).model_class)(config)
     # Larger-than-default init spreads logits out, so greedy decoding is not a run of ties.
     with torch.no_grad():
         for p in model.parameters():

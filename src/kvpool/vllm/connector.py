@@ -12,6 +12,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvpool.config import load_config
@@ -31,9 +33,13 @@ if TYPE_CHECKING:
     from kvpool.vllm.prom import KVPoolPromMetrics
 
 
-class KVPoolConnector(KVConnectorBase_V1):
+class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's v1 KV connector for a kvpool pool (``kv_connector: KVPoolConnector`` or, as the
     spec names it, ``AscendStoreConnector``).
+
+    It supports vLLM's hybrid KV cache manager (`SupportsHMA`), so vLLM keeps it on: models
+    with sliding-window or chunked-local layers run as they do without a connector, and every
+    KV cache group is pooled (`kvpool.vllm.groups`).
 
     Every call is forwarded to the half its role owns: ``PoolScheduler`` (lookups and each
     step's load and save plans, no KV bytes) in the scheduler process, ``PoolWorker`` (the
@@ -97,6 +103,11 @@ class KVPoolConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker.get_finished(self._meta())
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._worker.get_transfer_results(self._meta())
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                                          failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
 
@@ -134,6 +145,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

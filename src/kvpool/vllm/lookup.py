@@ -1,9 +1,12 @@
 """The lookup channel between vLLM's scheduler process and worker rank 0.
 
-The scheduler asks "how many leading blocks of these hashes are pooled?"; worker rank 0 owns
-a backend client and answers. The channel is a Unix stream socket whose name contains
+The scheduler asks "how many blocks of these hashes, after the first `start` blocks of the
+prompt that vLLM already holds, can the pool serve?"; worker rank 0 owns a backend client and
+answers (for a model with several KV cache groups, by the rule of `kvpool.vllm.groups`, which
+needs the absolute position). The channel is a Unix stream socket whose name contains
 `lookup_rpc_port`, so two instances on one host need different values, carrying the frames of
-`kvpool server`'s protocol (a length, then msgpack): the block hashes out, the hit count back.
+`kvpool server`'s protocol (a length, then msgpack): `[start, block hashes]` out, the hit count
+back.
 A flock on a file beside the socket detects a clash at start-up (a second bind would replace
 the socket's name silently) and is released by the kernel if the owner dies, so a crashed
 instance never blocks its successor.
@@ -62,9 +65,12 @@ POLL_INTERVAL_MS = 200
 # A reply is one small integer.
 MAX_REPLY_FRAME = 64
 
+# (block hashes after the prompt's first `start` blocks, start) -> how many of them the pool serves.
+CountHits = Callable[[Sequence[bytes], int], int]
+
 # The hit counts of the servers in this process, by socket path: a client with the same path is
 # in worker rank 0's process and asks it directly (see the module docstring).
-_IN_PROCESS: dict[str, Callable[[Sequence[bytes]], int]] = {}
+_IN_PROCESS: dict[str, CountHits] = {}
 
 
 def _count_or_miss(count: Callable[[], int]) -> int:
@@ -96,7 +102,7 @@ def lookup_socket_path(lookup_rpc_port: int, dp_rank: int = 0) -> str:
 class LookupServer:
     """Answers lookups on a daemon thread in worker rank 0."""
 
-    def __init__(self, lookup_rpc_port: int, dp_rank: int, count_hits: Callable[[Sequence[bytes]], int]) -> None:
+    def __init__(self, lookup_rpc_port: int, dp_rank: int, count_hits: CountHits) -> None:
         self.path = lookup_socket_path(lookup_rpc_port, dp_rank)
         self._lock_fd = open_private_lock(self.path + ".lock", "lookup_rpc_port")
         try:
@@ -148,7 +154,13 @@ class LookupServer:
             return False
         if body is None:
             return False
-        hits = _count_or_miss(lambda: self._count_hits(msgspec.msgpack.decode(body, type=list[bytes])))
+        def count() -> int:
+            start, hashes = msgspec.msgpack.decode(body, type=tuple[int, list[bytes]])
+            if start < 0:
+                raise ValueError(f"a lookup from block {start}")
+            return self._count_hits(hashes, start)
+
+        hits = _count_or_miss(count)
         try:
             conn.settimeout(LOOKUP_TIMEOUT_MS / 1000)
             conn.sendall(encode_frame(hits))
@@ -205,19 +217,20 @@ class LookupClient:
             self._sock.close()
             self._sock = None
 
-    def lookup(self, block_hashes: Sequence[bytes]) -> int:
-        """Number of leading blocks pooled for every rank; 0 on any error."""
+    def lookup(self, block_hashes: Sequence[bytes], start: int = 0) -> int:
+        """How many of `block_hashes` (the prompt's blocks after its first `start`) the pool
+        serves for every rank and group; 0 on any error."""
         if not block_hashes:
             return 0
         count_hits = _IN_PROCESS.get(self.path) if self._direct else None
         if count_hits is not None:
-            hits = _count_or_miss(lambda: count_hits(block_hashes))
+            hits = _count_or_miss(lambda: count_hits(block_hashes, start))
         else:
-            hits = self._ask_over_socket(block_hashes)
+            hits = self._ask_over_socket(block_hashes, start)
         # More hits than blocks asked about would have vLLM load blocks nobody stored.
         return hits if 0 <= hits <= len(block_hashes) else 0
 
-    def _ask_over_socket(self, block_hashes: Sequence[bytes]) -> int:
+    def _ask_over_socket(self, block_hashes: Sequence[bytes], start: int) -> int:
         now = time.monotonic()
         if now < self._skip_until:
             self.skipped += 1
@@ -226,7 +239,7 @@ class LookupClient:
         try:
             sock = self._socket()
             sock.settimeout(LOOKUP_TIMEOUT_MS / 1000)
-            sock.sendall(encode_frame(list(block_hashes)))
+            sock.sendall(encode_frame([start, list(block_hashes)]))
             body = recv_frame(sock, MAX_REPLY_FRAME, deadline=deadline)
             if body is None:
                 raise ConnectionResetError("the worker closed the lookup channel")

@@ -9,12 +9,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclasses.dataclass
 class BlockTask:
-    """Copy the blocks `block_hashes[i]` <-> vLLM block `block_ids[i]` for one request."""
+    """Copy the blocks `block_hashes[i]` <-> vLLM block `block_ids[i]` of KV cache group `group`
+    for one request (a model with several groups gets one task per group)."""
 
     req_id: str
     block_hashes: list[bytes]
     block_ids: list[int]
     is_async: bool = False  # loads only: run on the transfer thread, report via get_finished
+    group: int = 0  # vLLM's KV cache group id: block ids are per group
+    # Saves only: read the blocks before the step returns (vLLM may free them at the next one).
+    save_now: bool = False
     # Saves only, in a step with loads or the step after one: the request's blocks before
     # `block_ids`, which this step's computation of them attended over. A save whose request
     # holds a block that failed to load in this step (or, among these, in the last one) is

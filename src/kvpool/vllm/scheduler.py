@@ -12,6 +12,12 @@ Invariants:
 - A request with IO sent to the workers is not freed until the workers report it done: in
   finished_sending, or, when it finished while its async load was in flight, in the
   finished_recving vLLM itself waits for (never both: vLLM forgets a request once freed).
+- With several KV cache groups (hybrid attention), a block position has a block in each group:
+  loads and saves carry one task per group, with that group's block ids, and never vLLM's null
+  block (a position out of a sliding window). A hit is what every group can serve
+  (`kvpool.vllm.groups`), ends on a whole block (a prompt that hits whole gives its last block
+  back, as vLLM's own prefix cache does for such models), and loads asynchronously: vLLM takes
+  a failed load of such a model only by request, and then recomputes the request whole.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from kvpool.config import KVPoolConfig
 from kvpool.errors import ConfigError
 from kvpool.tracefile import BlockHashLog
+from kvpool.vllm.groups import NULL_BLOCK_ID, alignment_blocks, pool_groups
 from kvpool.vllm.lookup import LookupClient
 from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
 from kvpool.vllm.stats import KVPoolStats
@@ -50,7 +57,8 @@ class _LoadPlan:
 @dataclasses.dataclass
 class _RequestState:
     request: Request  # its block_hashes grow as tokens are added
-    block_ids: list[int] = dataclasses.field(default_factory=list)
+    # Per KV cache group (vLLM's group order), the request's block table.
+    block_ids: list[list[int]] = dataclasses.field(default_factory=list)
     saved_upto: int = 0  # blocks [0, saved_upto) are pooled or queued for saving
     has_io: bool = False
     # An async load sent, its finished_recving not seen yet: vLLM itself holds the blocks.
@@ -58,6 +66,7 @@ class _RequestState:
     # Blocks from this one on failed to load for this request once: never offered to it again,
     # or a block the store keeps failing would be retried instead of recomputed.
     pool_limit: int | None = None
+    load_start: int = 0  # the first block of its last load (several groups: where a failure rewinds to)
 
 
 def check_hash_seed(hash_algo: str) -> None:
@@ -83,15 +92,14 @@ class PoolScheduler:
     def __init__(self, vllm_config: VllmConfig, config: KVPoolConfig, kv_cache_config: KVCacheConfig) -> None:
         self.config = config
         self.block_size = vllm_config.cache_config.block_size
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise ConfigError(
-                "kv_cache_groups", len(groups),
-                "one KV cache group: kvpool pools single-group models; hybrid attention models (several groups) are not supported",
-            )
-        if groups[0].kv_cache_spec.block_size != self.block_size:
-            raise ConfigError("block_size", groups[0].kv_cache_spec.block_size,
-                              f"the cache block size {self.block_size}")
+        self._groups = pool_groups(kv_cache_config, self.block_size, getattr(kv_cache_config, "hash_block_size", None))
+        self._hybrid = len(self._groups) > 1
+        self._align = alignment_blocks(kv_cache_config, self.block_size) if self._hybrid else 1
+        self._load_async = config.load_async or self._hybrid
+        if self._hybrid and not config.load_async:
+            logger.info("kvpool: %d KV cache groups (%s): pool loads are asynchronous, so that a failed "
+                        "one is recomputed by request", len(self._groups),
+                        ", ".join(g.describe() for g in self._groups))
         check_hash_seed(vllm_config.cache_config.prefix_caching_hash_algo)
         dp_rank = vllm_config.parallel_config.data_parallel_rank
         self._client = LookupClient(config.lookup_rpc_port, dp_rank) if config.loads else None
@@ -118,15 +126,18 @@ class PoolScheduler:
         if (state := self._requests.get(request.request_id)) is not None and state.pool_limit is not None:
             hashes = hashes[:state.pool_limit]
         start = num_computed_tokens // self.block_size
+        if self._hybrid:
+            # Hits end on whole blocks: a prompt that hits whole gives its last block back.
+            hashes = hashes[:(request.num_tokens - 1) // self.block_size]
         if len(hashes) <= start:
             return 0, False
-        hit_blocks = start + self._client.lookup(hashes[start:])
+        hit_blocks = start + self._client.lookup(hashes[start:], start)
         # Full hit: give one token back, so vLLM has a token to compute logits from.
         hit_tokens = min(hit_blocks * self.block_size, request.num_tokens - 1)
         if hit_tokens <= num_computed_tokens:
             return 0, False
         self._plans[request.request_id] = _LoadPlan(start, hit_blocks)
-        return hit_tokens - num_computed_tokens, self.config.load_async
+        return hit_tokens - num_computed_tokens, self._load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self._requests.setdefault(request.request_id, _RequestState(request))
@@ -146,17 +157,27 @@ class PoolScheduler:
             return
         # Another connector (MultiConnector) or vLLM may grant fewer tokens than we offered.
         end = min(plan.end_block, -(-(plan.start_block * self.block_size + num_external_tokens) // self.block_size))
-        block_ids = blocks.get_block_ids()[0]
-        state.block_ids = list(block_ids)  # an async load's failures arrive before it is scheduled
-        self._pending_loads.append(BlockTask(
-            req_id=request.request_id,
-            block_hashes=list(request.block_hashes[plan.start_block:end]),
-            block_ids=list(block_ids[plan.start_block:end]),
-            is_async=self.config.load_async,
-        ))
+        # An async load's failures arrive before the request is scheduled.
+        state.block_ids = [list(ids) for ids in blocks.get_block_ids()]
+        hashes = request.block_hashes
+        for group in self._groups:
+            ids = state.block_ids[group.index]
+            # Every block vLLM allocated for the hit: a sliding group's out-of-window positions
+            # hold the null block, which is left alone.
+            pairs = [(hashes[i], ids[i]) for i in range(plan.start_block, min(end, len(ids)))
+                     if not (group.frees_early and ids[i] == NULL_BLOCK_ID)]
+            if pairs:
+                self._pending_loads.append(BlockTask(
+                    req_id=request.request_id,
+                    block_hashes=[h for h, _ in pairs],
+                    block_ids=[b for _, b in pairs],
+                    is_async=self._load_async,
+                    group=group.index,
+                ))
         state.saved_upto = max(state.saved_upto, end)
+        state.load_start = plan.start_block
         state.has_io = True
-        state.async_loading = self.config.load_async
+        state.async_loading = self._load_async
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPoolMetadata:
         meta = KVPoolMetadata(loads=self._pending_loads, finished_with_io=self._finished_with_io,
@@ -174,7 +195,7 @@ class PoolScheduler:
             state = self._requests.get(new.req_id)
             if state is None:
                 continue
-            state.block_ids = list(new.block_ids[0])
+            state.block_ids = [list(ids) for ids in new.block_ids]
             self._plan_save(state, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id], meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -183,29 +204,44 @@ class PoolScheduler:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids else []
+                state.block_ids = [list(ids) for ids in new_ids] if new_ids else []
             elif new_ids:
-                state.block_ids.extend(new_ids[0])
+                if not state.block_ids:
+                    state.block_ids = [[] for _ in new_ids]
+                for table, ids in zip(state.block_ids, new_ids):
+                    table.extend(ids)
             computed = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
             self._plan_save(state, computed, meta)
         return meta
 
     def _plan_save(self, state: _RequestState, computed_tokens: int, meta: KVPoolMetadata) -> None:
         req = state.request
+        if not state.block_ids:
+            return
         end = min(computed_tokens, req.num_prompt_tokens) // self.block_size
-        end = min(end, len(req.block_hashes), len(state.block_ids))
+        end = min(end, len(req.block_hashes), *(len(state.block_ids[g.index]) for g in self._groups))
         if end <= state.saved_upto:
             return
-        meta.saves.append(BlockTask(
-            req_id=req.request_id,
-            block_hashes=list(req.block_hashes[state.saved_upto:end]),
-            block_ids=state.block_ids[state.saved_upto:end],
-            prior_block_ids=state.block_ids[:state.saved_upto] if self._step_has_sync_loads else [],
-        ))
+        start, hashes = state.saved_upto, req.block_hashes
+        for group in self._groups:
+            ids = state.block_ids[group.index]
+            pairs = [(hashes[i], ids[i]) for i in range(start, end)
+                     if not (group.frees_early and ids[i] == NULL_BLOCK_ID)]
+            if not pairs:
+                continue
+            meta.saves.append(BlockTask(
+                req_id=req.request_id,
+                block_hashes=[h for h, _ in pairs],
+                block_ids=[b for _, b in pairs],
+                # Sync loads (single-group models only) may fail after this step's saves were planned.
+                prior_block_ids=ids[:start] if self._step_has_sync_loads else [],
+                group=group.index,
+                save_now=group.frees_early,
+            ))
         state.saved_upto = end
         state.has_io = True
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int] | tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         if self._hash_log is not None:
             self._hash_log.record(request.arrival_time, request.num_prompt_tokens, request.num_output_tokens,
@@ -232,12 +268,22 @@ class PoolScheduler:
         for req_id in connector_output.finished_recving or ():
             if (state := self._requests.get(req_id)) is not None:
                 state.async_loading = False
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            # Several groups: vLLM recomputes the request whole; what it loaded is offered again
+            # neither to it nor for saving (its recompute is saved).
+            if (state := self._requests.get(req_id)) is not None:
+                state.saved_upto = min(state.saved_upto, state.load_start)
+                state.pool_limit = state.load_start if state.pool_limit is None else min(state.pool_limit, state.load_start)
         failed = connector_output.invalid_block_ids
-        if failed:
+        if failed and self._hybrid:
+            logger.error("kvpool: block-level load errors %s on a model with several KV cache groups; "
+                         "ignored (this connector reports them by request)", sorted(failed)[:8])
+        elif failed:
             # vLLM recomputes each affected request from its first failed block; the worker did
             # not save what was computed over it, so those blocks are offered again once recomputed.
             for state in self._requests.values():
-                first = next((i for i, b in enumerate(state.block_ids[:state.saved_upto]) if b in failed), None)
+                table = state.block_ids[0] if state.block_ids else []
+                first = next((i for i, b in enumerate(table[:state.saved_upto]) if b in failed), None)
                 if first is not None:
                     state.saved_upto = first
                     state.pool_limit = first if state.pool_limit is None else min(state.pool_limit, first)

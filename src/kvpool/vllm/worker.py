@@ -11,10 +11,16 @@ Invariants:
 - A block computed in a step over a block whose load failed in that step, or in the step
   before (planned before the failure was reported, with async scheduling), is never saved.
 - The pool is touched only through `Backend` and the copier; nothing here knows which store it is.
+- With several KV cache groups (hybrid models), each group has its own layers, layout, keys and
+  copier (`GroupIO`), and a block id means a block of the task's own group only. A save of a
+  group whose blocks vLLM frees while the request runs (sliding window, chunked local) reads
+  them before `wait_for_save` returns. A failed load is reported by request
+  (`failed_recving`): vLLM cannot map block ids of several groups back to requests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -32,6 +38,7 @@ from kvpool.device.copy import Copier, make_copier
 from kvpool.device.layout import KVLayout
 from kvpool.errors import ConfigError, ErrorCode, is_stored
 from kvpool.keys import KeyScheme, model_key_name, prefill_stage_schemes
+from kvpool.vllm.groups import PoolGroup, alignment_blocks, longest_hit, pool_groups
 from kvpool.vllm.lookup import LookupServer
 from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
 from kvpool.vllm.stats import KVPoolStats
@@ -98,6 +105,20 @@ class _LayerLoads:
         self.waited = 0  # layers the forward pass waited for (vLLM's per-layer hook ran)
 
 
+@dataclasses.dataclass
+class GroupIO:
+    """Everything the worker needs to move one KV cache group's blocks: its layers' views, its
+    keys, its data path, and where its values are put ((key scheme, layers) per value: one for
+    this rank's own key, or one per prefill PP stage when a decode node puts for PP prefill
+    nodes)."""
+
+    group: PoolGroup
+    layout: KVLayout
+    scheme: KeyScheme
+    copier: Copier
+    put_targets: list[tuple[KeyScheme, range]]
+
+
 class PoolWorker:
     """One worker process's half of the connector: its backend client, its KV layout and copier,
     the transfer thread its saves and async loads run on, and (TP/PP rank 0) the lookup server
@@ -115,13 +136,13 @@ class PoolWorker:
         self.pp_rank, self.pp_size = pp.rank_in_group, pp.world_size
         self.dp_rank = vllm_config.parallel_config.data_parallel_rank
         self.backend: Backend | None = None
+        # Per KV cache group, by vLLM's group id; the first group's layout and scheme are also
+        # `layout` and `scheme` (the only ones of a single-group model).
+        self.groups: dict[int, GroupIO] = {}
         self.layout: KVLayout | None = None
         self.scheme: KeyScheme | None = None
-        # (key scheme, layers) per value a block is saved as: one for this rank's own key, or one
-        # per prefill PP stage when a decode node puts for PP prefill nodes.
-        self._put_targets: list[tuple[KeyScheme, range]] = []
+        self._align = 1  # a hit ends on a multiple of this many blocks
         self._lookup: LookupServer | None = None
-        self._copier: Copier | None = None
         self._transfer = TransferThread()
         # Layerwise loads run beside the transfer thread, so a save in progress never delays the
         # layer the forward pass is waiting for.
@@ -137,6 +158,7 @@ class PoolWorker:
         # The previous step's: with async scheduling vLLM planned this step before it saw them.
         self._last_step_load_errors: set[int] = set()
         self._async_done: dict[str, set[int]] = {}  # req_id -> failed block ids
+        self._failed_recving: set[str] = set()  # several groups: async loads that failed, by request
         self._awaiting_free: set[str] = set()
         self._stats = KVPoolStats()
         self._log_stats = KVPoolStats()
@@ -148,41 +170,66 @@ class PoolWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         mc = self._vllm_config.model_config
-        spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        block_size = self._vllm_config.cache_config.block_size
+        groups = pool_groups(self._kv_cache_config, block_size, getattr(self._kv_cache_config, "hash_block_size", None))
+        if len(groups) > 1 and self.config.use_layerwise:
+            raise ConfigError("use_layerwise", True,
+                              f"false for a model with {len(groups)} KV cache groups (hybrid attention): "
+                              "layerwise transfer moves one group's layers")
+        if len(groups) > 1 and self.config.prefill_pp_size:
+            raise ConfigError("prefill_pp_size", self.config.prefill_pp_size,
+                              f"unset for a model with {len(groups)} KV cache groups (hybrid attention)")
         from vllm.platforms import current_platform
 
-        self.layout = KVLayout(
-            kv_caches,
-            num_blocks=self._kv_cache_config.num_blocks,
-            block_size=self._vllm_config.cache_config.block_size,
-            num_layers_total=mc.get_total_num_hidden_layers(),
-            cache_layout=f"{current_platform.device_type}:{type(spec).__name__}",
-        )
         total_kv_heads = mc.get_total_num_kv_heads()
         kv_shards = 1 if mc.use_mla else min(self.tp_size, total_kv_heads)
-        self.scheme = KeyScheme(
-            model=model_key_name(mc.model),
-            layout=self.layout.info.fingerprint(values=values_identity(mc)),
-            tp_rank=self.tp_rank, tp_size=self.tp_size, kv_shards=kv_shards,
-            pp_rank=self.pp_rank, pp_size=self.pp_size,
-            layers=len(self.layout.layers) if self.config.use_layerwise else 0,
-        )
-        self._put_targets = [(self.scheme, range(len(self.layout.layers)))]
+        values = values_identity(mc)
+        # A staging buffer per group would multiply its memory: the groups share the budget.
+        staging = self.config.staging_buffer_size // len(groups)
+        for group in groups:
+            spec = self._kv_cache_config.kv_cache_groups[group.index].kv_cache_spec
+            caches = {name: kv_caches[name] for name in group.layer_names if name in kv_caches}
+            if not caches:
+                raise ConfigError(f"kv_cache_groups[{group.index}]", type(spec).__name__,
+                                  "a group whose layers have KV cache tensors of their own in this worker")
+            # A full-attention group's layout string is what it was before groups had kinds, so
+            # dense models keep their keys; a window or chunk is part of what the bytes mean.
+            extra = "" if group.kind in ("full", "mla") else f":{group.describe()}"
+            layout = KVLayout(
+                caches,
+                num_blocks=self._kv_cache_config.num_blocks,
+                block_size=block_size,
+                num_layers_total=mc.get_total_num_hidden_layers(),
+                cache_layout=f"{current_platform.device_type}:{type(spec).__name__}{extra}",
+            )
+            scheme = KeyScheme(
+                model=model_key_name(mc.model),
+                layout=layout.info.fingerprint(values=values),
+                tp_rank=self.tp_rank, tp_size=self.tp_size, kv_shards=kv_shards,
+                pp_rank=self.pp_rank, pp_size=self.pp_size, group=group.index,
+                layers=len(layout.layers) if self.config.use_layerwise else 0,
+            )
+            put_targets = [(scheme, range(len(layout.layers)))]
+            # Only a decode node (kv_consumer) puts for the prefill nodes' PP stages; the flag
+            # means nothing on other roles (docs/configuration.md, roles).
+            if (self.config.kv_role == "kv_consumer" and self.config.consumer_is_to_put
+                    and self.config.prefill_pp_size and self.pp_size == 1):
+                from vllm.distributed.utils import get_pp_indices
+
+                n, size = len(layout.layers), self.config.prefill_pp_size
+                partition = self.config.prefill_pp_layer_partition or [
+                    end - start for start, end in (get_pp_indices(n, p, size) for p in range(size))]
+                put_targets = prefill_stage_schemes(scheme, n, size, partition)
+            copier = make_copier(layout, self.config.transfer_path, staging)
+            self.groups[group.index] = GroupIO(group, layout, scheme, copier, put_targets)
+        first = self.groups[groups[0].index]
+        self.layout, self.scheme = first.layout, first.scheme
+        self._align = alignment_blocks(self._kv_cache_config, block_size) if len(groups) > 1 else 1
         if self.config.use_layerwise and (self.pp_size > 1 or self.config.prefill_pp_size):
             raise ConfigError(
                 "use_layerwise", True,
                 f"false with pipeline parallelism (pp_size={self.pp_size}, prefill_pp_size="
                 f"{self.config.prefill_pp_size}): a layerwise key names a layer of one stage")
-        # Only a decode node (kv_consumer) puts for the prefill nodes' PP stages; the flag means
-        # nothing on other roles (docs/configuration.md, roles).
-        if (self.config.kv_role == "kv_consumer" and self.config.consumer_is_to_put
-                and self.config.prefill_pp_size and self.pp_size == 1):
-            from vllm.distributed.utils import get_pp_indices
-
-            n, size = len(self.layout.layers), self.config.prefill_pp_size
-            partition = self.config.prefill_pp_layer_partition or [
-                end - start for start, end in (get_pp_indices(n, p, size) for p in range(size))]
-            self._put_targets = prefill_stage_schemes(self.scheme, n, size, partition)
         shared = REGISTRY[self.config.backend].capabilities.shared_across_processes
         if (self.tp_size > 1 or self.pp_size > 1) and not shared:
             raise ConfigError(
@@ -194,32 +241,37 @@ class PoolWorker:
         if self.config.inject_load_failure_every:
             backend = FaultInjectingBackend(backend, self.config.inject_load_failure_every)
         self.backend = backend
-        self._copier = make_copier(self.layout, self.config.transfer_path, self.config.staging_buffer_size)
         if self.scheme.layers:
             self._layer_loader = TransferThread(name="kvpool-layer-load")
         if self.tp_rank == 0 and self.pp_rank == 0 and self.config.loads:
             self._lookup = LookupServer(self.config.lookup_rpc_port, self.dp_rank, self._count_hits)
         logger.info(
-            "kvpool worker ready: backend=%s role=%s key=%s block=%d bytes in %d layers; %s%s",
-            backend.name, self.config.kv_role, self.scheme.key(b"\0" * 4), self.layout.block_bytes,
-            len(self.layout.layers), self._copier.describe(),
+            "kvpool worker ready: backend=%s role=%s key=%s; %s; %s%s",
+            backend.name, self.config.kv_role, self.scheme.key(b"\0" * 4),
+            "; ".join(f"group {io.group.index} ({io.group.describe()}): {io.layout.block_bytes} bytes per block "
+                      f"in {len(io.layout.layers)} layers" for io in self.groups.values()),
+            first.copier.describe(),
             "; layerwise: one value per block and layer" if self.scheme.layers else "",
         )
 
     # ---- lookup (rank 0) ------------------------------------------------------------------
 
-    def _count_hits(self, block_hashes: Sequence[bytes]) -> int:
-        """Leading blocks whose keys exist for every TP shard and PP stage."""
-        assert self.scheme is not None and self.backend is not None
-        per_block = [self.scheme.all_rank_keys(h) for h in block_hashes]
+    def _count_hits(self, block_hashes: Sequence[bytes], start: int = 0) -> int:
+        """How many of the blocks after the prompt's first `start` every group can serve: a
+        group's block counts only when its keys exist for every TP shard and PP stage, and a hit
+        needs of each group the blocks its kind needs (`kvpool.vllm.groups.longest_hit`)."""
+        assert self.backend is not None and self.groups
+        ios = list(self.groups.values())
+        per_block = [io.scheme.all_rank_keys(h) for io in ios for h in block_hashes]
         flat = [k for ks in per_block for k in ks]
-        found = self.backend.batch_exists(flat, lease=True)
-        hits, i = 0, 0
+        exists = self.backend.batch_exists(flat, lease=True)
+        found, i = [], 0
         for ks in per_block:
-            if not all(found[i:i + len(ks)]):
-                break
+            found.append(all(exists[i:i + len(ks)]))
             i += len(ks)
-            hits += 1
+        n = len(block_hashes)
+        hits = longest_hit([io.group for io in ios], start, [found[g * n:(g + 1) * n] for g in range(len(ios))],
+                           self._align)
         self._count(lookups=1, lookup_hit_blocks=hits)
         return hits
 
@@ -289,7 +341,10 @@ class PoolWorker:
     def _finish_async_load(self, task: BlockTask) -> None:
         failed = self._load_or_fail(task)
         with self._lock:
-            self._async_done[task.req_id] = failed
+            # A request's loads (one task per group) finish together: its last task reports it.
+            self._async_done[task.req_id] = self._async_done.get(task.req_id, set()) | failed
+            if failed and len(self.groups) > 1:
+                self._failed_recving.add(task.req_id)
 
     def _load_or_fail(self, task: BlockTask) -> set[int]:
         """`_load`, with an unexpected error (a bug, not a store's failure, which `_load` turns
@@ -305,18 +360,18 @@ class PoolWorker:
     def _load(self, task: BlockTask, layers: range | None = None, count_blocks: bool = True) -> set[int]:
         """Copy a request's pooled blocks (all layers, or the given ones in layerwise mode) into
         its vLLM blocks; returns the block ids that failed."""
-        assert self.scheme is not None and self.backend is not None and self.layout is not None
-        assert self._copier is not None
-        if layers is None and self.scheme.layers:  # a layerwise async load: every layer in turn
+        assert self.backend is not None
+        io = self.groups[task.group]
+        if layers is None and io.scheme.layers:  # a layerwise async load: every layer in turn
             failed: set[int] = set()
-            for layer in range(self.scheme.layers):
+            for layer in range(io.scheme.layers):
                 failed |= self._load(task, range(layer, layer + 1), count_blocks=layer == 0)
             return failed
         t0 = time.perf_counter()
-        layers = range(len(self.layout.layers)) if layers is None else layers
-        keys = self.scheme.keys(task.block_hashes, layers.start if self.scheme.layers else None)
+        layers = range(len(io.layout.layers)) if layers is None else layers
+        keys = io.scheme.keys(task.block_hashes, layers.start if io.scheme.layers else None)
         try:
-            codes = self._copier.load(keys, task.block_ids, layers, self.backend.batch_get_into)
+            codes = io.copier.load(keys, task.block_ids, layers, self.backend.batch_get_into)
         except Exception as e:  # the store went away: every block of this load failed
             logger.warning("kvpool load of %d blocks for %s failed: %s", len(keys), task.req_id, e)
             codes = [int(ErrorCode.RPC_FAIL)] * len(keys)
@@ -329,7 +384,7 @@ class PoolWorker:
                 "per kv_load_failure_policy", len(failed), len(keys), task.req_id, _code_name(first_bad),
             )
         seconds = time.perf_counter() - t0
-        self._count(load_blocks=ok if count_blocks else 0, load_bytes=ok * self.layout.layer_block_bytes * len(layers),
+        self._count(load_blocks=ok if count_blocks else 0, load_bytes=ok * io.layout.layer_block_bytes * len(layers),
                     load_time_s=seconds, load_failed_blocks=len(failed) if count_blocks else 0)
         self._observe("load", seconds, codes if count_blocks else ())
         return failed
@@ -346,7 +401,7 @@ class PoolWorker:
         # On the CPU backend the forward pass has finished writing the KV cache when this runs,
         # so the copy can happen later on the transfer thread; the blocks stay allocated until
         # the request's save is reported done (delayed free) or, if preempted, drained first.
-        assert self.scheme is not None and self._copier is not None
+        assert self.scheme is not None and self.groups
         self._finish_layer_loads()
         saved_layers, self._layers_saved = self._layers_saved, set()
         saves = self._untainted(meta.saves) if self.scheme.is_writer else []
@@ -354,11 +409,15 @@ class PoolWorker:
         self._last_step_load_errors, self._step_load_errors = self._step_load_errors, set()
         if not self.scheme.is_writer:
             return
-        ready = self._copier.written()
+        ready = next(iter(self.groups.values())).copier.written()
         for task in saves:
             if self.scheme.layers:  # the layers save_kv_layer did not send (a hook that never ran)
                 for layer in sorted(set(range(self.scheme.layers)) - saved_layers):
                     self._transfer.submit(SAVE, task.req_id, lambda t=task, i=layer: self._save_layer(t, i, ready))
+            elif task.save_now:
+                # vLLM may free these blocks (out of the window) when it schedules the next step,
+                # and hand them to a request whose load or forward pass rewrites them.
+                self._save(task, ready)
             else:
                 self._transfer.submit(SAVE, task.req_id, lambda t=task: self._save(t, ready))
         if self.config.save_sync and meta.saves:
@@ -371,11 +430,11 @@ class PoolWorker:
         """Layerwise mode: layer `layer_name` of this step's blocks is written; send it now."""
         if self.scheme is None or not self.scheme.layers or not self.scheme.is_writer or not meta.saves:
             return
-        assert self._copier is not None and self.layout is not None
+        assert self.layout is not None
         layer = self.layout.index_of(layer_name)
         if layer is None:
             return
-        ready = self._copier.written()
+        ready = self.groups[self.scheme.group].copier.written()
         self._layers_saved.add(layer)
         self._count(layer_saves_sent=1)
         # The loader sets layers in order and this one has arrived, so every failure in layers
@@ -412,7 +471,7 @@ class PoolWorker:
         return kept
 
     def _save(self, task: BlockTask, ready=None) -> None:
-        for scheme, layers in self._put_targets:
+        for scheme, layers in self.groups[task.group].put_targets:
             self._save_values(task, scheme, layers, ready)
 
     def _save_layer(self, task: BlockTask, layer: int, ready=None) -> None:
@@ -422,13 +481,14 @@ class PoolWorker:
 
     def _save_values(self, task: BlockTask, scheme: KeyScheme, layers: range, ready=None,
                      count_blocks: bool = True) -> None:
-        assert self.backend is not None and self.layout is not None and self._copier is not None
+        assert self.backend is not None
+        io = self.groups[task.group]
         t0 = time.perf_counter()
         keys = scheme.keys(task.block_hashes, layers.start if scheme.layers else None)
         try:
             # One call, no existence check first: the backend's put is put-if-absent and says
             # OBJECT_ALREADY_EXISTS for a block the pool has (some stores say OK for both).
-            codes = self._copier.save(keys, task.block_ids, layers, self.backend.batch_put, ready)
+            codes = io.copier.save(keys, task.block_ids, layers, self.backend.batch_put, ready)
         except Exception as e:
             logger.warning("kvpool save of %d blocks for %s failed: %s", len(keys), task.req_id, e)
             self._count(save_failed_blocks=len(keys) if count_blocks else 0)
@@ -441,7 +501,7 @@ class PoolWorker:
             logger.warning("kvpool: %d of %d blocks of %s were not saved (%s)",
                            failed, len(keys), task.req_id, _code_name(first_bad))
         saved = len(keys) - skipped - failed
-        value_bytes = self.layout.layer_block_bytes * len(layers)
+        value_bytes = io.layout.layer_block_bytes * len(layers)
         if not count_blocks:  # layerwise: a block counts once, with its last layer
             saved_blocks = skipped_blocks = failed_blocks = 0
         else:
@@ -462,16 +522,30 @@ class PoolWorker:
     # ---- completion -------------------------------------------------------------------------
 
     def get_finished(self, meta: KVPoolMetadata | None) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose saves are done (their blocks may be freed), and whose async loads are."""
+        sending, recving, _ = self.get_transfer_results(meta)
+        return sending, recving
+
+    def get_transfer_results(self, meta: KVPoolMetadata | None) -> tuple[set[str] | None, set[str] | None, set[str]]:
+        """`get_finished`, and of the loads done the ones that failed in a model with several
+        KV cache groups: vLLM takes those by request (a single-group model reports the failed
+        blocks instead, in `get_block_ids_with_load_errors`)."""
         if meta is not None:
             self._awaiting_free.update(meta.finished_with_io)
         done_sending = {r for r in self._awaiting_free if not self._transfer.is_pending(r)}
         self._awaiting_free -= done_sending
         with self._lock:
-            done, self._async_done = self._async_done, {}
-            for failed in done.values():
-                # Reported in the same step as the request's finish, as vLLM requires.
-                self._load_errors |= failed
-        return done_sending or None, set(done) or None
+            # A request whose load has a task still queued (another group's) is not done yet.
+            done = {r: f for r, f in self._async_done.items() if not self._transfer.is_pending(r)}
+            for r in done:
+                del self._async_done[r]
+            failed_recving = self._failed_recving & done.keys()
+            self._failed_recving -= failed_recving
+            if len(self.groups) <= 1:
+                for failed in done.values():
+                    # Reported in the same step as the request's finish, as vLLM requires.
+                    self._load_errors |= failed
+        return done_sending or None, set(done) or None, failed_recving
 
     # ---- stats and shutdown -----------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import vllm.distributed.parallel_state as parallel_state
+from vllm.v1.kv_cache_interface import KVCacheConfig
 
 import kvpool.vllm.lookup as lookup_mod
 import kvpool.vllm.scheduler as scheduler_mod
@@ -58,13 +59,15 @@ def make_worker(monkeypatch) -> Iterator[WorkerFactory]:
 
     def factory(extra: dict[str, Any] | None = None, role: str = "kv_both", *, backend: DictBackend | None = None,
                 tp: tuple[int, int] = (0, 1), pp: tuple[int, int] = (0, 1), kv_heads: int = 2,
-                seed: int = 0, model: dict[str, Any] | None = None) -> tuple[PoolWorker, dict[str, torch.Tensor], DictBackend]:
+                seed: int = 0, model: dict[str, Any] | None = None,
+                kv_cache_config: KVCacheConfig | None = None) -> tuple[PoolWorker, dict[str, torch.Tensor], DictBackend]:
         backend = backend if backend is not None else DictBackend(shared=tp[1] > 1 or pp[1] > 1)
         # The worker imports these at construction time, so patching the module is enough.
         monkeypatch.setattr(parallel_state, "get_tp_group", lambda: SimpleNamespace(rank_in_group=tp[0], world_size=tp[1]))
         monkeypatch.setattr(parallel_state, "get_pp_group", lambda: SimpleNamespace(rank_in_group=pp[0], world_size=pp[1]))
         monkeypatch.setattr(worker_mod, "create_backend", lambda config, client_name=None: backend)
-        worker = PoolWorker(make_vllm_config(kv_heads=kv_heads, **(model or {})), load_config(extra, role), make_kv_cache_config())
+        worker = PoolWorker(make_vllm_config(kv_heads=kv_heads, **(model or {})), load_config(extra, role),
+                            kv_cache_config or make_kv_cache_config())
         workers.append(worker)
         caches = make_kv_caches(seed)
         worker.register_kv_caches(caches)

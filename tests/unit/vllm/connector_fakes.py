@@ -20,7 +20,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, SlidingWindowSpec
 from vllm.v1.request import Request
 
 from kvpool.backends.base import Backend, Buffers
@@ -64,15 +64,24 @@ def make_vllm_config(block_size: int = BLOCK_SIZE, hash_algo: str = "sha256", dp
     )
 
 
+def full_spec(block_size: int = BLOCK_SIZE) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32)
+
+
+def sliding_spec(window: int, block_size: int = BLOCK_SIZE) -> SlidingWindowSpec:
+    return SlidingWindowSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32,
+                             sliding_window=window)
+
+
 def make_kv_cache_config(block_size: int = BLOCK_SIZE, num_blocks: int = NUM_BLOCKS,
-                         groups: int = 1) -> KVCacheConfig:
-    """A real `KVCacheConfig` with `groups` full-attention groups."""
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32)
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(list(LAYER_NAMES), spec) for _ in range(groups)],
-    )
+                         groups: int = 1, specs: Sequence[KVCacheSpec] | None = None) -> KVCacheConfig:
+    """A real `KVCacheConfig`: `groups` full-attention groups of every layer, or, with `specs`, a
+    hybrid model's groups, layer i in group i (as vLLM groups a 1:1 sliding/full model)."""
+    if specs is None:
+        kv_groups = [KVCacheGroupSpec(list(LAYER_NAMES), full_spec(block_size)) for _ in range(groups)]
+    else:
+        kv_groups = [KVCacheGroupSpec([LAYER_NAMES[i]], spec) for i, spec in enumerate(specs)]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=kv_groups)
 
 
 def make_request(req_id: str, num_tokens: int, block_size: int = BLOCK_SIZE, first_token: int = 1,
@@ -90,19 +99,27 @@ def make_request(req_id: str, num_tokens: int, block_size: int = BLOCK_SIZE, fir
     )
 
 
-def kv_blocks(block_ids: Sequence[int]) -> KVCacheBlocks:
-    """What vLLM passes to `update_state_after_alloc`: one group of allocated blocks."""
-    return KVCacheBlocks((tuple(KVCacheBlock(b) for b in block_ids),))
+def kv_blocks(*groups: Sequence[int]) -> KVCacheBlocks:
+    """What vLLM passes to `update_state_after_alloc`: each group's allocated blocks."""
+    return KVCacheBlocks(tuple(tuple(KVCacheBlock(b) for b in ids) for ids in groups))
 
 
-def new_req(request: Request, block_ids: Sequence[int], num_computed_tokens: int) -> NewRequestData:
+def _per_group(block_ids: Sequence[int] | tuple[Sequence[int], ...]) -> tuple[list[int], ...]:
+    """One group's block ids as vLLM's tuple of one list; a tuple of lists (several groups) as is."""
+    if isinstance(block_ids, tuple) and block_ids and not isinstance(block_ids[0], int):
+        return tuple(list(ids) for ids in block_ids)
+    return (list(block_ids),)
+
+
+def new_req(request: Request, block_ids: Sequence[int] | tuple[Sequence[int], ...],
+            num_computed_tokens: int) -> NewRequestData:
     return NewRequestData(
         req_id=request.request_id,
         prompt_token_ids=list(request.prompt_token_ids or ()),
         mm_features=[],
         sampling_params=request.sampling_params,
         pooling_params=None,
-        block_ids=(list(block_ids),),
+        block_ids=_per_group(block_ids),
         num_computed_tokens=num_computed_tokens,
         lora_request=None,
     )
@@ -114,7 +131,8 @@ class Cached:
 
     req_id: str
     num_computed_tokens: int  # before this step
-    new_block_ids: Sequence[int] | None = None  # blocks allocated this step (all blocks if resumed)
+    # Blocks allocated this step (all blocks if resumed); a tuple of lists for several groups.
+    new_block_ids: Sequence[int] | tuple[Sequence[int], ...] | None = None
     resumed: bool = False
 
 
@@ -130,7 +148,7 @@ def scheduler_output(new: Iterable[tuple[NewRequestData, int]] = (),
         resumed_req_ids={c.req_id for c, _ in cached if c.resumed},
         new_token_ids=[[] for _ in cached],
         all_token_ids={},
-        new_block_ids=[(list(c.new_block_ids),) if c.new_block_ids is not None else None for c, _ in cached],
+        new_block_ids=[_per_group(c.new_block_ids) if c.new_block_ids is not None else None for c, _ in cached],
         num_computed_tokens=[c.num_computed_tokens for c, _ in cached],
         num_output_tokens=[0 for _ in cached],
     )
@@ -160,7 +178,7 @@ class FakeLookupClient:
         self.skipped = 0  # lookups the real client's breaker answered without asking
         FakeLookupClient.instances.append(self)
 
-    def lookup(self, block_hashes: Sequence[bytes]) -> int:
+    def lookup(self, block_hashes: Sequence[bytes], start: int = 0) -> int:
         self.calls.append(list(block_hashes))
         hits = 0
         for h in block_hashes:

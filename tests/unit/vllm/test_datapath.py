@@ -74,7 +74,7 @@ def test_staged_batch_larger_than_its_buffer_moves_in_rounds(make_worker):
     writer, w_kv, pool = make_worker(STAGED, seed=13)
     reader, r_kv, _ = make_worker({"lookup_rpc_port": 1, **STAGED}, backend=pool, seed=14)
     for w in (writer, reader):  # two blocks per round (the smallest configurable buffer holds 512)
-        w._copier = StagedCopier(w.layout, budget_bytes=4 * w.layout.block_bytes)
+        w.groups[0].copier = StagedCopier(w.layout, budget_bytes=4 * w.layout.block_bytes)
     hashes, n = [block_hash(100 + i) for i in range(5)], 5
     forward(writer, saves("a", hashes, list(range(n))))
     assert writer._transfer.wait(timeout=10)

