@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvpool-installed
 
-.PHONY: demo test test-fast bench bench-quick setup clean
+.PHONY: demo test test-fast test-models bench bench-quick setup clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,10 @@ test: $(STAMP)
 # store service is started, on two xdist workers (about two minutes; 3.5 on one), for quick iteration.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 -m "not vllm and not services" tests
+
+# Every model family of docs/models.md through the pool on real vLLM (`make test` runs one per kind of group).
+test-models: $(STAMP)
+	KVPOOL_TEST_FAMILIES=all $(BIN)/python -m pytest -q -p no:cacheprovider -rs tests/vllm/test_hybrid_models.py
 
 # Each benchmark writes benchmarks/results/NAME.json and NAME.png (benchmarks/replot.py redraws the
 # PNGs from the JSON). benchmarks/device.py is not here: it is the check for an accelerator machine.

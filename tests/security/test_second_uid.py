@@ -326,7 +326,7 @@ def test_the_lookup_channel_is_out_of_reach(attacker, fallback_base, monkeypatch
     monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
     asked = []
 
-    def count_hits(hashes):
+    def count_hits(hashes, start=0):
         asked.append(len(hashes))
         return len(hashes)
 

@@ -191,12 +191,12 @@ class Engine:
 
     def __init__(self, model: str, kv_transfer_config: dict | None = None, prefix_caching: bool = False,
                  dtype: str = "float32", max_num_batched_tokens: int = 512, env: dict | None = None,
-                 tensor_parallel_size: int = 1, wait: bool = True) -> None:
+                 tensor_parallel_size: int = 1, wait: bool = True, **llm_args) -> None:
         spec = {
             "model": model, "dtype": dtype, "enforce_eager": True, "max_model_len": 4096,
             "block_size": BLOCK, "enable_prefix_caching": prefix_caching,
             "max_num_batched_tokens": max_num_batched_tokens, "seed": 0,
-            "tensor_parallel_size": tensor_parallel_size,
+            "tensor_parallel_size": tensor_parallel_size, **llm_args,
         }
         if kv_transfer_config is not None:
             spec["kv_transfer_config"] = kv_transfer_config

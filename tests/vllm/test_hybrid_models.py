@@ -4,7 +4,8 @@ A model with sliding-window and full-attention layers has several KV cache group
 supports vLLM's hybrid KV cache manager, so configuring it changes nothing about how vLLM runs
 the model (without that support vLLM turns its hybrid manager off and runs sliding layers as
 full attention: other numbers). A pool hit must equal vLLM's own prefix-cache hit on the same
-model, and move of each sliding group only the blocks of its window.
+model, through `local` and through `kvpool server`, and move of each sliding group only the
+blocks of its window.
 
 `make test` runs one sliding multi-group family (GPT-OSS: alternating sliding/full layers,
 attention sinks, MoE); `make test-models` (KVPOOL_TEST_FAMILIES=all) adds Gemma 3 (5 sliding
@@ -13,11 +14,13 @@ layers : 1 full, six groups).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
 
 from harness import BLOCK, Engine, kvpool_config, tokens
+from kvpool.testing.launch import PoolServer
 
 pytestmark = pytest.mark.vllm
 
@@ -49,11 +52,19 @@ def reference(family):
         yield [e.generate(PROMPTS), e.generate(PROMPTS)]
 
 
-@pytest.fixture(scope="module")
-def pooled(family, reference):
-    """vLLM with kvpool (`local`) and no prefix cache of its own: round 2 hits only through the pool."""
+@pytest.fixture(scope="module", params=["local", "server"])
+def pooled(request, family, reference, tmp_path_factory):
+    """vLLM with kvpool (`local`, or a `kvpool server`) and no prefix cache of its own: round 2
+    hits only through the pool."""
     _, model, _ = family
-    with Engine(model, kv_transfer_config=kvpool_config()) as e:
+    with contextlib.ExitStack() as stack:
+        config = kvpool_config()
+        if request.param == "server":
+            tmp = tmp_path_factory.mktemp("pool")
+            sock = str(tmp / "pool.sock")
+            stack.enter_context(PoolServer(sock, memory_size="512MB", log_path=tmp / "pool.log"))
+            config = kvpool_config(backend="server", server_socket=sock)
+        e = stack.enter_context(Engine(model, kv_transfer_config=config))
         rounds, counters = [], []
         for _ in range(2):
             since = e.mark()

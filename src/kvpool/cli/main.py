@@ -34,7 +34,8 @@ def kvpool_version() -> str:
 
 def add_build_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out_dir", help="directory to write the model (config, tokenizer, safetensors) into")
-    p.add_argument("--spec", default="tiny", help="model size: tiny (tests) or bench (benchmarks); default tiny")
+    p.add_argument("--spec", default="tiny",
+                   help="model: tiny (tests), bench (benchmarks), or a hybrid-attention family: gemma3, gpt-oss; default tiny")
 
 
 def run_build_model(args: argparse.Namespace) -> int:

@@ -107,6 +107,12 @@ SPECS = {
     "gemma3": ModelSpec(family="gemma3", num_hidden_layers=6, sliding_window=256),
     # Alternating sliding (even layers) / full attention, attention sinks, 4 experts, top 2.
     "gpt-oss": ModelSpec(family="gpt-oss", sliding_window=256, num_experts=4, experts_per_token=2),
+    # The `bench` geometry in Gemma 3's pattern (10 sliding : 2 full layers), with Gemma 3's
+    # 1024-token window: a 4K or 8K prompt's hit needs a quarter or an eighth of a sliding layer.
+    "gemma3-bench": ModelSpec(
+        family="gemma3", hidden_size=768, intermediate_size=2560, num_hidden_layers=12,
+        num_attention_heads=12, num_key_value_heads=4, vocab_size=4096, sliding_window=1024,
+    ),
 }
 
 

@@ -61,12 +61,15 @@ LAYER_WAIT_TIMEOUT_S = 60.0
 _ROPE_FIELDS = ("rope_scaling", "rope_parameters", "rope_theta")
 
 
-def values_identity(model_config: ModelConfig) -> str:
+def values_identity(model_config: ModelConfig, cache_dtype: str = "auto") -> str:
     """What besides the layout decides the KV values of a token, as canonical text.
 
     Two instances serving the same model name from other weights (a revision, a quantization)
     or at another compute dtype or RoPE scaling compute other KV for the same tokens; with the
     same key they would load each other's blocks and answer differently from a cold prefill.
+    A quantized KV cache (`--kv-cache-dtype fp8_e4m3`, `fp8_e5m2`, ...) stores the same tensor
+    dtype (bytes) for encodings that read differently, so its name is part of it too (left out
+    for `auto`, so unquantized caches keep their keys).
     Only fields that are plain data and equal on every process of one deployment go in: a
     field that differed per process (an address, a path) would make every lookup miss.
     """
@@ -78,6 +81,8 @@ def values_identity(model_config: ModelConfig) -> str:
         "dtype": str(model_config.dtype),
         "rope": {name: getattr(text, name, None) for name in _ROPE_FIELDS},
     }
+    if cache_dtype != "auto":
+        fields["kv_cache_dtype"] = cache_dtype
     return json.dumps(fields, sort_keys=True, default=str)
 
 
@@ -183,7 +188,7 @@ class PoolWorker:
 
         total_kv_heads = mc.get_total_num_kv_heads()
         kv_shards = 1 if mc.use_mla else min(self.tp_size, total_kv_heads)
-        values = values_identity(mc)
+        values = values_identity(mc, str(getattr(self._vllm_config.cache_config, "cache_dtype", "auto")))
         # A staging buffer per group would multiply its memory: the groups share the budget.
         staging = self.config.staging_buffer_size // len(groups)
         for group in groups:

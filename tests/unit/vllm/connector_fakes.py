@@ -42,7 +42,7 @@ init_none_hash(sha256)  # what vLLM's engine does once per process before hashin
 
 def make_vllm_config(block_size: int = BLOCK_SIZE, hash_algo: str = "sha256", dp_rank: int = 0,
                      num_layers: int = NUM_LAYERS, kv_heads: int = KV_HEADS, use_mla: bool = False,
-                     **model: Any) -> SimpleNamespace:
+                     cache_dtype: str = "auto", **model: Any) -> SimpleNamespace:
     """The attributes of `VllmConfig` the connector reads (a real one needs a model on disk);
     ``model`` overrides fields of its model config (``quantization="fp8"``)."""
     model_config = SimpleNamespace(
@@ -58,7 +58,7 @@ def make_vllm_config(block_size: int = BLOCK_SIZE, hash_algo: str = "sha256", dp
     )
     vars(model_config).update(model)
     return SimpleNamespace(
-        cache_config=SimpleNamespace(block_size=block_size, prefix_caching_hash_algo=hash_algo),
+        cache_config=SimpleNamespace(block_size=block_size, prefix_caching_hash_algo=hash_algo, cache_dtype=cache_dtype),
         parallel_config=SimpleNamespace(data_parallel_rank=dp_rank),
         model_config=model_config,
     )

@@ -93,6 +93,7 @@ def test_save_then_load_into_other_blocks_is_byte_exact(make_worker):
 
 
 @pytest.mark.parametrize("field,value", [("revision", "v2"), ("quantization", "fp8"), ("dtype", torch.float16),
+                                         ("cache_dtype", "fp8_e5m2"),  # an fp8 KV cache is bytes either way
                                          ("hf_text_config", SimpleNamespace(rope_theta=10000.0,
                                                                             rope_scaling={"factor": 4.0}))])
 def test_other_weights_of_the_same_model_name_miss_instead_of_loading(make_worker, field, value):

