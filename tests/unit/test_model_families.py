@@ -105,3 +105,13 @@ def test_a_marker_from_before_families_still_matches(tmp_path):
         marker.write_text(json.dumps(old))
         assert _built_spec(marker) == dataclasses.asdict(SPECS[name])
         assert _built_spec(marker) != dataclasses.asdict(SPECS["gemma3"])
+
+
+def test_qwen3_next_is_three_gated_delta_net_layers_to_one_full():
+    spec = SPECS["qwen3-next"]
+    config = hf_config(spec)
+    assert list(config.layer_types) == ["linear_attention"] * 3 + ["full_attention"]
+    assert (spec.state_layers, spec.full_layers, spec.sliding_layers) == (3, 1, 0)
+    # vLLM's GDN kernels take 128-wide heads only; its CPU kernel runs in bf16.
+    assert (config.linear_key_head_dim, config.linear_value_head_dim, spec.dtype) == (128, 128, "bfloat16")
+    assert (config.num_experts, config.num_experts_per_tok) == (4, 2)

@@ -68,13 +68,18 @@ class ModelSpec:
 
     @property
     def layer_types(self) -> tuple[str, ...]:
-        """Each layer's attention, "sliding_attention" or "full_attention", as the family lays them out."""
-        sliding = _family(self).sliding_layer
-        return tuple("sliding_attention" if sliding(i) else "full_attention" for i in range(self.num_hidden_layers))
+        """Each layer's kind as transformers names it ("full_attention", "sliding_attention",
+        "linear_attention": a recurrent state), as the family lays them out."""
+        return tuple(_family(self).layer_kind(i) for i in range(self.num_hidden_layers))
 
     @property
     def sliding_layers(self) -> int:
         return self.layer_types.count("sliding_attention")
+
+    @property
+    def state_layers(self) -> int:
+        """Layers that keep a recurrent state instead of KV (gated delta net, Mamba)."""
+        return self.layer_types.count("linear_attention")
 
     @property
     def full_layers(self) -> int:
@@ -107,6 +112,8 @@ SPECS = {
     "gemma3": ModelSpec(family="gemma3", num_hidden_layers=6, sliding_window=256),
     # Alternating sliding (even layers) / full attention, attention sinks, 4 experts, top 2.
     "gpt-oss": ModelSpec(family="gpt-oss", sliding_window=256, num_experts=4, experts_per_token=2),
+    # Gated delta net 3 : 1 full attention, 4 experts, top 2; served in bf16 (vLLM-CPU's GDN kernel).
+    "qwen3-next": ModelSpec(family="qwen3-next", num_experts=4, experts_per_token=2, dtype="bfloat16"),
     # The `bench` geometry in Gemma 3's pattern (10 sliding : 2 full layers), with Gemma 3's
     # 1024-token window: a 4K or 8K prompt's hit needs a quarter or an eighth of a sliding layer.
     "gemma3-bench": ModelSpec(
@@ -300,17 +307,40 @@ def _gpt_oss_config(spec: ModelSpec) -> Any:
     )
 
 
+def _qwen3_next_config(spec: ModelSpec) -> Any:
+    """Qwen3-Next: gated delta net (linear attention with a recurrent state) and full attention,
+    MoE. vLLM's GDN kernels want 128-wide key and value heads, and its CPU kernel bf16."""
+    from transformers import Qwen3NextConfig
+
+    _require(spec, sliding=False, moe=True)
+    return Qwen3NextConfig(
+        **_common(spec),
+        head_dim=spec.hidden_size // spec.num_attention_heads,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        layer_types=list(spec.layer_types),
+        num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token, decoder_sparse_step=1,
+        mlp_only_layers=[], moe_intermediate_size=spec.intermediate_size // 4,
+        shared_expert_intermediate_size=spec.intermediate_size // 4,
+        dtype=spec.dtype,
+    )
+
+
 class _Family(NamedTuple):
     config: Callable[[ModelSpec], Any]  # the HF config of a spec
     model_class: str  # the transformers class of the model
-    sliding_layer: Callable[[int], bool]  # whether layer i slides
+    layer_kind: Callable[[int], str]  # layer i's kind, as transformers' `layer_types` names it
 
 
+_FULL, _SLIDING, _LINEAR = "full_attention", "sliding_attention", "linear_attention"
 _FAMILIES: dict[str, _Family] = {
-    "llama": _Family(_llama_config, "LlamaForCausalLM", lambda i: False),
-    "gemma3": _Family(_gemma3_config, "Gemma3ForCausalLM", lambda i: (i + 1) % 6 != 0),
+    "llama": _Family(_llama_config, "LlamaForCausalLM", lambda i: _FULL),
+    "gemma3": _Family(_gemma3_config, "Gemma3ForCausalLM", lambda i: _FULL if (i + 1) % 6 == 0 else _SLIDING),
     # vLLM's gpt-oss slides on even layers whatever the config's layer_types say.
-    "gpt-oss": _Family(_gpt_oss_config, "GptOssForCausalLM", lambda i: i % 2 == 0),
+    "gpt-oss": _Family(_gpt_oss_config, "GptOssForCausalLM", lambda i: _SLIDING if i % 2 == 0 else _FULL),
+    # Three gated-delta-net layers to one full-attention layer, as Qwen3-Next lays them out.
+    "qwen3-next": _Family(_qwen3_next_config, "Qwen3NextForCausalLM",
+                          lambda i: _FULL if (i + 1) % 4 == 0 else _LINEAR),
 }
 FAMILIES = tuple(_FAMILIES)
 

@@ -9,11 +9,15 @@ cache, `v1/core/single_type_kv_cache_manager.py`):
 - full attention and MLA: every block before the hit point;
 - sliding window of W tokens: only the blocks holding the W - 1 tokens before the hit point
   (vLLM gives the blocks before them no memory at all: its null block);
-- chunked local attention of C tokens: the blocks of the hit point's own chunk before it.
+- chunked local attention of C tokens: the blocks of the hit point's own chunk before it;
+- Mamba and linear attention (Mamba2, gated delta net, short conv), in vLLM's "align" mode
+  (which prefix caching turns on): the recurrent state at the hit point, which vLLM keeps in
+  the block that ends there. Only some block boundaries have a state (where a prefill chunk
+  ended); vLLM names each one it caches (`boundary_state_offloads`), and those are what the
+  pool saves.
 
-Groups whose state is not a paged KV cache (Mamba and linear attention, cross attention,
-encoder caches, ...) are refused at start-up with the reason: a hit without them would change
-the model's answers.
+Other groups (cross attention, encoder caches, Mamba in another mode, ...) are refused at
+start-up with the reason: a hit without them would change the model's answers.
 
 Everything here is plain data and arithmetic, so the rule is unit-tested without vLLM.
 """
@@ -34,10 +38,11 @@ if TYPE_CHECKING:
 # nothing: never loaded into, never saved. (Only those groups' tables hold it.)
 NULL_BLOCK_ID = 0
 
-FULL, MLA, SLIDING, CHUNKED_LOCAL = "full", "mla", "sliding", "chunked_local"
-# Kinds whose blocks vLLM frees while the request still runs (out of the window or chunk): a save
-# of them must read them before the step returns, not later on the transfer thread.
-EARLY_FREE_KINDS = frozenset({SLIDING, CHUNKED_LOCAL})
+FULL, MLA, SLIDING, CHUNKED_LOCAL, MAMBA = "full", "mla", "sliding", "chunked_local", "mamba"
+# Kinds whose blocks vLLM frees while the request still runs (out of the window or chunk, or a
+# state the next boundary replaces): a save of them must read them before the step returns, not
+# later on the transfer thread.
+EARLY_FREE_KINDS = frozenset({SLIDING, CHUNKED_LOCAL, MAMBA})
 
 # vLLM's spec classes this pool serves, by name, and the kind each is (exact class: a subclass
 # may change what a block holds or which blocks a hit needs, so it is refused until added here).
@@ -47,11 +52,10 @@ _KIND_BY_SPEC = {
     "SlidingWindowSpec": SLIDING,
     "SlidingWindowMLASpec": SLIDING,
     "ChunkedLocalAttentionSpec": CHUNKED_LOCAL,
+    "MambaSpec": MAMBA,
 }
 
 _REFUSED_WHY = {
-    "MambaSpec": "its layers keep a recurrent state (Mamba, gated delta net, short conv), which kvpool "
-                 "does not pool yet: a pool hit without that state would change the model's answers",
     "CrossAttentionSpec": "cross-attention KV comes from the encoder input, not from the prompt prefix "
                           "that a pool key names",
     "EncoderOnlyAttentionSpec": "encoder-only attention keeps no cache across requests",
@@ -64,7 +68,9 @@ class PoolGroup:
 
     `index` is vLLM's group id (block ids and block tables are per group, and keys carry it);
     `window` is a sliding group's window plus the tokens vLLM retains below it; `chunk` a
-    chunked-local group's chunk size.
+    chunked-local group's chunk size; `state` a Mamba group's kind of layer and state shapes and
+    dtypes; `per_rank` whether every TP rank holds a state of its own (Mamba), whatever the
+    attention heads do.
     """
 
     index: int
@@ -73,15 +79,24 @@ class PoolGroup:
     layer_names: tuple[str, ...]
     window: int = 0
     chunk: int = 0
+    state: str = ""
+    per_rank: bool = False
 
     @property
     def frees_early(self) -> bool:
         return self.kind in EARLY_FREE_KINDS
 
+    @property
+    def positional(self) -> bool:
+        """Whether every whole block of a prompt holds this group's KV for its tokens (saved by
+        position), or only the blocks vLLM names (a Mamba group's boundary states)."""
+        return self.kind != MAMBA
+
     def describe(self) -> str:
         """What makes this group's blocks what they are, for the key's layout fingerprint: two
         instances whose groups differ here must never read each other's blocks."""
-        extra = f":w{self.window}" if self.window else f":c{self.chunk}" if self.chunk else ""
+        extra = (f":w{self.window}" if self.window else f":c{self.chunk}" if self.chunk
+                 else f":{self.state}" if self.state else "")
         return f"{self.kind}{extra}"
 
     def first_needed_block(self, hit_blocks: int) -> int:
@@ -92,6 +107,8 @@ class PoolGroup:
             return max(0, tokens - self.window + 1) // self.block_size
         if self.kind == CHUNKED_LOCAL:
             return (tokens // self.chunk) * self.chunk // self.block_size
+        if self.kind == MAMBA:
+            return max(0, hit_blocks - 1)  # the state after the hit's last block
         return 0
 
     def needed_blocks(self, start: int, end: int) -> range:
@@ -132,7 +149,10 @@ def pool_groups(kv_cache_config: KVCacheConfig, block_size: int, hash_block_size
                 "per group for this model; pass --block-size so that all groups share one)",
             )
         window = chunk = 0
-        if kind == SLIDING:
+        state, per_rank = "", False
+        if kind == MAMBA:
+            state, per_rank = _mamba_state(index, spec)
+        elif kind == SLIDING:
             window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
         elif kind == CHUNKED_LOCAL:
             chunk = int(spec.attention_chunk_size)
@@ -141,13 +161,44 @@ def pool_groups(kv_cache_config: KVCacheConfig, block_size: int, hash_block_size
                     f"kv_cache_groups[{index}].attention_chunk_size", chunk,
                     f"a multiple of the block size {block_size}, so a chunk starts on a block",
                 )
-        out.append(PoolGroup(index, kind, block_size, tuple(group.layer_names), window, chunk))
+        out.append(PoolGroup(index, kind, block_size, tuple(group.layer_names), window, chunk, state, per_rank))
     if hash_block_size not in (None, block_size):
         raise ConfigError(
             "hash_block_size", hash_block_size,
             f"block hashes per block of {block_size} tokens: kvpool keys a block by its own hash",
         )
     return out
+
+
+def _mamba_state(index: int, spec: Any) -> tuple[str, bool]:
+    """A Mamba group's state description and whether it is per TP rank; a ConfigError where vLLM
+    does not keep its states at block boundaries."""
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "align":
+        raise ConfigError(
+            f"kv_cache_groups[{index}].mamba_cache_mode", mode,
+            "align: vLLM keeps a Mamba or linear-attention layer's state at block boundaries, where a "
+            "pool hit can restore it, only in align mode, which prefix caching turns on. Serve the model "
+            "with --enable-prefix-caching (kvpool's pool hits come on top of vLLM's own prefix cache)",
+        )
+    if getattr(spec, "num_speculative_blocks", 0):
+        raise ConfigError(
+            f"kv_cache_groups[{index}].num_speculative_blocks", spec.num_speculative_blocks,
+            "0: kvpool does not pool a Mamba state next to speculative decoding's blocks; serve without "
+            "speculative decoding, or without kvpool's connector",
+        )
+    shapes = ",".join("x".join(map(str, shape)) for shape in spec.shapes)
+    dtypes = ",".join(str(d).removeprefix("torch.") for d in spec.dtypes)
+    kind = str(getattr(spec.mamba_type, "name", spec.mamba_type)).lower()
+    return f"{kind}:{shapes}:{dtypes}", not getattr(spec, "tp_replicated", False)
+
+
+def loads_by_request(groups: Sequence[PoolGroup]) -> bool:
+    """Whether vLLM must be told of a failed load by request (and loads must be asynchronous):
+    with several groups vLLM cannot map block ids back to requests, and a Mamba state must be in
+    place before vLLM copies it forward at the start of the step that computes after it (a
+    synchronous load lands after that copy)."""
+    return len(groups) > 1 or any(not g.positional for g in groups)
 
 
 def alignment_blocks(kv_cache_config: KVCacheConfig, block_size: int) -> int:

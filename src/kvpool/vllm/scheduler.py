@@ -18,6 +18,10 @@ Invariants:
   (`kvpool.vllm.groups`), ends on a whole block (a prompt that hits whole gives its last block
   back, as vLLM's own prefix cache does for such models), and loads asynchronously: vLLM takes
   a failed load of such a model only by request, and then recomputes the request whole.
+- A Mamba group's states are saved where vLLM names them (boundary hand-offs), never by
+  position: a block of its table holds a state only at the boundary vLLM cached, and only until
+  the next one. A hit loads the state at its end and nothing before it. A state the request
+  itself loaded or got from vLLM's cache is not saved again.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from kvpool.config import KVPoolConfig
 from kvpool.errors import ConfigError
 from kvpool.tracefile import BlockHashLog
-from kvpool.vllm.groups import NULL_BLOCK_ID, alignment_blocks, pool_groups
+from kvpool.vllm.groups import MAMBA, NULL_BLOCK_ID, alignment_blocks, loads_by_request, pool_groups
 from kvpool.vllm.lookup import LookupClient
 from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
 from kvpool.vllm.stats import KVPoolStats
@@ -67,6 +71,7 @@ class _RequestState:
     # or a block the store keeps failing would be retried instead of recomputed.
     pool_limit: int | None = None
     load_start: int = 0  # the first block of its last load (several groups: where a failure rewinds to)
+    reused_upto: int = 0  # blocks [0, reused_upto) came from vLLM's cache or the pool, not computed here
 
 
 def check_hash_seed(hash_algo: str) -> None:
@@ -93,7 +98,8 @@ class PoolScheduler:
         self.config = config
         self.block_size = vllm_config.cache_config.block_size
         self._groups = pool_groups(kv_cache_config, self.block_size, getattr(kv_cache_config, "hash_block_size", None))
-        self._hybrid = len(self._groups) > 1
+        self._hybrid = loads_by_request(self._groups)
+        self._state_groups = {g.index for g in self._groups if not g.positional}
         self._align = alignment_blocks(kv_cache_config, self.block_size) if self._hybrid else 1
         self._load_async = config.load_async or self._hybrid
         if self._hybrid and not config.load_async:
@@ -144,6 +150,7 @@ class PoolScheduler:
         looked_up = request.request_id in self._local_blocks
         local_blocks = self._local_blocks.pop(request.request_id, 0)
         state.saved_upto = max(state.saved_upto, local_blocks)
+        state.reused_upto = max(state.reused_upto, local_blocks)
         # Only an allocation that followed a lookup says where the prompt's KV came from; vLLM
         # allocates again, without one, when it schedules a request whose async load is done.
         if self._client is not None and looked_up:
@@ -163,9 +170,10 @@ class PoolScheduler:
         for group in self._groups:
             ids = state.block_ids[group.index]
             # Every block vLLM allocated for the hit: a sliding group's out-of-window positions
-            # hold the null block, which is left alone.
-            pairs = [(hashes[i], ids[i]) for i in range(plan.start_block, min(end, len(ids)))
-                     if not (group.frees_early and ids[i] == NULL_BLOCK_ID)]
+            # hold the null block, which is left alone. A Mamba group: the state at the end.
+            span = group.needed_blocks(plan.start_block, end) if group.kind == MAMBA else range(plan.start_block, end)
+            pairs = [(hashes[i], ids[i]) for i in span
+                     if i < len(ids) and not (group.frees_early and ids[i] == NULL_BLOCK_ID)]
             if pairs:
                 self._pending_loads.append(BlockTask(
                     req_id=request.request_id,
@@ -175,6 +183,7 @@ class PoolScheduler:
                     group=group.index,
                 ))
         state.saved_upto = max(state.saved_upto, end)
+        state.reused_upto = max(state.reused_upto, end)
         state.load_start = plan.start_block
         state.has_io = True
         state.async_loading = self._load_async
@@ -212,7 +221,34 @@ class PoolScheduler:
                     table.extend(ids)
             computed = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
             self._plan_save(state, computed, meta)
+        if self._state_groups:
+            self._plan_state_saves(scheduler_output, meta)
         return meta
+
+    def _plan_state_saves(self, scheduler_output: SchedulerOutput, meta: KVPoolMetadata) -> None:
+        """The Mamba states vLLM cached this step (its boundary hand-offs: group, block, tokens),
+        saved before the step returns: vLLM writes them in this step's forward pass and may
+        reuse the block two steps later. Only states of the prompt, at a whole block, computed
+        by this request (not one it loaded or found in vLLM's cache)."""
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offloads = getattr(block_state, "boundary_state_offloads", None) or {}
+        for req_id, entries in offloads.items():
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            req = state.request
+            by_group: dict[int, list[tuple[bytes, int]]] = {}
+            for group, block_id, boundary in entries:
+                last = boundary // self.block_size - 1  # the block the state ends
+                if (group not in self._state_groups or block_id == NULL_BLOCK_ID or boundary % self.block_size
+                        or boundary > req.num_prompt_tokens or last < state.reused_upto
+                        or last >= len(req.block_hashes)):
+                    continue
+                by_group.setdefault(group, []).append((req.block_hashes[last], block_id))
+            for group, pairs in by_group.items():
+                meta.saves.append(BlockTask(req_id=req_id, block_hashes=[h for h, _ in pairs],
+                                            block_ids=[b for _, b in pairs], group=group, save_now=True))
+                state.has_io = True
 
     def _plan_save(self, state: _RequestState, computed_tokens: int, meta: KVPoolMetadata) -> None:
         req = state.request
@@ -224,6 +260,8 @@ class PoolScheduler:
             return
         start, hashes = state.saved_upto, req.block_hashes
         for group in self._groups:
+            if not group.positional:
+                continue  # its states are saved where vLLM names them (_plan_state_saves)
             ids = state.block_ids[group.index]
             pairs = [(hashes[i], ids[i]) for i in range(start, end)
                      if not (group.frees_early and ids[i] == NULL_BLOCK_ID)]

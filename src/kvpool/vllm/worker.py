@@ -38,7 +38,7 @@ from kvpool.device.copy import Copier, make_copier
 from kvpool.device.layout import KVLayout
 from kvpool.errors import ConfigError, ErrorCode, is_stored
 from kvpool.keys import KeyScheme, model_key_name, prefill_stage_schemes
-from kvpool.vllm.groups import PoolGroup, alignment_blocks, longest_hit, pool_groups
+from kvpool.vllm.groups import PoolGroup, alignment_blocks, loads_by_request, longest_hit, pool_groups
 from kvpool.vllm.lookup import LookupServer
 from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
 from kvpool.vllm.stats import KVPoolStats
@@ -147,6 +147,7 @@ class PoolWorker:
         self.layout: KVLayout | None = None
         self.scheme: KeyScheme | None = None
         self._align = 1  # a hit ends on a multiple of this many blocks
+        self._failures_by_request = False  # vLLM takes failed loads by request (kvpool.vllm.groups)
         self._lookup: LookupServer | None = None
         self._transfer = TransferThread()
         # Layerwise loads run beside the transfer thread, so a save in progress never delays the
@@ -177,13 +178,13 @@ class PoolWorker:
         mc = self._vllm_config.model_config
         block_size = self._vllm_config.cache_config.block_size
         groups = pool_groups(self._kv_cache_config, block_size, getattr(self._kv_cache_config, "hash_block_size", None))
-        if len(groups) > 1 and self.config.use_layerwise:
+        if loads_by_request(groups) and self.config.use_layerwise:
             raise ConfigError("use_layerwise", True,
-                              f"false for a model with {len(groups)} KV cache groups (hybrid attention): "
-                              "layerwise transfer moves one group's layers")
-        if len(groups) > 1 and self.config.prefill_pp_size:
+                              f"false for a model with {len(groups)} KV cache groups or a Mamba state "
+                              "(hybrid models): layerwise transfer moves one attention group's layers")
+        if loads_by_request(groups) and self.config.prefill_pp_size:
             raise ConfigError("prefill_pp_size", self.config.prefill_pp_size,
-                              f"unset for a model with {len(groups)} KV cache groups (hybrid attention)")
+                              f"unset for a model with {len(groups)} KV cache groups or a Mamba state (hybrid models)")
         from vllm.platforms import current_platform
 
         total_kv_heads = mc.get_total_num_kv_heads()
@@ -210,7 +211,8 @@ class PoolWorker:
             scheme = KeyScheme(
                 model=model_key_name(mc.model),
                 layout=layout.info.fingerprint(values=values),
-                tp_rank=self.tp_rank, tp_size=self.tp_size, kv_shards=kv_shards,
+                tp_rank=self.tp_rank, tp_size=self.tp_size,
+                kv_shards=self.tp_size if group.per_rank else kv_shards,
                 pp_rank=self.pp_rank, pp_size=self.pp_size, group=group.index,
                 layers=len(layout.layers) if self.config.use_layerwise else 0,
             )
@@ -230,6 +232,7 @@ class PoolWorker:
         first = self.groups[groups[0].index]
         self.layout, self.scheme = first.layout, first.scheme
         self._align = alignment_blocks(self._kv_cache_config, block_size) if len(groups) > 1 else 1
+        self._failures_by_request = loads_by_request(groups)
         if self.config.use_layerwise and (self.pp_size > 1 or self.config.prefill_pp_size):
             raise ConfigError(
                 "use_layerwise", True,
@@ -348,7 +351,7 @@ class PoolWorker:
         with self._lock:
             # A request's loads (one task per group) finish together: its last task reports it.
             self._async_done[task.req_id] = self._async_done.get(task.req_id, set()) | failed
-            if failed and len(self.groups) > 1:
+            if failed and self._failures_by_request:
                 self._failed_recving.add(task.req_id)
 
     def _load_or_fail(self, task: BlockTask) -> set[int]:
@@ -409,10 +412,11 @@ class PoolWorker:
         assert self.scheme is not None and self.groups
         self._finish_layer_loads()
         saved_layers, self._layers_saved = self._layers_saved, set()
-        saves = self._untainted(meta.saves) if self.scheme.is_writer else []
+        # Each group's first rank of a shard writes it (a Mamba state is every rank's own).
+        saves = [t for t in self._untainted(meta.saves) if self.groups[t.group].scheme.is_writer]
         # The step's last call: its failures taint only the next step's saves computed over them.
         self._last_step_load_errors, self._step_load_errors = self._step_load_errors, set()
-        if not self.scheme.is_writer:
+        if not saves:
             return
         ready = next(iter(self.groups.values())).copier.written()
         for task in saves:
@@ -546,7 +550,7 @@ class PoolWorker:
                 del self._async_done[r]
             failed_recving = self._failed_recving & done.keys()
             self._failed_recving -= failed_recving
-            if len(self.groups) <= 1:
+            if not self._failures_by_request:
                 for failed in done.values():
                     # Reported in the same step as the request's finish, as vLLM requires.
                     self._load_errors |= failed

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from vllm.v1.core.sched.output import KVConnectorBlockState
 from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec
 from vllm.v1.outputs import KVConnectorOutput
 
@@ -32,7 +33,7 @@ from connector_fakes import (
 )
 from kvpool.config import load_config
 from kvpool.errors import ConfigError
-from kvpool.vllm.groups import CHUNKED_LOCAL, FULL, SLIDING, PoolGroup, longest_hit, pool_groups
+from kvpool.vllm.groups import CHUNKED_LOCAL, FULL, MAMBA, SLIDING, PoolGroup, longest_hit, pool_groups
 from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
 from kvpool.vllm.scheduler import PoolScheduler
 
@@ -103,7 +104,7 @@ def _brute_force(groups, start, found, align):
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_the_rule_is_the_longest_end_every_group_serves(data):
-    kinds = data.draw(st.lists(st.sampled_from([FULL, SLIDING, CHUNKED_LOCAL]), min_size=1, max_size=3))
+    kinds = data.draw(st.lists(st.sampled_from([FULL, SLIDING, CHUNKED_LOCAL, MAMBA]), min_size=1, max_size=3))
     groups = [PoolGroup(i, k, BS, (str(i),), window=data.draw(st.integers(1, 5 * BS)) if k == SLIDING else 0,
                         chunk=BS * data.draw(st.integers(1, 4)) if k == CHUNKED_LOCAL else 0)
               for i, k in enumerate(kinds)]
@@ -116,11 +117,32 @@ def test_the_rule_is_the_longest_end_every_group_serves(data):
 # ---- which groups are served ------------------------------------------------------------------
 
 
-def test_a_mamba_group_is_refused_with_the_reason():
-    mamba = MambaSpec(block_size=BS, shapes=((4, 4),), dtypes=(torch.float32,))
+def mamba_spec(mode: str = "align") -> MambaSpec:
+    return MambaSpec(block_size=BS, shapes=((3, 8), (2, 4, 4)), dtypes=(torch.float32, torch.float32),
+                     mamba_cache_mode=mode)
+
+
+def test_a_mamba_group_outside_align_mode_is_refused_with_the_fix():
     with pytest.raises(ConfigError) as exc:
-        pool_groups(make_kv_cache_config(specs=[full_spec(), mamba]), BS)
-    assert exc.value.key == "kv_cache_groups[1]" and "recurrent state" in str(exc.value)
+        pool_groups(make_kv_cache_config(specs=[full_spec(), mamba_spec("none")]), BS)
+    assert exc.value.key == "kv_cache_groups[1].mamba_cache_mode" and "--enable-prefix-caching" in str(exc.value)
+
+
+def test_a_mamba_group_in_align_mode_is_pooled_per_rank():
+    full, mamba = pool_groups(make_kv_cache_config(specs=[full_spec(), mamba_spec()]), BS)
+    assert (mamba.kind, mamba.positional, mamba.per_rank, mamba.frees_early) == (MAMBA, False, True, True)
+    # The state's shapes and dtypes are what its bytes mean: part of the fingerprint.
+    assert mamba.describe() == "mamba:mamba2:3x8,2x4x4:float32,float32"
+    assert full.positional and not full.per_rank
+
+
+def test_a_mamba_hit_needs_the_state_at_its_end_only():
+    mamba = PoolGroup(1, MAMBA, BS, ("m",))
+    # States exist at blocks 2 and 5 (where prefill chunks ended): hits at 3 or 6 blocks.
+    states = [False, False, True, False, False, True]
+    assert longest_hit([FULL_G, mamba], 0, [[True] * 6, states]) == 6
+    assert longest_hit([FULL_G, mamba], 0, [[True] * 5, states[:5]]) == 3
+    assert longest_hit([FULL_G, mamba], 0, [[True] * 2, states[:2]]) == 0
 
 
 def test_a_chunk_that_does_not_start_on_a_block_is_refused():
@@ -217,6 +239,67 @@ def test_a_hybrid_request_is_held_until_its_saves_are_done(fake_lookup):
     assert sched.has_pending_block_frees()
 
 
+def mamba_scheduler() -> PoolScheduler:
+    return PoolScheduler(make_vllm_config(block_size=BS), load_config(None),
+                         make_kv_cache_config(specs=[full_spec(), mamba_spec()]))
+
+
+def with_offloads(out, offloads: dict[str, list[tuple[int, int, int]]]):
+    """What vLLM's scheduler adds for a connector: the Mamba states it cached this step."""
+    out.kv_connector_block_state = KVConnectorBlockState(req_ids=set(offloads), resolve_block_ids=lambda r: (),
+                                                         boundary_state_offloads=offloads)
+    return out
+
+
+def test_a_mamba_hit_loads_the_state_at_its_end_and_the_attention_before_it(fake_lookup):
+    sched = mamba_scheduler()
+    req = make_request("a", 4 * BS + 1)
+    fake_lookup.pooled.update(req.block_hashes)
+    assert sched.get_num_new_matched_tokens(req, 0) == (4 * BS, True)  # asynchronous, always
+    # vLLM allocates the Mamba group nulls and one block, at the hit's last position.
+    sched.update_state_after_alloc(req, kv_blocks([1, 2, 3, 4, 5], [0, 0, 0, 6, 7]), 4 * BS)
+    assert by_group(sched.build_connector_meta(scheduler_output()).loads) == {
+        0: (req.block_hashes[:4], [1, 2, 3, 4], False), 1: (req.block_hashes[3:4], [6], False)}
+
+
+def test_mamba_states_are_saved_where_vllm_names_them_and_only_there(fake_lookup):
+    sched = mamba_scheduler()
+    req = make_request("a", 5 * BS + 1)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, kv_blocks([], []), 0)
+    out = scheduler_output(new=[(new_req(req, ([1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 9, 10]), 0), 5 * BS + 1)])
+    # vLLM cached the states at 2 and 5 blocks (in blocks 8 and 9); a state that does not end on
+    # a block, the null block and a state past the prompt are not the pool's.
+    with_offloads(out, {"a": [(1, 8, 2 * BS), (1, 9, 5 * BS), (1, 11, 3 * BS + 1), (1, 0, 4 * BS),
+                              (1, 12, 6 * BS)]})
+    meta = sched.build_connector_meta(out)
+    assert by_group(meta.saves) == {0: (req.block_hashes[:5], [1, 2, 3, 4, 5], False),
+                                    1: ([req.block_hashes[1], req.block_hashes[4]], [8, 9], True)}
+
+
+def test_a_mamba_state_the_request_loaded_is_not_saved_again(fake_lookup):
+    sched = mamba_scheduler()
+    req = make_request("a", 4 * BS + 1)
+    fake_lookup.pooled.update(req.block_hashes[:3])
+    assert sched.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
+    sched.update_state_after_alloc(req, kv_blocks([1, 2, 3, 4, 5], [0, 0, 6, 7, 0]), 3 * BS)
+    sched.build_connector_meta(scheduler_output())
+    sched.update_connector_output(KVConnectorOutput(finished_recving={"a"}))
+    # Scheduled after its load, vLLM offers the loaded state (3 blocks) and the new one (4).
+    step = Cached("a", 3 * BS, new_block_ids=([], []))
+    meta = sched.build_connector_meta(with_offloads(scheduler_output(cached=[(step, BS + 1)]),
+                                                    {"a": [(1, 6, 3 * BS), (1, 7, 4 * BS)]}))
+    assert by_group(meta.saves) == {0: (req.block_hashes[3:4], [4], False), 1: (req.block_hashes[3:4], [7], True)}
+
+
+def test_a_pure_mamba_model_loads_asynchronously(fake_lookup):
+    sched = PoolScheduler(make_vllm_config(block_size=BS), load_config(None), make_kv_cache_config(specs=[mamba_spec()]))
+    req = make_request("a", 3 * BS)
+    fake_lookup.pooled.update(req.block_hashes)
+    # vLLM copies the state forward before a synchronous load could land: never synchronous.
+    assert sched.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
+
+
 # ---- the worker's per-group data path -------------------------------------------------------------
 
 
@@ -289,6 +372,22 @@ def test_a_failed_hybrid_load_is_reported_by_request_not_by_block(make_worker):
     assert reader.get_transfer_results(None) == (None, {"b"}, {"b"})
     # Block ids of several groups cannot be mapped back to requests: vLLM would raise on them.
     assert reader.get_block_ids_with_load_errors() == set()
+
+
+def test_every_tp_rank_saves_its_own_mamba_state(make_worker):
+    config = make_kv_cache_config(specs=[full_spec(), mamba_spec()])
+    # One KV head over TP=2: rank 1 holds rank 0's attention heads (and does not write them),
+    # but a state of its own.
+    rank0, _, pool = make_worker({"backend": "server"}, tp=(0, 2), kv_heads=1, kv_cache_config=config)
+    rank1, _, _ = make_worker({"backend": "server", **READER}, tp=(1, 2), kv_heads=1, backend=pool,
+                              kv_cache_config=config)
+    h = [bytes([7]) * 32]
+    for rank in (rank0, rank1):
+        rank.wait_for_save(KVPoolMetadata(saves=[BlockTask("a", h, [1], group=0), BlockTask("a", h, [2], group=1,
+                                                                                          save_now=True)]))
+        rank._transfer.wait(timeout=10)
+    assert sorted(k.split("@")[2] + "@" + k.split("@")[4] for k in pool.data) == ["tp0/1@g0", "tp0/2@g1", "tp1/2@g1"]
+    assert rank0._count_hits(h, 0) == 1
 
 
 def test_layerwise_transfer_is_refused_for_a_hybrid_model(make_worker):

@@ -1,0 +1,84 @@
+"""A hybrid with recurrent-state layers through the pool on real vLLM: the state comes back exactly.
+
+Qwen3-Next (three gated-delta-net layers to one full-attention layer, MoE) keeps, next to the
+attention KV, a recurrent state per layer that a hit needs at the hit point, or the answer
+changes. vLLM keeps such states at block boundaries only with prefix caching on (its "align"
+mode), and names each one it caches; kvpool saves those and, on a hit, loads the attention
+blocks and the state at the hit's end.
+
+The pool engine runs with vLLM's prefix cache on (the mode needs it) and empties it before the
+second round, so that round's hits come from the pool alone. vLLM-CPU's GDN kernel computes in
+bf16, and vLLM raises the block size to fit a state in a page (640 tokens for this model).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import Engine, kvpool_config, tokens
+
+pytestmark = pytest.mark.vllm
+
+# A prompt of one whole block and a bit, and one of three: vLLM keeps the state where the
+# prompt's last whole block ends before its last token (640 and 1920 tokens).
+PROMPTS = [tokens(900, seed=601), tokens(2200, seed=602)]
+HITS = [640, 1920]
+ENGINE = {"dtype": "bfloat16", "block_size": None, "prefix_caching": True}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from kvpool.testing.model import SPECS, build_model
+
+    return str(build_model(tmp_path_factory.mktemp("qwen3-next") / "qwen3-next", SPECS["qwen3-next"]))
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """vLLM alone: round 1 cold, round 2 its own prefix-cache hits."""
+    with Engine(model, **ENGINE) as e:
+        yield [e.generate(PROMPTS), e.generate(PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def pooled(model, reference):
+    """vLLM with kvpool: round 1 cold; vLLM's prefix cache emptied; round 2 from the pool."""
+    with Engine(model, kv_transfer_config=kvpool_config(), **ENGINE) as e:
+        since = e.mark()
+        cold = e.generate(PROMPTS)
+        first = e.counters(since)
+        e.reset_prefix_cache()
+        since = e.mark()
+        hit = e.generate(PROMPTS)
+        yield [cold, hit], [first, e.counters(since)]
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a["error"] is None and b["error"] is None, (a.get("error"), b.get("error"))
+    assert a["token_ids"] == b["token_ids"]
+    assert a["logprobs"] == b["logprobs"]
+
+
+def test_cold_request_with_kvpool_equals_vllm_alone(reference, pooled):
+    rounds, _ = pooled
+    for ref, got in zip(reference[0], rounds[0]):
+        _same(ref, got)
+        assert got["num_cached_tokens"] == 0
+
+
+def test_pool_hit_restores_the_state_exactly(reference, pooled):
+    rounds, _ = pooled
+    assert [r["num_cached_tokens"] for r in reference[1]] == HITS
+    for ref, got in zip(reference[1], rounds[1]):
+        assert got["num_cached_tokens"] == ref["num_cached_tokens"]
+        _same(ref, got)
+
+
+def test_a_hit_loads_the_attention_blocks_and_one_state_per_layer(pooled):
+    _, (first, second) = pooled
+    blocks = [h // 640 for h in HITS]
+    # Round 1 saved the attention group's whole blocks (1 + 3) and, of each of the three state
+    # groups, the states vLLM cached: at least the one each hit needs.
+    assert first.get("save_failed_blocks", 0) == 0 and first["save_blocks"] >= sum(blocks) + 3 * len(HITS)
+    # Round 2: every hit block of the attention group, one state per state group and prompt.
+    assert (second["load_blocks"], second.get("load_failed_blocks", 0)) == (sum(blocks) + 3 * len(HITS), 0)
