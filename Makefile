@@ -42,7 +42,8 @@ test-fast: $(STAMP)
 
 # Every model family of docs/models.md through the pool on real vLLM (`make test` runs one per kind of group).
 test-models: $(STAMP)
-	KVPOOL_TEST_FAMILIES=all $(BIN)/python -m pytest -q -p no:cacheprovider -rs tests/vllm/test_hybrid_models.py
+	KVPOOL_TEST_FAMILIES=all $(BIN)/python -m pytest -q -p no:cacheprovider -rs \
+		tests/vllm/test_hybrid_models.py tests/vllm/test_state_models.py tests/vllm/test_kv_cache_dtypes.py
 
 # Each benchmark writes benchmarks/results/NAME.json and NAME.png (benchmarks/replot.py redraws the
 # PNGs from the JSON). benchmarks/device.py is not here: it is the check for an accelerator machine.

@@ -180,6 +180,14 @@ def test_block_dim_is_found_when_another_dim_has_the_same_size():
     assert layout.block_buffers(1)[0].tobytes() == raw(t[1]).numpy().tobytes()
 
 
+def test_a_cache_in_kernel_blocks_is_addressed_by_vllms_blocks():
+    # vLLM split each of its blocks into 2 kernel blocks: the tensor's first dimension is twice
+    # num_blocks, and block b is kernel blocks 2b and 2b+1.
+    t = random_tensor((2 * NUM_BLOCKS, KV_HEADS, BLOCK_SIZE // 2, 16), torch.float32, seed=5)
+    layout = KVLayout({"l0": t}, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, num_layers_total=1, cache_layout="cpu")
+    assert b"".join(v.tobytes() for v in layout.block_buffers(3)) == raw(t[6:8]).numpy().tobytes()
+
+
 def test_mismatched_layer_shapes_raise():
     caches, _ = cpu_layout(torch.float32)
     caches["model.layers.9.self_attn.attn"] = random_tensor((NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, HEAD), torch.float32, 9)

@@ -115,3 +115,24 @@ def test_qwen3_next_is_three_gated_delta_net_layers_to_one_full():
     # vLLM's GDN kernels take 128-wide heads only; its CPU kernel runs in bf16.
     assert (config.linear_key_head_dim, config.linear_value_head_dim, spec.dtype) == (128, 128, "bfloat16")
     assert (config.num_experts, config.num_experts_per_tok) == (4, 2)
+
+
+def test_deepseek_v2_caches_one_latent_of_vllm_cpus_mla_size():
+    spec = SPECS["deepseek-v2"]
+    config = hf_config(spec)
+    assert type(config).__name__ == "DeepseekV2Config" and config.model_type == "deepseek_v2"
+    # vLLM-CPU's MLA backend takes a 576-wide latent only (kv_lora_rank 512 + rope 64): "Head
+    # dimension N is not supported by MLA" for any other.
+    assert (config.kv_lora_rank, config.qk_rope_head_dim) == (512, 64)
+    assert (config.qk_nope_head_dim, config.v_head_dim, config.q_lora_rank) == (128, 128, None)
+    # Every layer is MLA: one KV cache group, whatever TP (the latent is the same on every rank).
+    assert (spec.full_layers, spec.sliding_layers, spec.state_layers, spec.kv_cache_groups) == (4, 0, 0, (1, 0))
+    assert config.num_key_value_heads == config.num_attention_heads == 4
+    # Layer 0 dense, layers 1-3 MoE: 4 routed experts (top 2) in one group, so vLLM's grouped
+    # top-k is a plain top-k, and a shared expert.
+    assert config.first_k_dense_replace == 1
+    assert (config.n_routed_experts, config.num_experts_per_tok, config.n_shared_experts) == (4, 2, 1)
+    assert (config.n_group, config.topk_group) == (1, 1)
+    assert config.hidden_size == 256 and spec.dtype == "float32"
+    with pytest.raises(ValueError):
+        hf_config(ModelSpec(family="deepseek-v2"))  # no experts

@@ -310,3 +310,49 @@ class Engine:
         self.close()
 
 
+
+
+# ---- Reading what a pool holds (tests/vllm/test_mla_models.py) -------------------------------
+
+def vllm_block_hashes(prompt: list[int], block_size: int) -> list[bytes]:
+    """vLLM 0.32's prefix hashes of `prompt`'s whole blocks, as its scheduler computes them with
+    the default `prefix_caching_hash_algo` "sha256" (SHA-256 of a pickle, chained from NONE_HASH,
+    derived from PYTHONHASHSEED or the fixed seed "vllm-none-hash") for a plain token prompt (no
+    LoRA, multimodal input or cache_salt: no extra keys). kvpool's keys end with these."""
+    import hashlib
+    import pickle
+
+    def sha256(obj: object) -> bytes:
+        return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+    parent = sha256(os.environ.get("PYTHONHASHSEED", "vllm-none-hash"))
+    hashes = []
+    for start in range(0, len(prompt) // block_size * block_size, block_size):
+        parent = sha256((parent, tuple(prompt[start:start + block_size]), None))
+        hashes.append(parent)
+    return hashes
+
+
+# "kvpool worker ready: backend=server role=kv_both key=MODEL@LAYOUT@tp0/1@pp0/1@g0@00000000; group 0
+# (full): 147456 bytes per block in 4 layers; ..." (PoolWorker.register_kv_caches, one per worker)
+_READY_LINE = re.compile(r"kvpool worker ready: .*? key=(\S+)@00000000; group 0 \([^)]*\): (\d+) bytes per block")
+
+
+def pool_key_prefixes(engine: Engine) -> list[tuple[str, int]]:
+    """(key without its block hash, bytes per block) of group 0, as each worker of `engine` logged
+    them at start-up, in log order (one per TP rank)."""
+    return [(m.group(1), int(m.group(2))) for m in _READY_LINE.finditer(engine.log_text())]
+
+
+def read_pool_values(socket_path: str, keys: list[str], size: int) -> list[bytes | None]:
+    """Each key's bytes in the `kvpool server` at `socket_path` (None where it is not there), read
+    with kvpool's own client: what a load of that key copies into vLLM's KV cache."""
+    import numpy as np
+
+    from kvpool.errors import OK
+    from kvpool.server.client import PoolClient
+
+    with PoolClient(socket_path, "test-reader", ping=False) as client:
+        bufs = [np.zeros(size, np.uint8) for _ in keys]
+        codes = client.get_into(keys, [[b] for b in bufs])
+    return [b.tobytes() if code == OK else None for b, code in zip(bufs, codes)]

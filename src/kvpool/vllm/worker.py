@@ -288,7 +288,11 @@ class PoolWorker:
     def start_load_kv(self, meta: KVPoolMetadata) -> None:
         sync = []
         for task in meta.loads:
-            if task.is_async:
+            if task.is_async and task.in_step:
+                # vLLM calls this after the step's forward pass: the copy runs now, on this
+                # thread's copy team, and the request is reported done in this step's results.
+                self._finish_async_load(task)
+            elif task.is_async:
                 self._transfer.submit(LOAD, task.req_id, lambda t=task: self._finish_async_load(t))
             else:
                 sync.append(task)

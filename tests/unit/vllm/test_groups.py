@@ -175,15 +175,25 @@ def test_a_hybrid_hit_loads_each_groups_blocks_and_skips_the_null_block(fake_loo
     sched = hybrid_scheduler()
     req = make_request("a", 6 * BS + 2)
     fake_lookup.pooled.update(req.block_hashes)
-    # Asynchronous, although load_async is off: vLLM takes a hybrid model's failed load only by request.
+    # Reported asynchronously, although load_async is off: vLLM takes a hybrid model's failed load
+    # only by request (the copy itself still runs within the step: `in_step`).
     assert sched.get_num_new_matched_tokens(req, 0) == (6 * BS, True)
     assert fake_lookup.instances[0].calls == [req.block_hashes[:6]]
     # vLLM gives the sliding group real blocks inside the window only (0 is its null block).
     sched.update_state_after_alloc(req, kv_blocks([1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 0, 8, 9, 10]), 6 * BS)
     loads = sched.build_connector_meta(scheduler_output()).loads
-    assert all(t.is_async for t in loads)
+    assert all(t.is_async and t.in_step for t in loads)
     assert by_group(loads) == {0: (req.block_hashes[:6], [1, 2, 3, 4, 5, 6], False),
                                1: (req.block_hashes[4:6], [8, 9], False)}
+
+
+def test_with_load_async_a_hybrid_load_runs_on_the_transfer_thread(fake_lookup):
+    sched = hybrid_scheduler({"load_async": True})
+    req = make_request("a", 2 * BS + 1)
+    fake_lookup.pooled.update(req.block_hashes)
+    assert sched.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
+    sched.update_state_after_alloc(req, kv_blocks([1, 2, 3], [4, 5, 6]), 2 * BS)
+    assert [(t.is_async, t.in_step) for t in sched.build_connector_meta(scheduler_output()).loads] == [(True, False)] * 2
 
 
 def test_a_hybrid_prompt_that_hits_whole_gives_its_last_block_back(fake_lookup):
@@ -356,6 +366,20 @@ def test_the_worker_applies_the_sliding_rule_to_lookups(make_worker):
     # Full attention now serves blocks 0-3 at most, and a hit at 4 or less needs sliding blocks
     # the window lost: no hit at all.
     assert writer._count_hits(hashes, 0) == 0
+
+
+def test_an_in_step_load_is_done_and_reported_in_the_step_that_hands_it_over(make_worker):
+    writer, w_kv, pool = hybrid_worker(make_worker, seed=6)
+    reader, r_kv, _ = hybrid_worker(make_worker, READER, backend=pool, seed=7)
+    hashes = [bytes([i]) * 32 for i in range(2)]
+    writer.wait_for_save(KVPoolMetadata(saves=[BlockTask("a", hashes, [1, 2], group=0),
+                                               BlockTask("a", hashes, [3, 4], group=1, save_now=True)]))
+    writer._transfer.wait(timeout=10)
+    reader.start_load_kv(KVPoolMetadata(loads=[BlockTask("b", hashes, [5, 6], is_async=True, in_step=True, group=0),
+                                               BlockTask("b", hashes, [7, 8], is_async=True, in_step=True, group=1)]))
+    assert reader._transfer.depth() == 0  # nothing was queued on the transfer thread
+    assert reader.get_transfer_results(None) == (None, {"b"}, set())
+    assert block_bytes(r_kv, 0, 5) == block_bytes(w_kv, 0, 1) and block_bytes(r_kv, 1, 8) == block_bytes(w_kv, 1, 4)
 
 
 def test_a_failed_hybrid_load_is_reported_by_request_not_by_block(make_worker):
