@@ -33,17 +33,19 @@ demo: $(STAMP)
 # a time (two engines would fight for the cores and stretch each other's deadlines).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -rs -n 2 -m "not vllm" tests
-	$(BIN)/python -m pytest -q -p no:cacheprovider -rs --durations=15 -m vllm tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -rs --durations=15 -m "vllm and not models" tests
 
 # Unit, engine, server, proxy and conformance tests of `local`/`server`: no vLLM engine and no
 # store service is started, on two xdist workers (about two minutes; 3.5 on one), for quick iteration.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 -m "not vllm and not services" tests
 
-# Every model family of docs/models.md through the pool on real vLLM (`make test` runs one per kind of group).
+# Every model family of docs/models.md through the pool on real vLLM, and a hybrid through the PD
+# proxy (`make test` runs one family per kind of KV cache group).
 test-models: $(STAMP)
-	KVPOOL_TEST_FAMILIES=all $(BIN)/python -m pytest -q -p no:cacheprovider -rs \
-		tests/vllm/test_hybrid_models.py tests/vllm/test_state_models.py tests/vllm/test_kv_cache_dtypes.py
+	KVPOOL_TEST_FAMILIES=all $(BIN)/python -m pytest -q -p no:cacheprovider -rs tests/vllm/test_hybrid_models.py \
+		tests/vllm/test_state_models.py tests/vllm/test_kv_cache_dtypes.py tests/vllm/test_models_pd.py \
+		tests/vllm/test_tp_sizes.py
 
 # Each benchmark writes benchmarks/results/NAME.json and NAME.png (benchmarks/replot.py redraws the
 # PNGs from the JSON). benchmarks/device.py is not here: it is the check for an accelerator machine.

@@ -373,11 +373,12 @@ def start_together(servers: Iterable[OpenAIServer]) -> None:
 def vllm_server(model_dir: Path, *, served_model_name: str, log_path: Path, prefix_caching: bool,
                 kv_transfer_config: Mapping[str, Any] | None, max_model_len: int, max_num_batched_tokens: int,
                 request_timeout_s: float, env: Mapping[str, str], extra_args: Sequence[str] = (),
-                dtype: str = "auto") -> OpenAIServer:
+                dtype: str = "auto", block_size: int | None = BLOCK_SIZE) -> OpenAIServer:
     """A vLLM OpenAI server (not started) as every benchmark configuration runs one: block size
-    `BLOCK_SIZE`, eager mode, 300 s to start (a cold CPU start with a connector can take minutes)."""
+    `BLOCK_SIZE` (None: vLLM's own choice), eager mode, 300 s to start (a cold CPU start with a
+    connector can take minutes)."""
     return OpenAIServer(
-        model_dir, served_model_name=served_model_name, max_model_len=max_model_len, block_size=BLOCK_SIZE,
+        model_dir, served_model_name=served_model_name, max_model_len=max_model_len, block_size=block_size,
         prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
         kv_transfer_config=kv_transfer_config, env=env, log_path=log_path, startup_timeout_s=300,
         request_timeout_s=request_timeout_s, extra_args=extra_args, dtype=dtype,

@@ -649,6 +649,9 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     use_layerwise: Annotated[bool, Meta(description=(
         "one pool value per block and layer: loads stream layer by layer into the forward pass "
         "(wait_for_layer_load) and saves leave as each layer is written (save_kv_layer)"))] = False
+    share_across_tp: Annotated[bool, Meta(description=(
+        "store a block as one value per KV head, so that instances of any tensor-parallel size share "
+        "it (a rank reads and writes the heads it holds); more, smaller values"))] = False
     copy_threads: Annotated[int, Meta(ge=0, le=64, description=(
         "threads that copy one batch's values in parallel (`local`, `server`; in vLLM's CPU worker "
         "a synchronous load runs on vLLM's own OpenMP threads, at most this many); 0: one "

@@ -9,6 +9,10 @@ In layerwise mode (`use_layerwise`) a block is stored as one value per layer, un
 key with `@l{layer}` appended, so a load can move layer i while layer i-1 computes. The two
 modes never read each other's values.
 
+With `share_across_tp`, a block is stored as one value per KV head instead of one per TP shard:
+`@h{head}/{heads}` takes the place of `@tp{shard}/{shards}`, and a rank reads and writes the
+heads it holds, so instances of any TP size assemble their heads from the same values.
+
 The block hash is vLLM's chained prefix hash, so it already covers LoRA, multimodal inputs and
 `cache_salt`. The layout fingerprint makes an instance with another dtype, block size, head
 split or layer count miss instead of loading bytes it would misread, and one whose weights
@@ -79,41 +83,65 @@ class KeyScheme:
     pp_size: int = 1
     group: int = 0
     layers: int = 0  # layerwise: values per block (one per layer); 0: one value per block
+    # share_across_tp: the model's KV heads, one value per head and block; 0: one value per shard.
+    heads: int = 0
 
     def __post_init__(self) -> None:
         if self.tp_size % self.kv_shards:
             raise ValueError(f"tp_size={self.tp_size} is not a multiple of kv_shards={self.kv_shards}")
+        if self.heads and self.heads % self.tp_size and self.tp_size % self.heads:
+            raise ValueError(f"heads={self.heads} neither divides nor is divided by tp_size={self.tp_size}")
 
     @property
     def shard(self) -> int:
         return self.tp_rank // (self.tp_size // self.kv_shards)
 
     @property
+    def head_range(self) -> range:
+        """The KV heads this rank holds (per-head values only): its own slice, or, with fewer heads
+        than ranks, the one head it shares with its neighbours."""
+        if self.heads >= self.tp_size:
+            per = self.heads // self.tp_size
+            return range(self.tp_rank * per, (self.tp_rank + 1) * per)
+        head = self.tp_rank * self.heads // self.tp_size
+        return range(head, head + 1)
+
+    @property
     def is_writer(self) -> bool:
-        """Whether this rank writes its shard's keys (the first TP rank of each shard does)."""
+        """Whether this rank writes its keys (of ranks holding the same heads, the first does)."""
+        if self.heads:
+            return self.heads >= self.tp_size or self.tp_rank % (self.tp_size // self.heads) == 0
         return self.tp_rank % (self.tp_size // self.kv_shards) == 0
 
     def key(self, block_hash: bytes, shard: int | None = None, pp_rank: int | None = None,
             layer: int | None = None) -> str:
-        s = self.shard if shard is None else shard
+        """The key of one value: of `shard` (per-head values: of head `shard`)."""
+        s = (self.shard if not self.heads else self.head_range.start) if shard is None else shard
         p = self.pp_rank if pp_rank is None else pp_rank
-        key = (
-            f"{self.model}@{self.layout}@tp{s}/{self.kv_shards}@pp{p}/{self.pp_size}"
-            f"@g{self.group}@{block_hash.hex()}"
-        )
+        part = f"h{s}/{self.heads}" if self.heads else f"tp{s}/{self.kv_shards}"
+        key = f"{self.model}@{self.layout}@{part}@pp{p}/{self.pp_size}@g{self.group}@{block_hash.hex()}"
         return key if layer is None else f"{key}@l{layer}"
 
+    @property
+    def values_per_block(self) -> int:
+        """This rank's values of one block (and layer): one per head it holds, or one."""
+        return len(self.head_range) if self.heads else 1
+
     def keys(self, block_hashes: Sequence[bytes], layer: int | None = None) -> list[str]:
-        """This rank's keys for the given blocks (in layerwise mode, for one layer)."""
+        """This rank's keys for the given blocks (in layerwise mode, for one layer); per-head
+        values: each block's heads in turn."""
         if (layer is None) != (self.layers == 0):
             raise ValueError(f"layer={layer} for a key scheme with layers={self.layers}")
+        if self.heads:
+            return [self.key(h, head, layer=layer) for h in block_hashes for head in self.head_range]
         return [self.key(h, layer=layer) for h in block_hashes]
 
     def all_rank_keys(self, block_hash: bytes) -> list[str]:
-        """The keys of every shard, PP stage (and layer) for one block: a block is a hit only if all exist."""
+        """The keys of every shard (or head), PP stage (and layer) for one block: a block is a hit
+        only if all exist."""
         layers = range(self.layers) if self.layers else [None]
         return [self.key(block_hash, s, p, layer) for p in range(self.pp_size)
-                for s in range(self.kv_shards) for layer in layers]
+                for s in range(self.heads or self.kv_shards) for layer in layers]
 
 
 def prefill_stage_schemes(scheme: KeyScheme, num_layers: int, prefill_pp_size: int,

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kvpool.device.layout import KVLayout
-from kvpool.errors import OK, ConfigError
+from kvpool.errors import OK, ConfigError, is_stored
 from kvpool.store import streamcopy
 
 # A backend's batch call: keys and, per key, the value's buffers -> one code per key.
@@ -63,6 +63,23 @@ class Copier(Protocol):
         """One line for the start-up log."""
 
 
+def per_block(codes: list[int], heads: int) -> list[int]:
+    """One code per block from one per value (`heads` values per block; 0: one). A block is OK
+    only if every head is; stored, if every head is stored (written now or already there)."""
+    if not heads:
+        return codes
+    out = []
+    for i in range(0, len(codes), heads):
+        part = codes[i:i + heads]
+        if all(c == OK for c in part):
+            out.append(OK)
+        elif all(is_stored(c) for c in part):  # written now (some heads) or already there (all)
+            out.append(OK if OK in part else part[0])
+        else:
+            out.append(next(c for c in part if not is_stored(c)))
+    return out
+
+
 def _zero(values: Sequence[Sequence[np.ndarray]]) -> None:
     for value in values:
         for buf in value:
@@ -83,19 +100,27 @@ class DirectCopier:
     def written(self) -> None:
         return None  # on the host the forward pass has finished writing when a save is queued
 
+    def _values(self, block_ids: Sequence[int], layers: range) -> list[list[np.ndarray]]:
+        """Per value, its views: one value per block, or, for a layout split by head, one per
+        head of each block in turn (the order of `KeyScheme.keys`)."""
+        if self.layout.heads:
+            return [self.layout.head_buffers(b, h, layers) for b in block_ids for h in range(self.layout.heads)]
+        return [self.layout.stage_buffers(b, layers) for b in block_ids]
+
     def save(self, keys: Sequence[str], block_ids: Sequence[int], layers: range, put: BatchCall,
              ready: torch.Event | None = None) -> list[int]:
-        return put(list(keys), [self.layout.stage_buffers(b, layers) for b in block_ids])
+        return per_block(put(list(keys), self._values(block_ids, layers)), self.layout.heads)
 
     def load(self, keys: Sequence[str], block_ids: Sequence[int], layers: range, get: BatchCall) -> list[int]:
-        values = [self.layout.stage_buffers(b, layers) for b in block_ids]
+        values = self._values(block_ids, layers)
         # The backend copies into the cache itself: a block that failed may hold part of a value.
         try:
-            codes = get(list(keys), values)
+            codes = per_block(get(list(keys), values), self.layout.heads)
         except BaseException:  # a store gone mid-copy: every block failed (the caller reports them)
             _zero(values)
             raise
-        _zero([value for value, code in zip(values, codes) if code != OK])
+        per = max(1, self.layout.heads)  # a block whose one head failed is failed whole
+        _zero([value for i, value in enumerate(values) if codes[i // per] != OK])
         return codes
 
     def describe(self) -> str:
@@ -265,5 +290,9 @@ class _NoStream:
 def make_copier(layout: KVLayout, transfer_path: str, staging_buffer_size: int) -> Copier:
     """The data path `transfer_path` asks for: `auto` stages only a cache off the host."""
     if transfer_path == "staged" or (transfer_path == "auto" and not layout.in_host_memory):
+        if layout.heads:
+            raise ConfigError("transfer_path", transfer_path,
+                              "direct (a KV cache in host memory) with share_across_tp: values per KV head "
+                              "are copied by the direct path only")
         return StagedCopier(layout, staging_buffer_size)
     return DirectCopier(layout)

@@ -65,6 +65,11 @@ def _as_words(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _host_views(t: torch.Tensor) -> list[np.ndarray]:
+    """uint8 numpy views of `t` ([num_blocks, ...], host memory), one per contiguous run of a block."""
+    return [s.view(s.shape[0], -1).view(torch.uint8).numpy() for s in _segments(t)]
+
+
 @dataclasses.dataclass
 class LayerView:
     """One layer's KV cache as `KVLayout` addresses it: its blocks as integer words (any device)
@@ -73,6 +78,8 @@ class LayerView:
     name: str
     blocks: torch.Tensor  # integer words, block dimension first, on the cache's device
     segments: list[np.ndarray]  # host caches only: each [num_blocks, segment_bytes], uint8 views
+    # Split by KV head (`heads`): per head, its views like `segments` (host caches only).
+    head_segments: list[list[np.ndarray]] = dataclasses.field(default_factory=list)
 
 
 class KVLayout:
@@ -84,7 +91,11 @@ class KVLayout:
     """
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int,
-                 num_layers_total: int, cache_layout: str) -> None:
+                 num_layers_total: int, cache_layout: str, heads: int = 0) -> None:
+        """`heads`: the KV heads a block of each layer holds, to address each head's bytes on
+        its own (`head_buffers`): a value per head is the same bytes whatever the TP size that
+        wrote it. The block's outermost dimension must be its heads (a head-major block, as
+        vLLM's CPU cache is); the fingerprint then describes one head's block."""
         self.layers: list[LayerView] = []
         first: torch.Tensor | None = None
         block_shape: tuple[int, ...] = ()
@@ -101,10 +112,16 @@ class KVLayout:
             as_words = _as_words(moved.view(torch.uint8))  # the last dimension becomes bytes, then words
             segs = []
             if t.device.type == "cpu":
-                for s in _segments(moved):
-                    flat = s.view(s.shape[0], -1)
-                    segs.append(flat.view(torch.uint8).numpy())
-            self.layers.append(LayerView(name, as_words, segs))
+                segs = _host_views(moved)
+            per_head = []
+            if heads:
+                if moved.dim() < 3 or moved.shape[1] != heads:
+                    raise ValueError(f"KV cache of layer {name} (block shape {tuple(moved.shape[1:])}) is not "
+                                     f"head-major with {heads} heads: its heads cannot be stored apart")
+                if t.device.type != "cpu":
+                    raise ValueError(f"the KV cache is on {t.device}: values per head need a cache in host memory")
+                per_head = [_host_views(moved.select(1, h)) for h in range(heads)]
+            self.layers.append(LayerView(name, as_words, segs, per_head))
         if first is None:
             raise ValueError("no KV cache tensors were registered")
         self.dtype = first.dtype
@@ -120,12 +137,20 @@ class KVLayout:
         self._first_segment = [0]
         for layer in self.layers:
             self._first_segment.append(self._first_segment[-1] + len(layer.segments))
+        self.heads = heads
+        # Per head, every layer's views of that head in one list (layers start where the whole
+        # block's do only when a head is one run per layer, so they keep their own index).
+        self._head_segments = [[seg for layer in self.layers for seg in layer.head_segments[h]]
+                               for h in range(heads)]
+        self._first_head_segment = [0]
+        for layer in self.layers:
+            self._first_head_segment.append(self._first_head_segment[-1] + (len(layer.head_segments[0]) if heads else 0))
         self.info = LayoutInfo(
             dtype=str(first.dtype).removeprefix("torch."),
             block_size=block_size,
-            block_shape=block_shape,
+            block_shape=block_shape[1:] if heads else block_shape,
             num_layers_total=num_layers_total,
-            cache_layout=cache_layout,
+            cache_layout=f"{cache_layout}:per-head" if heads else cache_layout,
         )
 
     @property
@@ -141,6 +166,13 @@ class KVLayout:
     def block_buffers(self, block_id: int) -> list[np.ndarray]:
         """The byte views that make up block `block_id` across all layers, in layer order."""
         return self.stage_buffers(block_id, range(len(self.layers)))
+
+    def head_buffers(self, block_id: int, head: int, layer_range: range) -> list[np.ndarray]:
+        """The byte views of KV head `head` (of this rank's) of block `block_id`, for a slice of
+        the layers, in layer order. Host caches split by head only."""
+        first = self._first_head_segment
+        start, stop = first[min(layer_range.start, len(self.layers))], first[min(layer_range.stop, len(self.layers))]
+        return [seg[block_id] for seg in self._head_segments[head][start:stop]]
 
     def stage_buffers(self, block_id: int, layer_range: range) -> list[np.ndarray]:
         """The byte views of block `block_id` for a slice of the layers (one PP stage's, or one

@@ -387,7 +387,7 @@ class OpenAIServer(ChildProcess):
         port: int | None = None,
         host: str = "127.0.0.1",
         max_model_len: int = 4096,
-        block_size: int = 128,
+        block_size: int | None = 128,  # None: vLLM's choice (it raises it for models with state layers)
         prefix_caching: bool = False,
         enforce_eager: bool = True,
         dtype: str = "auto",
@@ -414,7 +414,7 @@ class OpenAIServer(ChildProcess):
             "--port", str(self.port),
             "--served-model-name", self.served_model_name,
             "--max-model-len", str(max_model_len),
-            "--block-size", str(block_size),
+            *(("--block-size", str(block_size)) if block_size is not None else ()),
             "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
             "--dtype", dtype,
             "--max-num-batched-tokens", str(max_num_batched_tokens),

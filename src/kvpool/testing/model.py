@@ -118,6 +118,12 @@ SPECS = {
     # (kv_lora_rank 512 + rope 64: vLLM-CPU's MLA kernel takes no other), layer 0 dense, the
     # others MoE with 4 routed experts (top 2) and a shared one. vLLM-CPU forces 16-token blocks.
     "deepseek-v2": ModelSpec(family="deepseek-v2", num_key_value_heads=4, num_experts=4, experts_per_token=2),
+    # The `bench` width in Qwen3-Next's pattern: 9 gated-delta-net layers, 3 full attention, MoE.
+    "qwen3-next-bench": ModelSpec(
+        family="qwen3-next", hidden_size=768, intermediate_size=2560, num_hidden_layers=12,
+        num_attention_heads=12, num_key_value_heads=4, vocab_size=4096, num_experts=4, experts_per_token=2,
+        dtype="bfloat16",
+    ),
     # The `bench` geometry in Gemma 3's pattern (10 sliding : 2 full layers), with Gemma 3's
     # 1024-token window: a 4K or 8K prompt's hit needs a quarter or an eighth of a sliding layer.
     "gemma3-bench": ModelSpec(

@@ -175,7 +175,6 @@ class PoolWorker:
     # ---- set-up -------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        mc = self._vllm_config.model_config
         block_size = self._vllm_config.cache_config.block_size
         groups = pool_groups(self._kv_cache_config, block_size, getattr(self._kv_cache_config, "hash_block_size", None))
         if loads_by_request(groups) and self.config.use_layerwise:
@@ -185,59 +184,20 @@ class PoolWorker:
         if loads_by_request(groups) and self.config.prefill_pp_size:
             raise ConfigError("prefill_pp_size", self.config.prefill_pp_size,
                               f"unset for a model with {len(groups)} KV cache groups or a Mamba state (hybrid models)")
-        from vllm.platforms import current_platform
-
-        total_kv_heads = mc.get_total_num_kv_heads()
-        kv_shards = 1 if mc.use_mla else min(self.tp_size, total_kv_heads)
-        values = values_identity(mc, str(getattr(self._vllm_config.cache_config, "cache_dtype", "auto")))
-        # A staging buffer per group would multiply its memory: the groups share the budget.
-        staging = self.config.staging_buffer_size // len(groups)
-        for group in groups:
-            spec = self._kv_cache_config.kv_cache_groups[group.index].kv_cache_spec
-            caches = {name: kv_caches[name] for name in group.layer_names if name in kv_caches}
-            if not caches:
-                raise ConfigError(f"kv_cache_groups[{group.index}]", type(spec).__name__,
-                                  "a group whose layers have KV cache tensors of their own in this worker")
-            # A full-attention group's layout string is what it was before groups had kinds, so
-            # dense models keep their keys; a window or chunk is part of what the bytes mean.
-            extra = "" if group.kind in ("full", "mla") else f":{group.describe()}"
-            layout = KVLayout(
-                caches,
-                num_blocks=self._kv_cache_config.num_blocks,
-                block_size=block_size,
-                num_layers_total=mc.get_total_num_hidden_layers(),
-                cache_layout=f"{current_platform.device_type}:{type(spec).__name__}{extra}",
-            )
-            scheme = KeyScheme(
-                model=model_key_name(mc.model),
-                layout=layout.info.fingerprint(values=values),
-                tp_rank=self.tp_rank, tp_size=self.tp_size,
-                kv_shards=self.tp_size if group.per_rank else kv_shards,
-                pp_rank=self.pp_rank, pp_size=self.pp_size, group=group.index,
-                layers=len(layout.layers) if self.config.use_layerwise else 0,
-            )
-            put_targets = [(scheme, range(len(layout.layers)))]
-            # Only a decode node (kv_consumer) puts for the prefill nodes' PP stages; the flag
-            # means nothing on other roles (docs/configuration.md, roles).
-            if (self.config.kv_role == "kv_consumer" and self.config.consumer_is_to_put
-                    and self.config.prefill_pp_size and self.pp_size == 1):
-                from vllm.distributed.utils import get_pp_indices
-
-                n, size = len(layout.layers), self.config.prefill_pp_size
-                partition = self.config.prefill_pp_layer_partition or [
-                    end - start for start, end in (get_pp_indices(n, p, size) for p in range(size))]
-                put_targets = prefill_stage_schemes(scheme, n, size, partition)
-            copier = make_copier(layout, self.config.transfer_path, staging)
-            self.groups[group.index] = GroupIO(group, layout, scheme, copier, put_targets)
-        first = self.groups[groups[0].index]
-        self.layout, self.scheme = first.layout, first.scheme
-        self._align = alignment_blocks(self._kv_cache_config, block_size) if len(groups) > 1 else 1
-        self._failures_by_request = loads_by_request(groups)
         if self.config.use_layerwise and (self.pp_size > 1 or self.config.prefill_pp_size):
             raise ConfigError(
                 "use_layerwise", True,
                 f"false with pipeline parallelism (pp_size={self.pp_size}, prefill_pp_size="
                 f"{self.config.prefill_pp_size}): a layerwise key names a layer of one stage")
+        per_head = self._per_head_values()
+        # A staging buffer per group would multiply its memory: the groups share the budget.
+        staging = self.config.staging_buffer_size // len(groups)
+        for group in groups:
+            self.groups[group.index] = self._group_io(group, kv_caches, per_head, staging)
+        first = self.groups[groups[0].index]
+        self.layout, self.scheme = first.layout, first.scheme
+        self._align = alignment_blocks(self._kv_cache_config, block_size) if len(groups) > 1 else 1
+        self._failures_by_request = loads_by_request(groups)
         shared = REGISTRY[self.config.backend].capabilities.shared_across_processes
         if (self.tp_size > 1 or self.pp_size > 1) and not shared:
             raise ConfigError(
@@ -261,6 +221,73 @@ class PoolWorker:
             first.copier.describe(),
             "; layerwise: one value per block and layer" if self.scheme.layers else "",
         )
+
+    def _per_head_values(self) -> bool:
+        """Whether attention blocks are stored one value per KV head (`share_across_tp`). Not
+        for MLA, whose latent cache is one value every rank holds anyway; and only where vLLM
+        lays the cache out head-major (e.g. LBHNC), so a head's bytes of a block are runs of
+        their own."""
+        if not self.config.share_across_tp or self._vllm_config.model_config.use_mla:
+            return False
+        order = str(getattr(self._kv_cache_config, "kv_cache_layout", None) or "")
+        if not ("H" in order and "N" in order and order.index("H") < order.index("N")):
+            raise ConfigError("share_across_tp", True,
+                              f"false for this KV cache: vLLM lays it out as {order or 'an unnamed layout'}, "
+                              "not head-major (heads before tokens), so a head's bytes are not a value of their own")
+        return True
+
+    def _group_io(self, group: PoolGroup, kv_caches: dict[str, torch.Tensor], per_head: bool,
+                  staging: int) -> GroupIO:
+        """One group's layers as a layout, its key scheme, where its values go, and its copier."""
+        from vllm.platforms import current_platform
+
+        mc = self._vllm_config.model_config
+        spec = self._kv_cache_config.kv_cache_groups[group.index].kv_cache_spec
+        caches = {name: kv_caches[name] for name in group.layer_names if name in kv_caches}
+        if not caches:
+            raise ConfigError(f"kv_cache_groups[{group.index}]", type(spec).__name__,
+                              "a group whose layers have KV cache tensors of their own in this worker")
+        total_kv_heads = mc.get_total_num_kv_heads()
+        # A full-attention group's layout string is what it was before groups had kinds, so
+        # dense models keep their keys; a window, chunk or state is part of what the bytes mean.
+        extra = "" if group.kind in ("full", "mla") else f":{group.describe()}"
+        heads = total_kv_heads if per_head and group.positional else 0  # a Mamba state stays per rank
+        try:
+            layout = KVLayout(
+                caches,
+                num_blocks=self._kv_cache_config.num_blocks,
+                block_size=group.block_size,
+                num_layers_total=mc.get_total_num_hidden_layers(),
+                cache_layout=f"{current_platform.device_type}:{type(spec).__name__}{extra}",
+                heads=max(1, total_kv_heads // self.tp_size) if heads else 0,
+            )
+        except ValueError as e:
+            if not heads:
+                raise
+            raise ConfigError("share_across_tp", True, f"false for this KV cache: {e}") from None
+        kv_shards = 1 if mc.use_mla else min(self.tp_size, total_kv_heads)
+        scheme = KeyScheme(
+            model=model_key_name(mc.model),
+            layout=layout.info.fingerprint(
+                values=values_identity(mc, str(getattr(self._vllm_config.cache_config, "cache_dtype", "auto")))),
+            tp_rank=self.tp_rank, tp_size=self.tp_size,
+            kv_shards=self.tp_size if group.per_rank else kv_shards,
+            pp_rank=self.pp_rank, pp_size=self.pp_size, group=group.index,
+            layers=len(layout.layers) if self.config.use_layerwise else 0,
+            heads=heads,
+        )
+        put_targets = [(scheme, range(len(layout.layers)))]
+        # Only a decode node (kv_consumer) puts for the prefill nodes' PP stages; the flag means
+        # nothing on other roles (docs/configuration.md, roles).
+        if (self.config.kv_role == "kv_consumer" and self.config.consumer_is_to_put
+                and self.config.prefill_pp_size and self.pp_size == 1):
+            from vllm.distributed.utils import get_pp_indices
+
+            n, size = len(layout.layers), self.config.prefill_pp_size
+            partition = self.config.prefill_pp_layer_partition or [
+                end - start for start, end in (get_pp_indices(n, p, size) for p in range(size))]
+            put_targets = prefill_stage_schemes(scheme, n, size, partition)
+        return GroupIO(group, layout, scheme, make_copier(layout, self.config.transfer_path, staging), put_targets)
 
     # ---- lookup (rank 0) ------------------------------------------------------------------
 
@@ -385,15 +412,15 @@ class PoolWorker:
         try:
             codes = io.copier.load(keys, task.block_ids, layers, self.backend.batch_get_into)
         except Exception as e:  # the store went away: every block of this load failed
-            logger.warning("kvpool load of %d blocks for %s failed: %s", len(keys), task.req_id, e)
-            codes = [int(ErrorCode.RPC_FAIL)] * len(keys)
+            logger.warning("kvpool load of %d blocks for %s failed: %s", len(task.block_ids), task.req_id, e)
+            codes = [int(ErrorCode.RPC_FAIL)] * len(task.block_ids)
         failed = {b for b, c in zip(task.block_ids, codes) if c != ErrorCode.OK}
-        ok = len(keys) - len(failed)
+        ok = len(task.block_ids) - len(failed)
         if failed:
             first_bad = next(c for c in codes if c != ErrorCode.OK)
             logger.warning(
                 "kvpool: %d of %d blocks of request %s failed to load (%s); vLLM will handle them "
-                "per kv_load_failure_policy", len(failed), len(keys), task.req_id, _code_name(first_bad),
+                "per kv_load_failure_policy", len(failed), len(task.block_ids), task.req_id, _code_name(first_bad),
             )
         seconds = time.perf_counter() - t0
         self._count(load_blocks=ok if count_blocks else 0, load_bytes=ok * io.layout.layer_block_bytes * len(layers),
@@ -503,17 +530,17 @@ class PoolWorker:
             # OBJECT_ALREADY_EXISTS for a block the pool has (some stores say OK for both).
             codes = io.copier.save(keys, task.block_ids, layers, self.backend.batch_put, ready)
         except Exception as e:
-            logger.warning("kvpool save of %d blocks for %s failed: %s", len(keys), task.req_id, e)
-            self._count(save_failed_blocks=len(keys) if count_blocks else 0)
-            self._observe("save", time.perf_counter() - t0, [int(ErrorCode.RPC_FAIL)] * len(keys) if count_blocks else ())
+            logger.warning("kvpool save of %d blocks for %s failed: %s", len(task.block_ids), task.req_id, e)
+            self._count(save_failed_blocks=len(task.block_ids) if count_blocks else 0)
+            self._observe("save", time.perf_counter() - t0, [int(ErrorCode.RPC_FAIL)] * len(task.block_ids) if count_blocks else ())
             return
         skipped = sum(1 for c in codes if c == ErrorCode.OBJECT_ALREADY_EXISTS)
         failed = sum(1 for c in codes if not is_stored(c))
         if failed:
             first_bad = next(c for c in codes if not is_stored(c))
             logger.warning("kvpool: %d of %d blocks of %s were not saved (%s)",
-                           failed, len(keys), task.req_id, _code_name(first_bad))
-        saved = len(keys) - skipped - failed
+                           failed, len(task.block_ids), task.req_id, _code_name(first_bad))
+        saved = len(task.block_ids) - skipped - failed
         value_bytes = io.layout.layer_block_bytes * len(layers)
         if not count_blocks:  # layerwise: a block counts once, with its last layer
             saved_blocks = skipped_blocks = failed_blocks = 0

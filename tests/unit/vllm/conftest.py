@@ -60,7 +60,8 @@ def make_worker(monkeypatch) -> Iterator[WorkerFactory]:
     def factory(extra: dict[str, Any] | None = None, role: str = "kv_both", *, backend: DictBackend | None = None,
                 tp: tuple[int, int] = (0, 1), pp: tuple[int, int] = (0, 1), kv_heads: int = 2,
                 seed: int = 0, model: dict[str, Any] | None = None,
-                kv_cache_config: KVCacheConfig | None = None) -> tuple[PoolWorker, dict[str, torch.Tensor], DictBackend]:
+                kv_cache_config: KVCacheConfig | None = None,
+                kv_caches: dict[str, torch.Tensor] | None = None) -> tuple[PoolWorker, dict[str, torch.Tensor], DictBackend]:
         backend = backend if backend is not None else DictBackend(shared=tp[1] > 1 or pp[1] > 1)
         # The worker imports these at construction time, so patching the module is enough.
         monkeypatch.setattr(parallel_state, "get_tp_group", lambda: SimpleNamespace(rank_in_group=tp[0], world_size=tp[1]))
@@ -69,7 +70,7 @@ def make_worker(monkeypatch) -> Iterator[WorkerFactory]:
         worker = PoolWorker(make_vllm_config(kv_heads=kv_heads, **(model or {})), load_config(extra, role),
                             kv_cache_config or make_kv_cache_config())
         workers.append(worker)
-        caches = make_kv_caches(seed)
+        caches = kv_caches if kv_caches is not None else make_kv_caches(seed)
         worker.register_kv_caches(caches)
         return worker, caches, backend
 
