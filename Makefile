@@ -45,7 +45,7 @@ test-fast: $(STAMP)
 test-models: $(STAMP)
 	KVPOOL_TEST_FAMILIES=all $(BIN)/python -m pytest -q -p no:cacheprovider -rs tests/vllm/test_hybrid_models.py \
 		tests/vllm/test_state_models.py tests/vllm/test_kv_cache_dtypes.py tests/vllm/test_models_pd.py \
-		tests/vllm/test_tp_sizes.py
+		tests/vllm/test_tp_sizes.py tests/vllm/test_mla_models.py
 
 # Each benchmark writes benchmarks/results/NAME.json and NAME.png (benchmarks/replot.py redraws the
 # PNGs from the JSON). benchmarks/device.py is not here: it is the check for an accelerator machine.

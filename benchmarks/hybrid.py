@@ -124,7 +124,8 @@ def run_config(name: str, model_dir: Path, workdir: Path, args: argparse.Namespa
                 **({"loaded_bytes": statistics.median(moved), "saved_bytes": statistics.median(saved)}
                    if pooled else {}),
             }
-            log(f"{name} {size}: cold {out['sizes'][size]['cold_ms']:.0f} ms, hit {out['sizes'][size]['hit_ms']} ms")
+            log(f"{name} {size}: cold {out['sizes'][size]['cold_ms']:.0f} ms, hits (ms, cached tokens) "
+                f"{[(round(ms, 1), c) for ms, c in hits]}")
     finally:
         srv.stop()
     return out

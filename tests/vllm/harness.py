@@ -356,3 +356,12 @@ def read_pool_values(socket_path: str, keys: list[str], size: int) -> list[bytes
         bufs = [np.zeros(size, np.uint8) for _ in keys]
         codes = client.get_into(keys, [[b] for b in bufs])
     return [b.tobytes() if code == OK else None for b, code in zip(bufs, codes)]
+
+
+def remove_pool_values(socket_path: str, keys: list[str]) -> list[int]:
+    """Remove `keys` from the `kvpool server` at `socket_path` (so the next lookup misses them);
+    the store's code per key (0: removed)."""
+    from kvpool.server.client import PoolClient
+
+    with PoolClient(socket_path, "test-remover", ping=False) as client:
+        return client.remove(keys)

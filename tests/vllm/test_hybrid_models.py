@@ -8,8 +8,8 @@ model, through `local` and through `kvpool server`, and move of each sliding gro
 blocks of its window.
 
 `make test` runs one sliding multi-group family (GPT-OSS: alternating sliding/full layers,
-attention sinks, MoE); `make test-models` (KVPOOL_TEST_FAMILIES=all) adds Gemma 3 (5 sliding
-layers : 1 full, six groups).
+attention sinks, MoE) through `local`; `make test-models` (KVPOOL_TEST_FAMILIES=all) adds
+Gemma 3 (5 sliding layers : 1 full, six groups) and `kvpool server` for both.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from kvpool.testing.launch import PoolServer
 
 pytestmark = pytest.mark.vllm
 
-FAMILIES = ["gpt-oss"] + (["gemma3"] if os.environ.get("KVPOOL_TEST_FAMILIES") == "all" else [])
+FULL = os.environ.get("KVPOOL_TEST_FAMILIES") == "all"  # `make test-models`
+FAMILIES = ["gpt-oss"] + (["gemma3"] if FULL else [])
 
 # 900 tokens: 7 whole blocks and a partial one, prefilled in two chunks (512 + 388).
 LONG = tokens(900, seed=401)
@@ -52,7 +53,7 @@ def reference(family):
         yield [e.generate(PROMPTS), e.generate(PROMPTS)]
 
 
-@pytest.fixture(scope="module", params=["local", "server"])
+@pytest.fixture(scope="module", params=["local"] + (["server"] if FULL else []))
 def pooled(request, family, reference, tmp_path_factory):
     """vLLM with kvpool (`local`, or a `kvpool server`) and no prefix cache of its own: round 2
     hits only through the pool."""

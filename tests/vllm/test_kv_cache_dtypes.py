@@ -3,20 +3,19 @@
 vLLM-CPU accepts `auto`, `fp8`, `fp8_e4m3` and `fp8_e5m2`. An fp8 cache is bytes whatever the
 encoding, so the encoding is part of every key's layout fingerprint (unit-tested in
 tests/unit/vllm/test_worker.py); here a pool hit on an fp8 cache must equal vLLM's own
-prefix-cache hit on the same cache dtype. `make test` runs `fp8_e5m2`; `make test-models` all.
+prefix-cache hit on the same cache dtype. `make test-models` runs `fp8_e5m2`, `fp8` and
+`fp8_e4m3` (`make test` none: the keying is a unit test).
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
 from harness import BLOCK, Engine, kvpool_config, tokens
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.models]
 
-DTYPES = ["fp8_e5m2"] + (["fp8", "fp8_e4m3"] if os.environ.get("KVPOOL_TEST_FAMILIES") == "all" else [])
+DTYPES = ["fp8_e5m2", "fp8", "fp8_e4m3"]
 PROMPTS = [tokens(900, seed=501), tokens(5 * BLOCK + 3, seed=502)]
 
 

@@ -151,6 +151,10 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
 
+    def register_finished_partial_tail(self, request: Request, block_ids: tuple[list[int], ...],
+                                       partial_tail_offloads: list[tuple[int, int, int]]) -> bool:
+        return self._scheduler.register_finished_partial_tail(request, partial_tail_offloads)
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._scheduler.update_connector_output(connector_output)
 

@@ -117,6 +117,7 @@ class PoolScheduler:
         self._local_blocks: dict[str, int] = {}  # request -> blocks vLLM's prefix cache supplies
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[BlockTask] = []
+        self._finished_state_saves: list[BlockTask] = []  # Mamba states of requests that just finished
         self._finished_with_io: list[str] = []
         self._awaiting_free: set[str] = set()
         self._step_has_sync_loads = False  # this step's saves carry prior_block_ids
@@ -232,27 +233,44 @@ class PoolScheduler:
     def _plan_state_saves(self, scheduler_output: SchedulerOutput, meta: KVPoolMetadata) -> None:
         """The Mamba states vLLM cached this step (its boundary hand-offs: group, block, tokens),
         saved before the step returns: vLLM writes them in this step's forward pass and may
-        reuse the block two steps later. Only states of the prompt, at a whole block, computed
-        by this request (not one it loaded or found in vLLM's cache)."""
+        reuse the block two steps later."""
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         offloads = getattr(block_state, "boundary_state_offloads", None) or {}
         for req_id, entries in offloads.items():
-            state = self._requests.get(req_id)
-            if state is None:
+            if (state := self._requests.get(req_id)) is not None:
+                meta.saves += self._state_tasks(state, entries, save_now=True)
+        meta.saves += self._finished_state_saves
+        self._finished_state_saves = []
+
+    def _state_tasks(self, state: _RequestState, entries: list[tuple[int, int, int]], save_now: bool) -> list[BlockTask]:
+        """Save tasks for the states of (group, block, tokens) entries: only states of the
+        prompt, at a whole block, computed by this request (not one it loaded or found in vLLM's
+        cache)."""
+        req = state.request
+        by_group: dict[int, list[tuple[bytes, int]]] = {}
+        for group, block_id, boundary in entries:
+            last = boundary // self.block_size - 1  # the block the state ends
+            if (group not in self._state_groups or block_id == NULL_BLOCK_ID or boundary % self.block_size
+                    or boundary > req.num_prompt_tokens or last < state.reused_upto
+                    or last >= len(req.block_hashes)):
                 continue
-            req = state.request
-            by_group: dict[int, list[tuple[bytes, int]]] = {}
-            for group, block_id, boundary in entries:
-                last = boundary // self.block_size - 1  # the block the state ends
-                if (group not in self._state_groups or block_id == NULL_BLOCK_ID or boundary % self.block_size
-                        or boundary > req.num_prompt_tokens or last < state.reused_upto
-                        or last >= len(req.block_hashes)):
-                    continue
-                by_group.setdefault(group, []).append((req.block_hashes[last], block_id))
-            for group, pairs in by_group.items():
-                meta.saves.append(BlockTask(req_id=req_id, block_hashes=[h for h, _ in pairs],
-                                            block_ids=[b for _, b in pairs], group=group, save_now=True))
-                state.has_io = True
+            by_group.setdefault(group, []).append((req.block_hashes[last], block_id))
+        if by_group:
+            state.has_io = True
+        return [BlockTask(req_id=req.request_id, block_hashes=[h for h, _ in pairs], block_ids=[b for _, b in pairs],
+                          group=group, save_now=save_now) for group, pairs in by_group.items()]
+
+    def register_finished_partial_tail(self, request: Request, entries: list[tuple[int, int, int]]) -> bool:
+        """A finishing request's last prompt state that vLLM kept in its own table block (the
+        "partial tail": a chunk did not end there, the forward pass exported it): saved at the
+        next step, its blocks held until then (the request's delayed free, `request_finished`)."""
+        state = self._requests.get(request.request_id)
+        # One that finishes during its own async load is freed by vLLM, not held for us.
+        if state is None or state.async_loading or not self._state_groups or not self.config.saves:
+            return False
+        tasks = self._state_tasks(state, entries, save_now=False)
+        self._finished_state_saves += tasks
+        return bool(tasks)
 
     def _plan_save(self, state: _RequestState, computed_tokens: int, meta: KVPoolMetadata) -> None:
         req = state.request

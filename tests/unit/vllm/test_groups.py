@@ -426,3 +426,28 @@ def test_a_single_group_models_keys_are_unchanged(make_worker):
     assert worker.scheme.group == 0 and list(worker.groups) == [0]
     assert worker.layout.info.cache_layout == "cpu:FullAttentionSpec"
 
+
+
+def test_a_finishing_requests_last_state_is_saved_and_its_blocks_held(fake_lookup):
+    # vLLM kept the prompt's last state in the request's own table block (its forward pass
+    # exported it mid-chunk) and hands it over as the request finishes.
+    sched = mamba_scheduler()
+    req = make_request("a", 3 * BS + 1)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, kv_blocks([], []), 0)
+    sched.build_connector_meta(scheduler_output(new=[(new_req(req, ([1, 2, 3, 4], [0, 0, 0, 5]), 0), 3 * BS + 1)]))
+    assert sched.register_finished_partial_tail(req, [(1, 5, 3 * BS), (0, 4, 3 * BS)]) is True
+    assert sched.request_finished(req, ([1, 2, 3, 4], [0, 0, 0, 5])) == (True, None)
+    meta = sched.build_connector_meta(scheduler_output())
+    assert by_group(meta.saves) == {1: (req.block_hashes[2:3], [5], False)}  # later, on the transfer thread
+    assert meta.finished_with_io == ["a"]  # held until the workers report that save done
+
+
+def test_no_partial_tail_is_taken_for_a_request_finishing_in_its_async_load(fake_lookup):
+    sched = mamba_scheduler()
+    req = make_request("a", 3 * BS + 1)
+    fake_lookup.pooled.update(req.block_hashes)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, kv_blocks([1, 2, 3, 4], [0, 0, 5, 0]), 3 * BS)
+    # vLLM frees such a request itself once its load is reported: nothing may hold its blocks.
+    assert sched.register_finished_partial_tail(req, [(1, 5, 3 * BS)]) is False
