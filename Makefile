@@ -52,6 +52,8 @@ test-models: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/store.py
 	$(BIN)/python benchmarks/hitpath.py
+	$(BIN)/python benchmarks/hybrid.py
+	$(BIN)/python benchmarks/hybrid.py --spec qwen3-next-bench
 	$(BIN)/python benchmarks/ttft.py
 	$(BIN)/python benchmarks/pd.py
 	$(BIN)/python benchmarks/chaos.py
@@ -62,6 +64,7 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/store.py --quick
 	$(BIN)/python benchmarks/hitpath.py --quick
+	$(BIN)/python benchmarks/hybrid.py --quick
 	$(BIN)/python benchmarks/ttft.py --quick
 	$(BIN)/python benchmarks/pd.py --quick
 	$(BIN)/python benchmarks/chaos.py --quick

@@ -118,6 +118,7 @@ class PoolScheduler:
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[BlockTask] = []
         self._finished_state_saves: list[BlockTask] = []  # Mamba states of requests that just finished
+        self._warned_hash_size = False
         self._finished_with_io: list[str] = []
         self._awaiting_free: set[str] = set()
         self._step_has_sync_loads = False  # this step's saves carry prior_block_ids
@@ -130,7 +131,7 @@ class PoolScheduler:
         # loaded from the pool: offering them to the pool again on every turn of a conversation
         # would only cost put-if-absent round trips. The last call before allocation counts.
         self._local_blocks[request.request_id] = num_computed_tokens // self.block_size
-        if self._client is None:
+        if self._client is None or not self._hashed_per_block(request):
             return 0, False
         hashes = request.block_hashes
         if (state := self._requests.get(request.request_id)) is not None and state.pool_limit is not None:
@@ -247,6 +248,8 @@ class PoolScheduler:
         prompt, at a whole block, computed by this request (not one it loaded or found in vLLM's
         cache)."""
         req = state.request
+        if not self._hashed_per_block(req):
+            return []
         by_group: dict[int, list[tuple[bytes, int]]] = {}
         for group, block_id, boundary in entries:
             last = boundary // self.block_size - 1  # the block the state ends
@@ -272,9 +275,23 @@ class PoolScheduler:
         self._finished_state_saves += tasks
         return bool(tasks)
 
+    def _hashed_per_block(self, request: Request) -> bool:
+        """Whether vLLM hashes this request per pool block. A finer hash (vLLM's
+        `--prefix-match-unit`, or a hybrid model whose groups got other block sizes) would put a
+        block's bytes under the hash of a shorter prefix, which another prompt may share: such a
+        request is neither looked up nor saved, and that is said once."""
+        if len(request.block_hashes) <= request.num_tokens // self.block_size:
+            return True
+        if not self._warned_hash_size:
+            self._warned_hash_size = True
+            logger.error("kvpool: vLLM hashes prompts in units smaller than the %d-token block (%d hashes for %d "
+                         "tokens); kvpool neither looks up nor saves them. Unset --prefix-match-unit",
+                         self.block_size, len(request.block_hashes), request.num_tokens)
+        return False
+
     def _plan_save(self, state: _RequestState, computed_tokens: int, meta: KVPoolMetadata) -> None:
         req = state.request
-        if not state.block_ids:
+        if not state.block_ids or not self._hashed_per_block(req):
             return
         end = min(computed_tokens, req.num_prompt_tokens) // self.block_size
         end = min(end, len(req.block_hashes), *(len(state.block_ids[g.index]) for g in self._groups))

@@ -451,3 +451,16 @@ def test_no_partial_tail_is_taken_for_a_request_finishing_in_its_async_load(fake
     sched.update_state_after_alloc(req, kv_blocks([1, 2, 3, 4], [0, 0, 5, 0]), 3 * BS)
     # vLLM frees such a request itself once its load is reported: nothing may hold its blocks.
     assert sched.register_finished_partial_tail(req, [(1, 5, 3 * BS)]) is False
+
+
+def test_a_request_hashed_finer_than_a_block_is_neither_looked_up_nor_saved(fake_lookup):
+    # vLLM hashing per half block (`--prefix-match-unit`): block i's bytes would be keyed by the
+    # hash of a shorter prefix than theirs, which another prompt could share.
+    sched = hybrid_scheduler()
+    req = make_request("a", 4 * BS + 1, block_size=BS // 2)
+    fake_lookup.pooled.update(req.block_hashes)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert fake_lookup.instances[0].calls == []
+    sched.update_state_after_alloc(req, kv_blocks([], []), 0)
+    meta = sched.build_connector_meta(scheduler_output(new=[(new_req(req, ([1, 2, 3, 4], [5, 6, 7, 8]), 0), 4 * BS + 1)]))
+    assert meta.saves == []
