@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import random
@@ -17,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvpool.testing.launch import private_temp_env
+from kvpool.testing.launch import IN_PROCESS_WORKER_ENV, OpenAIServer, PoolServer, private_temp_env
 
 HERE = Path(__file__).parent
 BLOCK = 128
@@ -365,3 +366,36 @@ def remove_pool_values(socket_path: str, keys: list[str]) -> list[int]:
 
     with PoolClient(socket_path, "test-remover", ping=False) as client:
         return client.remove(keys)
+
+
+@contextlib.contextmanager
+def instances_on_one_pool(model: str, tmp: Path, count: int, lookup_port_base: int,
+                          pool_args: tuple[str, ...] = ()):
+    """A `kvpool server` and `count` vLLM OpenAI servers (PD-mixed, prefix caching on, the model
+    run in the engine core's process) using it, started together; yields (pool, servers) and
+    stops them all, whatever happened."""
+    sock = str(tmp / "pool.sock")
+    pool = PoolServer(sock, memory_size="512MB", log_path=tmp / "pool.log", extra_args=list(pool_args))
+    servers = [
+        OpenAIServer(model, served_model_name="model", block_size=BLOCK, prefix_caching=True, dtype="float32",
+                     max_num_batched_tokens=512, log_path=tmp / f"instance{i}.log", startup_timeout_s=600,
+                     env={"VLLM_RPC_BASE_PATH": str(tmp), **IN_PROCESS_WORKER_ENV},
+                     kv_transfer_config={
+                         "kv_connector": "KVPoolConnector", "kv_role": "kv_both",
+                         "kv_load_failure_policy": "recompute",
+                         "kv_connector_extra_config": {"backend": "server", "server_socket": sock,
+                                                       "lookup_rpc_port": lookup_port_base + i}})
+        for i in range(count)]
+    started = []
+    try:
+        pool.start()
+        started.append(pool)
+        for s in servers:  # start-ups overlap
+            s.start(wait=False)
+            started.append(s)
+        for s in servers:
+            s.wait_ready()
+        yield pool, servers
+    finally:
+        for p in reversed(started):
+            p.stop()

@@ -26,9 +26,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from harness import BLOCK, tokens, whole
+from harness import BLOCK, instances_on_one_pool, tokens, whole
 from kvpool.metrics import catalog
-from kvpool.testing.launch import IN_PROCESS_WORKER_ENV, OpenAIServer, PoolServer, ProxyServer, stream_completion
+from kvpool.testing.launch import ProxyServer, stream_completion
 from kvpool.testing.metrics import dashboard_problems, families, scrape_problems, value
 
 pytestmark = pytest.mark.vllm
@@ -45,36 +45,15 @@ FOLLOW_UP = [tokens(100, seed=9111), tokens(100, seed=9112)]
 @pytest.fixture(scope="module")
 def mixed_deployment(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("routing")
-    sock = str(tmp / "pool.sock")
-    pool = PoolServer(sock, memory_size="512MB", log_path=tmp / "pool.log", extra_args=["--metrics_port", "0"])
-    servers = [
-        OpenAIServer(model_dir, served_model_name="model", block_size=BLOCK, prefix_caching=True, dtype="float32",
-                     max_num_batched_tokens=512, log_path=tmp / f"mixed{i}.log", startup_timeout_s=600,
-                     env={"VLLM_RPC_BASE_PATH": str(tmp), **IN_PROCESS_WORKER_ENV},
-                     kv_transfer_config={
-                         "kv_connector": "KVPoolConnector", "kv_role": "kv_both",
-                         "kv_load_failure_policy": "recompute",
-                         "kv_connector_extra_config": {"backend": "server", "server_socket": sock,
-                                                       "lookup_rpc_port": 9120 + i}})
-        for i in range(2)]
-    proxy = ProxyServer([], [], instance_ports=[s.port for s in servers], log_path=tmp / "proxy.log",
-                        extra_args=["--routing-policy", "prefix_aware", "--log-level", "warning"],
-                        env={**os.environ, "KVPOOL_PROXY_ADMIN_TOKEN": TOKEN})
-    started = []
-    try:
-        pool.start()
-        started.append(pool)
-        for s in servers:  # start-ups overlap
-            s.start(wait=False)
-            started.append(s)
-        for s in servers:
-            s.wait_ready()
+    with instances_on_one_pool(model_dir, tmp, 2, 9120, pool_args=("--metrics_port", "0")) as (pool, servers):
+        proxy = ProxyServer([], [], instance_ports=[s.port for s in servers], log_path=tmp / "proxy.log",
+                            extra_args=["--routing-policy", "prefix_aware", "--log-level", "warning"],
+                            env={**os.environ, "KVPOOL_PROXY_ADMIN_TOKEN": TOKEN})
         proxy.start()
-        started.append(proxy)
-        yield proxy, servers, pool
-    finally:
-        for p in reversed(started):
-            p.stop()
+        try:
+            yield proxy, servers, pool
+        finally:
+            proxy.stop()
 
 
 def test_a_conversation_sticks_to_its_instance_and_hits_like_vllms_own_prefix_cache(mixed_deployment, reference):

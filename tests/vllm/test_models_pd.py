@@ -11,8 +11,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from harness import BLOCK, tokens, whole
-from kvpool.testing.launch import IN_PROCESS_WORKER_ENV, OpenAIServer, PoolServer, ProxyServer
+from harness import instances_on_one_pool, tokens, whole
+from kvpool.testing.launch import ProxyServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.models]
 
@@ -23,31 +23,8 @@ def pd_pair(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("pd-hybrid")
     model = str(build_model(tmp / "gpt-oss", SPECS["gpt-oss"]))
-    sock = str(tmp / "pool.sock")
-    pool = PoolServer(sock, memory_size="512MB", log_path=tmp / "pool.log")
-    servers = [
-        OpenAIServer(model, served_model_name="model", block_size=BLOCK, prefix_caching=True, dtype="float32",
-                     max_num_batched_tokens=512, log_path=tmp / f"instance{i}.log", startup_timeout_s=600,
-                     env={"VLLM_RPC_BASE_PATH": str(tmp), **IN_PROCESS_WORKER_ENV},
-                     kv_transfer_config={
-                         "kv_connector": "KVPoolConnector", "kv_role": "kv_both",
-                         "kv_load_failure_policy": "recompute",
-                         "kv_connector_extra_config": {"backend": "server", "server_socket": sock,
-                                                       "lookup_rpc_port": 9320 + i}})
-        for i in range(2)]
-    started = []
-    try:
-        pool.start()
-        started.append(pool)
-        for s in servers:  # start-ups overlap
-            s.start(wait=False)
-            started.append(s)
-        for s in servers:
-            s.wait_ready()
+    with instances_on_one_pool(model, tmp, 2, 9320) as (_, servers):
         yield servers
-    finally:
-        for p in reversed(started):
-            p.stop()
 
 
 def test_a_hybrid_model_through_the_pd_proxy_equals_its_own_prefix_cache_hit(pd_pair, tmp_path):
