@@ -33,9 +33,10 @@ from kvpool.errors import ConfigError
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-# vLLM's null block: the first block of its pool, standing in the block table of a sliding-window
-# or chunked-local group for positions whose KV no longer exists (out of the window). It holds
-# nothing: never loaded into, never saved. (Only those groups' tables hold it.)
+# vLLM's null block: the first block of its pool, standing in the block table of a sliding-window,
+# chunked-local or Mamba group for positions whose KV or state no longer exists (out of the
+# window, or a state the next boundary replaced). It holds nothing: never loaded into, never
+# saved. (Only those groups' tables hold it.)
 NULL_BLOCK_ID = 0
 
 FULL, MLA, SLIDING, CHUNKED_LOCAL, MAMBA = "full", "mla", "sliding", "chunked_local", "mamba"
