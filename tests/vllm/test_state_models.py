@@ -13,9 +13,13 @@ bf16, and vLLM raises the block size to fit a state in a page (640 tokens for th
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import pytest
 
 from harness import Engine, kvpool_config, tokens
+from kvpool.testing.launch import PoolServer
 
 pytestmark = pytest.mark.vllm
 
@@ -24,6 +28,7 @@ pytestmark = pytest.mark.vllm
 PROMPTS = [tokens(900, seed=601), tokens(2200, seed=602)]
 HITS = [640, 1920]
 ENGINE = {"dtype": "bfloat16", "block_size": None, "prefix_caching": True}
+FULL = os.environ.get("KVPOOL_TEST_FAMILIES") == "all"  # `make test-models`: through `kvpool server` too
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +45,18 @@ def reference(model):
         yield [e.generate(PROMPTS), e.generate(PROMPTS)]
 
 
-@pytest.fixture(scope="module")
-def pooled(model, reference):
-    """vLLM with kvpool: round 1 cold; vLLM's prefix cache emptied; round 2 from the pool."""
-    with Engine(model, kv_transfer_config=kvpool_config(), **ENGINE) as e:
+@pytest.fixture(scope="module", params=["local"] + (["server"] if FULL else []))
+def pooled(request, model, reference, tmp_path_factory):
+    """vLLM with kvpool (`local`, or a `kvpool server` in `make test-models`): round 1 cold;
+    vLLM's prefix cache emptied; round 2 from the pool."""
+    with contextlib.ExitStack() as stack:
+        config = kvpool_config()
+        if request.param == "server":
+            tmp = tmp_path_factory.mktemp("pool")
+            sock = str(tmp / "pool.sock")
+            stack.enter_context(PoolServer(sock, memory_size="512MB", log_path=tmp / "pool.log"))
+            config = kvpool_config(backend="server", server_socket=sock)
+        e = stack.enter_context(Engine(model, kv_transfer_config=config, **ENGINE))
         since = e.mark()
         cold = e.generate(PROMPTS)
         first = e.counters(since)

@@ -107,6 +107,8 @@ SPECS = {
         hidden_size=768, intermediate_size=2560, num_hidden_layers=12,
         num_attention_heads=12, num_key_value_heads=4, vocab_size=4096,
     ),
+    # A sliding window (256 tokens, two blocks) on every layer: one KV cache group.
+    "mistral": ModelSpec(family="mistral", sliding_window=256),
     # Hybrid attention: 5 sliding-window layers to 1 full-attention layer (Gemma 3's pattern),
     # head_dim 64. The window spans two of vLLM-CPU's 128-token blocks.
     "gemma3": ModelSpec(family="gemma3", num_hidden_layers=6, sliding_window=256),
@@ -277,6 +279,15 @@ def _llama_config(spec: ModelSpec) -> Any:
     return LlamaConfig(**_common(spec), torch_dtype=spec.dtype)
 
 
+def _mistral_config(spec: ModelSpec) -> Any:
+    """Mistral: a sliding window on every layer (one KV cache group)."""
+    from transformers import MistralConfig
+
+    _require(spec, sliding=True, moe=False)
+    return MistralConfig(**_common(spec), head_dim=spec.hidden_size // spec.num_attention_heads,
+                         sliding_window=spec.sliding_window, torch_dtype=spec.dtype)
+
+
 def _gemma3_config(spec: ModelSpec) -> Any:
     """Gemma 3 text-only: every sixth layer full attention, the others sliding (HF's default
     pattern, spelled out in `layer_types`)."""
@@ -367,6 +378,7 @@ class _Family(NamedTuple):
 _FULL, _SLIDING, _LINEAR = "full_attention", "sliding_attention", "linear_attention"
 _FAMILIES: dict[str, _Family] = {
     "llama": _Family(_llama_config, "LlamaForCausalLM", lambda i: _FULL),
+    "mistral": _Family(_mistral_config, "MistralForCausalLM", lambda i: _SLIDING),
     "gemma3": _Family(_gemma3_config, "Gemma3ForCausalLM", lambda i: _FULL if (i + 1) % 6 == 0 else _SLIDING),
     # vLLM's gpt-oss slides on even layers whatever the config's layer_types say.
     "gpt-oss": _Family(_gpt_oss_config, "GptOssForCausalLM", lambda i: _SLIDING if i % 2 == 0 else _FULL),
