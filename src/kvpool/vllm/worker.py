@@ -13,9 +13,11 @@ Invariants:
 - The pool is touched only through `Backend` and the copier; nothing here knows which store it is.
 - With several KV cache groups (hybrid models), each group has its own layers, layout, keys and
   copier (`GroupIO`), and a block id means a block of the task's own group only. A save of a
-  group whose blocks vLLM frees while the request runs (sliding window, chunked local) reads
-  them before `wait_for_save` returns. A failed load is reported by request
-  (`failed_recving`): vLLM cannot map block ids of several groups back to requests.
+  group whose blocks vLLM frees while the request runs (sliding window, chunked local, a Mamba
+  state) reads them before `wait_for_save` returns. A failed load of such a model is reported
+  by request (`failed_recving`): vLLM cannot map block ids of several groups back to requests.
+- With `share_across_tp`, a block's value per KV head holds exactly that head's bytes, in the
+  same order whatever the TP size that wrote it; a block loads only if every head it needs does.
 """
 
 from __future__ import annotations
