@@ -61,6 +61,16 @@ def lookup_port() -> str:
     return f"{os.getpid() % 1000}{next(_port)}"
 
 
+def pooled_config(stack: contextlib.ExitStack, tmp: Path, backend: str, **extra) -> dict:
+    """`kvpool_config` for `backend`: `local`, or a `kvpool server` in `tmp`, started on `stack`
+    (stopped with it)."""
+    if backend == "local":
+        return kvpool_config(**extra)
+    sock = str(tmp / "pool.sock")
+    stack.enter_context(PoolServer(sock, memory_size="512MB", log_path=tmp / "pool.log"))
+    return kvpool_config(backend="server", server_socket=sock, **extra)
+
+
 def kvpool_config(role: str = "kv_both", policy: str = "recompute", **extra) -> dict:
     """A kv-transfer-config using kvpool with a lookup channel of its own."""
     extra.setdefault("lookup_rpc_port", lookup_port())

@@ -20,8 +20,7 @@ import os
 
 import pytest
 
-from harness import BLOCK, Engine, kvpool_config, tokens
-from kvpool.testing.launch import PoolServer
+from harness import BLOCK, Engine, pooled_config, tokens
 
 pytestmark = pytest.mark.vllm
 
@@ -60,12 +59,7 @@ def pooled(request, family, reference, tmp_path_factory):
     hits only through the pool."""
     _, model, _ = family
     with contextlib.ExitStack() as stack:
-        config = kvpool_config()
-        if request.param == "server":
-            tmp = tmp_path_factory.mktemp("pool")
-            sock = str(tmp / "pool.sock")
-            stack.enter_context(PoolServer(sock, memory_size="512MB", log_path=tmp / "pool.log"))
-            config = kvpool_config(backend="server", server_socket=sock)
+        config = pooled_config(stack, tmp_path_factory.mktemp("pool"), request.param)
         e = stack.enter_context(Engine(model, kv_transfer_config=config))
         rounds, counters = [], []
         for _ in range(2):

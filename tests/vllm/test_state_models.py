@@ -18,8 +18,7 @@ import os
 
 import pytest
 
-from harness import Engine, kvpool_config, tokens
-from kvpool.testing.launch import PoolServer
+from harness import Engine, pooled_config, tokens
 
 pytestmark = pytest.mark.vllm
 
@@ -50,12 +49,7 @@ def pooled(request, model, reference, tmp_path_factory):
     """vLLM with kvpool (`local`, or a `kvpool server` in `make test-models`): round 1 cold;
     vLLM's prefix cache emptied; round 2 from the pool."""
     with contextlib.ExitStack() as stack:
-        config = kvpool_config()
-        if request.param == "server":
-            tmp = tmp_path_factory.mktemp("pool")
-            sock = str(tmp / "pool.sock")
-            stack.enter_context(PoolServer(sock, memory_size="512MB", log_path=tmp / "pool.log"))
-            config = kvpool_config(backend="server", server_socket=sock)
+        config = pooled_config(stack, tmp_path_factory.mktemp("pool"), request.param)
         e = stack.enter_context(Engine(model, kv_transfer_config=config, **ENGINE))
         since = e.mark()
         cold = e.generate(PROMPTS)

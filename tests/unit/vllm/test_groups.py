@@ -368,13 +368,19 @@ def test_the_worker_applies_the_sliding_rule_to_lookups(make_worker):
     assert writer._count_hits(hashes, 0) == 0
 
 
-def test_an_in_step_load_is_done_and_reported_in_the_step_that_hands_it_over(make_worker):
-    writer, w_kv, pool = hybrid_worker(make_worker, seed=6)
-    reader, r_kv, _ = hybrid_worker(make_worker, READER, backend=pool, seed=7)
+def two_blocks_saved(make_worker, seed: int):
+    """A writer that saved two blocks of both groups (ids 1, 2 and 3, 4), and a reader on its pool."""
+    writer, w_kv, pool = hybrid_worker(make_worker, seed=seed)
+    reader, r_kv, _ = hybrid_worker(make_worker, READER, backend=pool, seed=seed + 1)
     hashes = [bytes([i]) * 32 for i in range(2)]
     writer.wait_for_save(KVPoolMetadata(saves=[BlockTask("a", hashes, [1, 2], group=0),
                                                BlockTask("a", hashes, [3, 4], group=1, save_now=True)]))
     writer._transfer.wait(timeout=10)
+    return hashes, (writer, w_kv), (reader, r_kv), pool
+
+
+def test_an_in_step_load_is_done_and_reported_in_the_step_that_hands_it_over(make_worker):
+    hashes, (_, w_kv), (reader, r_kv), _ = two_blocks_saved(make_worker, seed=6)
     reader.start_load_kv(KVPoolMetadata(loads=[BlockTask("b", hashes, [5, 6], is_async=True, in_step=True, group=0),
                                                BlockTask("b", hashes, [7, 8], is_async=True, in_step=True, group=1)]))
     assert reader._transfer.depth() == 0  # nothing was queued on the transfer thread
@@ -383,12 +389,7 @@ def test_an_in_step_load_is_done_and_reported_in_the_step_that_hands_it_over(mak
 
 
 def test_a_failed_hybrid_load_is_reported_by_request_not_by_block(make_worker):
-    writer, _, pool = hybrid_worker(make_worker, seed=4)
-    reader, _, _ = hybrid_worker(make_worker, READER, backend=pool, seed=5)
-    hashes = [bytes([i]) * 32 for i in range(2)]
-    writer.wait_for_save(KVPoolMetadata(saves=[BlockTask("a", hashes, [1, 2], group=0),
-                                               BlockTask("a", hashes, [3, 4], group=1, save_now=True)]))
-    writer._transfer.wait(timeout=10)
+    hashes, _, (reader, _), pool = two_blocks_saved(make_worker, seed=4)
     pool.fail_get.add(next(k for k in pool.data if k.endswith("@g1@" + hashes[1].hex())))
     reader.start_load_kv(KVPoolMetadata(loads=[BlockTask("b", hashes, [5, 6], is_async=True, group=0),
                                                BlockTask("b", hashes, [7, 8], is_async=True, group=1)]))
