@@ -301,6 +301,17 @@ def provenance(script: str, env: Mapping[str, Any], *versions: str) -> str:
 
 # Within a section a benchmark writes, this line and everything after it (to the next "## ")
 # are notes written by hand, which a rerun keeps below its new results.
+def save_results(path: Path, results: Mapping[str, Any], plot: Any) -> Path:
+    """Write `results` as JSON at `path` and its plot (`plot(results, png_path)`, None without
+    matplotlib) beside it, saying where each went."""
+    out = write_json(path, results)
+    log(f"wrote {out}")
+    png = plot(results, out.with_suffix(".png"))
+    if png is not None:
+        log(f"wrote {png}")
+    return out
+
+
 KEEP_MARKER = "<!-- notes below are written by hand; a rerun of the benchmark keeps them -->"
 
 

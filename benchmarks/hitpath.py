@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import RESULTS_DIR, log, machine_info, markdown_table, package_version, progress, pyplot, write_json
+from common import RESULTS_DIR, log, machine_info, markdown_table, package_version, progress, pyplot, save_results
 from plotting import finish
 
 from kvpool.backends.base import Backend
@@ -275,11 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"environment": env, "parameters": {"reps": reps, "threads": threads, "block_tokens": BLOCK,
                                                   "layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD},
                "rows": rows, "table": table}
-    out = write_json(RESULTS_DIR / ("hitpath-quick.json" if args.quick else "hitpath.json"), results)
-    log(f"wrote {out}")
-    png = plot(results, out.with_suffix(".png"))
-    if png is not None:
-        log(f"wrote {png}")
+    save_results(RESULTS_DIR / ("hitpath-quick.json" if args.quick else "hitpath.json"), results, plot)
     return 0
 
 

@@ -49,9 +49,9 @@ from common import (
     markdown_table,
     package_version,
     random_token_ids,
+    save_results,
     unwind_on_sigterm,
     vllm_server,
-    write_json,
 )
 from plotting import COLORS, finish, pyplot
 
@@ -240,11 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results, "rows": rows, "table": table,
     }
     stem = "hybrid" if args.spec == SPEC_NAMES[0] else f"hybrid-{args.spec.removesuffix('-bench')}"
-    out = write_json(RESULTS_DIR / (f"{stem}-quick.json" if args.quick else f"{stem}.json"), report)
-    log(f"wrote {out}")
-    png = plot(report, out.with_suffix(".png"))
-    if png is not None:
-        log(f"wrote {png}")
+    save_results(RESULTS_DIR / (f"{stem}-quick.json" if args.quick else f"{stem}.json"), report, plot)
     return 0
 
 

@@ -122,11 +122,6 @@ class KeyScheme:
         key = f"{self.model}@{self.layout}@{part}@pp{p}/{self.pp_size}@g{self.group}@{block_hash.hex()}"
         return key if layer is None else f"{key}@l{layer}"
 
-    @property
-    def values_per_block(self) -> int:
-        """This rank's values of one block (and layer): one per head it holds, or one."""
-        return len(self.head_range) if self.heads else 1
-
     def keys(self, block_hashes: Sequence[bytes], layer: int | None = None) -> list[str]:
         """This rank's keys for the given blocks (in layerwise mode, for one layer); per-head
         values: each block's heads in turn."""

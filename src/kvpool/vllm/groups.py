@@ -116,6 +116,13 @@ class PoolGroup:
         """Which of blocks [start, end) a load that ends at `end` must fill for this group."""
         return range(max(start, self.first_needed_block(end)), end)
 
+    def load_span(self, start: int, end: int) -> range:
+        """The positions of blocks [start, end) a load looks at: a Mamba group's state at the end
+        only (its table holds other states vLLM may still be writing); an attention group every
+        position, of which vLLM gave a block to those its own rule needs (the others hold its
+        null block)."""
+        return self.needed_blocks(start, end) if self.kind == MAMBA else range(start, end)
+
 
 def _spec_kind(spec: Any) -> str | None:
     return _KIND_BY_SPEC.get(type(spec).__name__)

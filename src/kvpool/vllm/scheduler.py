@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from kvpool.config import KVPoolConfig
 from kvpool.errors import ConfigError
 from kvpool.tracefile import BlockHashLog
-from kvpool.vllm.groups import MAMBA, NULL_BLOCK_ID, alignment_blocks, loads_by_request, pool_groups
+from kvpool.vllm.groups import NULL_BLOCK_ID, PoolGroup, loads_by_request, pool_groups
 from kvpool.vllm.lookup import LookupClient
 from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
 from kvpool.vllm.stats import KVPoolStats
@@ -74,6 +74,18 @@ class _RequestState:
     reused_upto: int = 0  # blocks [0, reused_upto) came from vLLM's cache or the pool, not computed here
 
 
+def _blocks(group: PoolGroup, hashes: list[bytes], ids: list[int], span: range) -> list[tuple[bytes, int]]:
+    """(block hash, vLLM block id) of the positions in `span` a group has a block at: a sliding,
+    chunked or Mamba group's table holds vLLM's null block where the KV or state is gone."""
+    return [(hashes[i], ids[i]) for i in span
+            if i < len(ids) and not (group.frees_early and ids[i] == NULL_BLOCK_ID)]
+
+
+def _task(req_id: str, group: int, pairs: list[tuple[bytes, int]], **kw: Any) -> BlockTask:
+    return BlockTask(req_id=req_id, block_hashes=[h for h, _ in pairs], block_ids=[b for _, b in pairs],
+                     group=group, **kw)
+
+
 def check_hash_seed(hash_algo: str) -> None:
     """Refuse a configuration whose block hashes would differ between processes.
 
@@ -100,7 +112,6 @@ class PoolScheduler:
         self._groups = pool_groups(kv_cache_config, self.block_size, getattr(kv_cache_config, "hash_block_size", None))
         self._hybrid = loads_by_request(self._groups)
         self._state_groups = {g.index for g in self._groups if not g.positional}
-        self._align = alignment_blocks(kv_cache_config, self.block_size) if self._hybrid else 1
         self._load_async = config.load_async or self._hybrid
         # Without load_async a hybrid model's load still runs in the step that hands it over, on
         # the worker's own threads; only its report takes vLLM's async path (by request).
@@ -173,21 +184,10 @@ class PoolScheduler:
         state.block_ids = [list(ids) for ids in blocks.get_block_ids()]
         hashes = request.block_hashes
         for group in self._groups:
-            ids = state.block_ids[group.index]
-            # Every block vLLM allocated for the hit: a sliding group's out-of-window positions
-            # hold the null block, which is left alone. A Mamba group: the state at the end.
-            span = group.needed_blocks(plan.start_block, end) if group.kind == MAMBA else range(plan.start_block, end)
-            pairs = [(hashes[i], ids[i]) for i in span
-                     if i < len(ids) and not (group.frees_early and ids[i] == NULL_BLOCK_ID)]
+            pairs = _blocks(group, hashes, state.block_ids[group.index], group.load_span(plan.start_block, end))
             if pairs:
-                self._pending_loads.append(BlockTask(
-                    req_id=request.request_id,
-                    block_hashes=[h for h, _ in pairs],
-                    block_ids=[b for _, b in pairs],
-                    is_async=self._load_async,
-                    in_step=self._load_in_step,
-                    group=group.index,
-                ))
+                self._pending_loads.append(_task(request.request_id, group.index, pairs, is_async=self._load_async,
+                                                 in_step=self._load_in_step))
         state.saved_upto = max(state.saved_upto, end)
         state.reused_upto = max(state.reused_upto, end)
         state.load_start = plan.start_block
@@ -260,8 +260,7 @@ class PoolScheduler:
             by_group.setdefault(group, []).append((req.block_hashes[last], block_id))
         if by_group:
             state.has_io = True
-        return [BlockTask(req_id=req.request_id, block_hashes=[h for h, _ in pairs], block_ids=[b for _, b in pairs],
-                          group=group, save_now=save_now) for group, pairs in by_group.items()]
+        return [_task(req.request_id, group, pairs, save_now=save_now) for group, pairs in by_group.items()]
 
     def register_finished_partial_tail(self, request: Request, entries: list[tuple[int, int, int]]) -> bool:
         """A finishing request's last prompt state that vLLM kept in its own table block (the
@@ -302,19 +301,11 @@ class PoolScheduler:
             if not group.positional:
                 continue  # its states are saved where vLLM names them (_plan_state_saves)
             ids = state.block_ids[group.index]
-            pairs = [(hashes[i], ids[i]) for i in range(start, end)
-                     if not (group.frees_early and ids[i] == NULL_BLOCK_ID)]
-            if not pairs:
-                continue
-            meta.saves.append(BlockTask(
-                req_id=req.request_id,
-                block_hashes=[h for h, _ in pairs],
-                block_ids=[b for _, b in pairs],
+            pairs = _blocks(group, hashes, ids, range(start, end))
+            if pairs:
                 # Sync loads (single-group models only) may fail after this step's saves were planned.
-                prior_block_ids=ids[:start] if self._step_has_sync_loads else [],
-                group=group.index,
-                save_now=group.frees_early,
-            ))
+                meta.saves.append(_task(req.request_id, group.index, pairs, save_now=group.frees_early,
+                                        prior_block_ids=ids[:start] if self._step_has_sync_loads else []))
         state.saved_upto = end
         state.has_io = True
 
