@@ -41,11 +41,10 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 -m "not vllm and not services" tests
 
 # Every model family of docs/models.md through the pool on real vLLM, and a hybrid through the PD
-# proxy (`make test` runs one family per kind of KV cache group).
+# proxy (`make test` runs one family per kind of KV cache group); then the table of what ran,
+# docs/models.md's model matrix, from what the run saw (docs/model-matrix.json).
 test-models: $(STAMP)
-	KVPOOL_TEST_FAMILIES=all $(BIN)/python -m pytest -q -p no:cacheprovider -rs tests/vllm/test_hybrid_models.py \
-		tests/vllm/test_state_models.py tests/vllm/test_kv_cache_dtypes.py tests/vllm/test_models_pd.py \
-		tests/vllm/test_tp_sizes.py tests/vllm/test_mla_models.py
+	$(BIN)/python tests/vllm/model_matrix.py --run
 
 # Each benchmark writes benchmarks/results/NAME.json and NAME.png (benchmarks/replot.py redraws the
 # PNGs from the JSON). benchmarks/device.py is not here: it is the check for an accelerator machine.

@@ -859,6 +859,11 @@ class ServerSettings(EngineSettings, frozen=True, kw_only=True):
         "keep the loopback default unless a scraper on another host needs it)"))] = "127.0.0.1"
     hello_timeout_s: Annotated[float, Meta(ge=0.1, le=3600, extra={"kind": "seconds"}, description=(
         "close a connection that has not said Hello within this time"))] = 5.0
+    request_timeout_s: Annotated[float, Meta(ge=0.1, le=3600, extra={"kind": "seconds"}, description=(
+        "close a connection whose request frame is not whole within this time of its first byte"))] = 10.0
+    frame_budget: Annotated[int, Meta(ge=MiB, le=PiB, extra={"kind": "size"}, description=(
+        "memory all connections' partly received request frames may hold together; a frame that "
+        "would go past it closes its connection"))] = 256 * MiB
     max_connections: Annotated[int, Meta(ge=1, le=1 << 20, description=(
         "refuse handshakes beyond this many connected clients"))] = 1024
     max_connections_per_client: Annotated[int, Meta(ge=1, le=1 << 20, description=(

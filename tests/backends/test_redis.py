@@ -196,8 +196,25 @@ def test_same_length_overwrite_is_a_counted_miss(redis_service, size):
     b.close()
 
 
-def test_objects_of_the_old_layout_are_misses(redis_service):
-    raw(redis_service).set("old", b"kvp1" + bytes(12) + b"payload")
+@pytest.mark.parametrize("size", [4096, 3 * MiB])  # inline, and chunked (1 MiB chunks)
+def test_another_keys_object_copied_here_is_a_miss_not_its_bytes(redis_service, size):
+    """Any Redis client may `SET D <SRC's object>` (chunk keys too: a chunked header names them
+    by nonce, not by key): the checksum is seeded with the key, so D never serves SRC's KV."""
+    b = backend(redis_service.url, redis_chunk_size="1MB")
+    assert b.batch_put(["src"], [[data(size, seed=6)]]) == [OK]
+    r = raw(redis_service)
+    for k in [b"src", *r.keys("src#chunk:*")]:  # the header, and the chunks under dst's names
+        r.set(b"dst" + k[3:], r.get(k))
+    dest = [np.zeros(size, np.uint8)]
+    assert b.batch_get_into(["dst"], [dest]) == [ErrorCode.CHECKSUM_MISMATCH]
+    assert not dest[0].any()
+    assert b.batch_get_into(["src"], [dest]) == [OK]  # the original still reads under its own key
+    b.close()
+
+
+@pytest.mark.parametrize("magic", [b"kvp1", b"kvp2"])
+def test_objects_of_the_old_layouts_are_misses(redis_service, magic):
+    raw(redis_service).set("old", magic + bytes(20) + b"payload")
     b = backend(redis_service.url)
     assert b.batch_get_into(["old"], [[np.zeros(7, np.uint8)]]) == [NOT_FOUND]
     b.close()

@@ -29,8 +29,7 @@ def socket_dir(tmp_path: Path) -> str:
 
 def arena_files(socket_path: str) -> list[str]:
     """The shared-memory arenas in /dev/shm of servers on `socket_path`: none after a clean stop."""
-    tag = shm.socket_tag(socket_path)
-    return sorted(n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"kvpool-{tag}-"))
+    return shm.arena_names(socket_path)
 
 
 def payload(key: str, size: int) -> np.ndarray:

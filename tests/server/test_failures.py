@@ -87,7 +87,7 @@ def test_server_sigkilled_calls_fail_fast_then_recover(start_server, make_client
     v = payload("before", 4096)
     assert client.put(["before"], [[v]]) == [OK]
     first.kill()
-    old_arena = shm.arena_name(sock_path, first.pid)
+    (old_arena,) = shm.arena_names(sock_path, first.pid)
     for _ in range(20):  # every call returns codes, quickly; none raises or hangs
         t0 = time.monotonic()
         assert client.put(["k"], [[v]]) == [RPC_FAIL]

@@ -136,3 +136,16 @@ def test_deepseek_v2_caches_one_latent_of_vllm_cpus_mla_size():
     assert config.hidden_size == 256 and spec.dtype == "float32"
     with pytest.raises(ValueError):
         hf_config(ModelSpec(family="deepseek-v2"))  # no experts
+
+
+def test_the_docs_model_matrix_is_the_one_a_run_recorded():
+    """docs/models.md's table is rendered from docs/model-matrix.json (what `make test-models` saw),
+    not written by hand."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "tests" / "vllm" / "model_matrix.py"), "--check"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

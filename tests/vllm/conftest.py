@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import Engine
+from harness import Engine, record_matrix
 
 HERE = Path(__file__).parent
 
@@ -34,6 +34,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if HERE in Path(str(item.path)).parents:
             item.add_marker(pytest.mark.vllm)
+
+
+def pytest_runtest_logreport(report):
+    # Each test's outcome, for the model matrix (a no-op unless the run asked for one).
+    if report.when == "call" or report.outcome != "passed":
+        record_matrix({"outcome": report.outcome, "test": report.nodeid, "when": report.when})
 
 
 @pytest.fixture(scope="session")

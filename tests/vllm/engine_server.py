@@ -53,6 +53,27 @@ def _drain(llm) -> None:
         time.sleep(0.002)
 
 
+def _groups(llm) -> dict | None:
+    """The KV cache groups vLLM made of the model, and what kvpool pools of each (None where the
+    engine core runs in a process of its own): printed at start-up for the model matrix."""
+    sched = _scheduler(llm)
+    if sched is None:
+        return None
+    made = []
+    for group in sched.kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        made.append({
+            "spec": type(spec).__name__, "layers": len(group.layer_names), "block_size": spec.block_size,
+            "window": getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None),
+        })
+    connector = getattr(sched, "connector", None)
+    # kvpool's scheduler side, alone or among a MultiConnector's connectors
+    sides = [getattr(c, "_scheduler", None) for c in getattr(connector, "_connectors", [connector])]
+    ours = next((s for s in sides if hasattr(s, "_groups")), None)
+    pooled = [g.describe() for g in ours._groups] if ours is not None else None
+    return {"groups": made, "pooled": pooled}
+
+
 def _log_kvpool_to_stdout() -> None:
     """kvpool's records (its counters among them) on stdout, where the test reads them.
 
@@ -77,6 +98,7 @@ def run_engine(spec: dict) -> None:
 
     llm = LLM(**spec)
     out = sys.stdout
+    print("GROUPS " + json.dumps(_groups(llm)), flush=True)
     print("READY", flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)

@@ -211,6 +211,8 @@ class Engine:
         }
         if kv_transfer_config is not None:
             spec["kv_transfer_config"] = kv_transfer_config
+        self.spec = spec
+        self.groups: dict | None = None  # what vLLM made of the model, once it serves
         self.log: list[str] = []
         self._lines: list[str] = []
         self._eof = False
@@ -228,6 +230,10 @@ class Engine:
         except BaseException:
             self.close()
             raise
+        with self._cond:
+            line = next((l for l in self.log if l.startswith("GROUPS ")), "GROUPS null")
+        self.groups = json.loads(line[len("GROUPS "):])
+        record_matrix_engine(self)
         return self
 
     def _pump(self) -> None:
@@ -321,6 +327,51 @@ class Engine:
         self.close()
 
 
+
+
+# ---- The model matrix (`make test-models`: tests/vllm/model_matrix.py) ----------------------
+
+MATRIX_ENV = "KVPOOL_MODEL_MATRIX"  # a JSON-lines file: each engine a test started, each outcome
+
+
+def record_matrix(entry: dict) -> None:
+    """Append `entry` to the matrix file, where a run asked for one."""
+    path = os.environ.get(MATRIX_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+
+def _built(model: str) -> dict | None:
+    marker = Path(model) / "kvpool_model_spec.json"
+    return json.loads(marker.read_text()) if marker.exists() else None
+
+
+def record_matrix_model(model: str, label: str) -> None:
+    """A model a test served otherwise than through `Engine` (OpenAI servers), as `label` says."""
+    if os.environ.get(MATRIX_ENV):
+        record_matrix({"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0], "model": _built(model),
+                       "label": label, "groups": None, "pooled": None})
+
+
+def record_matrix_engine(engine: "Engine") -> None:
+    """The engine a test started: its model's spec (as built), its groups, its pool backend."""
+    if not os.environ.get(MATRIX_ENV):
+        return
+    kv = engine.spec.get("kv_transfer_config") or {}
+    if kv.get("kv_connector") == "MultiConnector":  # kvpool's entry among them
+        kv = next((c for c in kv["kv_connector_extra_config"]["connectors"] if c["kv_connector"] == "KVPoolConnector"), {})
+    extra = kv.get("kv_connector_extra_config") or {}
+    record_matrix({
+        "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0],
+        "model": _built(engine.spec["model"]),
+        "kv_cache_dtype": engine.spec.get("kv_cache_dtype", "auto"),
+        "tp": engine.spec.get("tensor_parallel_size", 1),
+        "connector": kv.get("kv_connector"),
+        "backend": extra.get("backend", "local") if kv else None,
+        "prefix_caching": engine.spec.get("enable_prefix_caching", False),
+        **(engine.groups or {"groups": None, "pooled": None}),
+    })
 
 
 # ---- Reading what a pool holds (tests/vllm/test_mla_models.py) -------------------------------

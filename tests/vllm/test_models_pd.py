@@ -11,7 +11,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from harness import instances_on_one_pool, tokens, whole
+from harness import instances_on_one_pool, record_matrix_model, tokens, whole
 from kvpool.testing.launch import ProxyServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.models]
@@ -24,6 +24,7 @@ def pd_pair(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pd-hybrid")
     model = str(build_model(tmp / "gpt-oss", SPECS["gpt-oss"]))
     with instances_on_one_pool(model, tmp, 2, 9320) as (_, servers):
+        record_matrix_model(model, label="kvpool server, PD proxy (2 OpenAI servers)")
         yield servers
 
 

@@ -8,8 +8,10 @@ Layout of one pooled object under its key `K`:
   sees a partly written object, the first writer of a key wins (a put of an existing key
   answers OBJECT_ALREADY_EXISTS) and two writers of one key never share chunk keys (each has its own nonce); the loser deletes
   its chunks. A chunk evicted or expired on its own makes the object a miss, and its header is
-  then removed. The header carries the value's checksum: a read whose bytes do not match
-  (another client overwrote them, even with the same length) is CHECKSUM_MISMATCH, a miss.
+  then removed. The header carries the value's checksum, seeded with the key (and so with the
+  model and layout the key names): a read whose bytes do not match (another client overwrote
+  them, even with the same length, or copied another key's object here) is CHECKSUM_MISMATCH, a
+  miss.
 
 Every call is one pipeline (one round trip) per phase: `EXISTS` (or `TOUCH` for a lease, which
 refreshes the key's LRU clock), `SET NX [EX ttl]`, `GET` (plus one pipeline for chunks). A put
@@ -39,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.backends.base import Backend, gather, scatter, total_size
-from kvpool.store.buffers import checksum
+from kvpool.store.buffers import checksum, key_seed
 from kvpool.config import RedisSettings
 from kvpool.errors import ConfigError, ErrorCode
 from kvpool.errors import CHECKSUM_MISMATCH, EXISTS, INTERNAL, INVALID, NOT_FOUND, NO_HANDLE, OK  # the codes as ints
@@ -48,11 +50,14 @@ from kvpool.errors import RPC_FAIL, RPC_TIMEOUT
 logger = logging.getLogger(__name__)
 
 
-MAGIC = b"kvp2"
-OLD_MAGICS = (b"kvp1",)  # objects of an earlier layout (no checksum): misses, never trusted
+MAGIC = b"kvp3"
+# Objects of earlier layouts: misses, never trusted (kvp1: no checksum; kvp2: a checksum that
+# did not cover the key, so another key's object copied here checked).
+OLD_MAGICS = (b"kvp1", b"kvp2")
 INLINE, CHUNKED = 0, 1
-# magic, kind, 3 pad bytes, total size, checksum of the value (`buffers.checksum`): Redis
-# accepts any client's SET, so a same-length overwrite must not come back as a hit.
+# magic, kind, 3 pad bytes, total size, checksum of the value seeded with its key
+# (`buffers.checksum`, `key_seed`): Redis accepts any client's SET, so neither a same-length
+# overwrite nor a copy of another key's object may come back as a hit.
 _HEAD = struct.Struct("<4sB3xQQ")
 # chunk count, chunk size, nonce
 _CHUNKS = struct.Struct("<IQ16s")
@@ -221,7 +226,7 @@ class RedisBackend(Backend):
                 blob = bytearray(HEADER_SIZE + size)
                 payload = np.frombuffer(blob, dtype=np.uint8)[HEADER_SIZE:]
                 gather(bufs, payload)
-                _HEAD.pack_into(blob, 0, MAGIC, INLINE, size, checksum([payload]))
+                _HEAD.pack_into(blob, 0, MAGIC, INLINE, size, checksum([payload], key_seed(key)))
                 pipe.set(key, blob, nx=True, px=px)
                 plan.append((i, ncmd, []))
                 ncmd += 1
@@ -233,7 +238,7 @@ class RedisBackend(Backend):
             for c, ck in enumerate(ckeys):
                 pipe.set(ck, mv[c * chunk : (c + 1) * chunk], px=chunk_px)
             ncmd += nchunks
-            head = _HEAD.pack(MAGIC, CHUNKED, size, checksum([mv])) + _CHUNKS.pack(nchunks, chunk, nonce)
+            head = _HEAD.pack(MAGIC, CHUNKED, size, checksum([mv], key_seed(key))) + _CHUNKS.pack(nchunks, chunk, nonce)
             pipe.set(key, head, nx=True, px=px)
             plan.append((i, ncmd, ckeys))
             ncmd += 1
@@ -311,7 +316,7 @@ class RedisBackend(Backend):
                 if len(blob) != HEADER_SIZE + size:
                     codes[i] = INTERNAL
                     continue
-                codes[i] = self._deliver(memoryview(blob)[HEADER_SIZE:], dests, want_sum)
+                codes[i] = self._deliver(key, memoryview(blob)[HEADER_SIZE:], dests, want_sum)
             else:
                 # Any client can SET this key: a header cut short, or one whose chunk count its
                 # size cannot need (4 billion chunk keys would take the worker down), is not ours.
@@ -355,12 +360,12 @@ class RedisBackend(Backend):
                 codes[i] = NOT_FOUND
                 self._drop_header(keys[i], head)
                 continue
-            codes[i] = self._deliver(gather(mine), values[i], _HEAD.unpack_from(head, 0)[3])
+            codes[i] = self._deliver(keys[i], gather(mine), values[i], _HEAD.unpack_from(head, 0)[3])
 
-    def _deliver(self, payload: memoryview | np.ndarray, dests: list[np.ndarray], want_sum: int) -> int:
-        """Copy one object's payload into its destination if it is what its writer stored (our
-        private copy is checked, then copied) and the caller still waits for it."""
-        if checksum([payload]) != want_sum:
+    def _deliver(self, key: str, payload: memoryview | np.ndarray, dests: list[np.ndarray], want_sum: int) -> int:
+        """Copy one object's payload into its destination if it is what its writer stored under
+        `key` (our private copy is checked, then copied) and the caller still waits for it."""
+        if checksum([payload], key_seed(key)) != want_sum:
             return CHECKSUM_MISMATCH
         with self._buffers() as admitted:
             if not admitted:

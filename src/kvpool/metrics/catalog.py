@@ -106,6 +106,8 @@ SERVER: tuple[Series, ...] = (
             "clients"),
     _server("kvpool_connections", "gauge", "Open client connections: handshaken, or waiting for their Hello",
             {("open",): "connected_clients", ("handshaking",): "pending_handshakes"}, ("state",)),
+    _server("kvpool_partial_frame_bytes", "gauge", "Memory held by request frames still arriving, all "
+            "connections together (bounded by --frame_budget)", "partial_frame_bytes"),
     _server("kvpool_puts", "counter", "Objects committed to the pool", "puts"),
     _server("kvpool_read_hits", "counter", "Reads served, per tier they were found in (a disk hit is promoted "
             "to memory)", {("memory",): "hits", ("disk",): "disk_hits"}, ("tier",)),
@@ -135,7 +137,8 @@ SERVER: tuple[Series, ...] = (
     _server("kvpool_accepted_connections", "counter", "Client connections accepted", "connections"),
     _server("kvpool_refused_connections", "counter", "Connections refused or closed before serving, by reason",
             {("peer_credentials",): "refused_peers", ("connection_limit",): "refused_connections",
-             ("handshake_evicted",): "evicted_handshakes", ("handshake_timeout",): "handshake_timeouts"},
+             ("handshake_evicted",): "evicted_handshakes", ("handshake_timeout",): "handshake_timeouts",
+             ("frame_budget",): "frame_budget_refusals", ("request_timeout",): "request_timeouts"},
             ("reason",)),
     _server("kvpool_protocol_errors", "counter", "Malformed or out-of-order requests (answered with an error; "
             "the connection survives unless it had not said Hello)", "protocol_errors"),

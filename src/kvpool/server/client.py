@@ -125,17 +125,22 @@ def _prepare(keys: Sequence[str], values: Sequence[Sequence[Any]], writable: boo
 
 
 def _chunks(items: list[Any], size_of: Any = None, max_bytes: int = P.MAX_INLINE_BYTES) -> Iterator[list[Any]]:
-    """Split into batches the server accepts: at most MAX_BATCH items and, with ``size_of``,
-    about ``max_bytes`` of payload (so a reply with disk-served bytes inline stays bounded)."""
+    """Split `(index, key, ...)` items into batches the server accepts: at most MAX_BATCH items
+    and MAX_REQUEST_KEY_BYTES of keys (so the request frame stays under MAX_REQUEST_FRAME), and,
+    with ``size_of``, about ``max_bytes`` of payload (so a reply with disk-served bytes inline
+    stays bounded)."""
     batch: list[Any] = []
-    total = 0
+    total = key_bytes = 0
     for item in items:
         size = size_of(item) if size_of else 0
-        if batch and (len(batch) >= P.MAX_BATCH or total + size > max_bytes):
+        key = len(item[1].encode())
+        if batch and (len(batch) >= P.MAX_BATCH or total + size > max_bytes
+                      or key_bytes + key > P.MAX_REQUEST_KEY_BYTES):
             yield batch
-            batch, total = [], 0
+            batch, total, key_bytes = [], 0, 0
         batch.append(item)
         total += size
+        key_bytes += key
     if batch:
         yield batch
 

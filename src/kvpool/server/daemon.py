@@ -206,6 +206,7 @@ class Server:
         self._lock_fd: int | None = None
         self._listener: socket.socket | None = None
         self._conns: dict[int, _Conn] = {}
+        self._frame_budget = P.FrameBudget(config.frame_budget)  # partly received request frames
         # Connections that have not finished their Hello, oldest first (seq order).
         self._strangers: dict[int, _Conn] = {}
         self._per_owner: dict[str, int] = {}  # handshaken connections per client process (`_owner`)
@@ -215,7 +216,7 @@ class Server:
         self._seq = 0
         self._counters = {"lookup_keys": 0, "lookup_hits": 0, "connections": 0, "protocol_errors": 0,
                           "refused_peers": 0, "refused_connections": 0, "evicted_handshakes": 0,
-                          "handshake_timeouts": 0}
+                          "handshake_timeouts": 0, "frame_budget_refusals": 0, "request_timeouts": 0}
         self._started = time.monotonic()
         self._stopping = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
@@ -431,8 +432,13 @@ class Server:
         reason = "closed by client"
         try:
             reason = self._conn_loop(conn)
-        except (TimeoutError, socket.timeout):
-            if conn.client_id:
+        except (TimeoutError, socket.timeout) as exc:
+            if conn.client_id and str(exc).startswith(P.FRAME_DEADLINE):
+                reason = f"request frame not whole within --request_timeout={self.config.request_timeout_s}s"
+                with self._state:
+                    self._counters["request_timeouts"] += 1
+                self._reply_and_close(conn.sock, P.Error(int(ErrorCode.RPC_TIMEOUT), f"{reason}: {exc}"))
+            elif conn.client_id:
                 reason = "timed out"
             else:
                 reason = f"no Hello within {self.config.hello_timeout_s}s"
@@ -442,7 +448,11 @@ class Server:
                     int(ErrorCode.RPC_TIMEOUT), f"no complete Hello within --hello_timeout="
                     f"{self.config.hello_timeout_s}s of connecting"))
         except P.FrameError as exc:
-            self._protocol_error()
+            if isinstance(exc, P.FrameBudgetSpent):
+                with self._state:
+                    self._counters["frame_budget_refusals"] += 1
+            else:
+                self._protocol_error()
             reason = f"bad frame: {exc}"
             self._reply_and_close(conn.sock, P.Error(int(ErrorCode.INVALID_PARAMS), str(exc)))
         except OSError as exc:
@@ -459,7 +469,8 @@ class Server:
         hello_deadline = conn.accepted_at + self.config.hello_timeout_s
         while not self._stopping.is_set():
             if conn.client_id:
-                body = P.recv_frame(sock, P.MAX_REQUEST_FRAME)
+                body = P.recv_frame(sock, P.MAX_REQUEST_FRAME, frame_timeout_s=self.config.request_timeout_s,
+                                    budget=self._frame_budget)
             else:
                 body = P.recv_frame(sock, P.MAX_HELLO_FRAME, deadline=hello_deadline)
             if body is None:
@@ -730,6 +741,7 @@ class Server:
             out.update(self._counters)
             out["connected_clients"] = self._handshaken
             out["pending_handshakes"] = len(self._strangers)
+        out["partial_frame_bytes"] = self._frame_budget.used
         out.update(
             uptime_s=round(time.monotonic() - self._started, 3),
             server_pid=os.getpid(),

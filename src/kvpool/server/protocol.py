@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 import time
 from typing import Annotated, Union
 
@@ -29,8 +30,11 @@ PROTOCOL_VERSION = 2
 SUPPORTED_VERSIONS = frozenset({1, 2})
 
 HEADER = struct.Struct("!I")
-# Requests carry keys and numbers only; 16 MiB holds a batch of MAX_BATCH maximal keys.
+# Requests carry keys and numbers only. A client splits a batch so that its keys take at most
+# MAX_REQUEST_KEY_BYTES (UTF-8) and MAX_BATCH items, which with each item's numbers stays under
+# MAX_REQUEST_FRAME; a server reads a frame only as fast as its bytes arrive (`recv_frame`).
 MAX_REQUEST_FRAME = 16 << 20
+MAX_REQUEST_KEY_BYTES = 8 << 20
 # Before its Hello a peer is unknown: its frame is a Hello (a name of at most MAX_NAME characters
 # and two ints), so a few KiB is plenty and an idle stranger costs no more than that.
 MAX_HELLO_FRAME = 4096
@@ -232,36 +236,100 @@ def send_frame(sock: socket.socket, message: Message) -> None:
     sock.sendall(encode_frame(message))
 
 
+class FrameBudgetSpent(FrameError):
+    """A frame needed more of the shared receive budget than was left (`FrameBudget`)."""
+
+
+FRAME_DEADLINE = "frame not complete by its deadline"  # how a TimeoutError of `recv_frame` starts
+
+
+class FrameBudget:
+    """Bytes that the partly received frames of all connections may hold together (thread-safe).
+
+    A server's receive buffer grows with the bytes that arrived, never to a length a peer only
+    declared, and each growth is taken from this budget: peers that declare big frames and
+    send a byte now and then cost what they sent, and all of them together at most the budget."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if self.used + n > self.limit:
+                return False
+            self.used += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
+
+
+_GROW_FROM = 64 << 10  # a budgeted buffer starts this large (or at the frame's size) and doubles
+
+
 def _recv_exact(sock: socket.socket, n: int, first: bool = False,
-                deadline: float | None = None) -> bytearray | None:
+                deadline: float | None = None, budget: FrameBudget | None = None) -> bytearray | None:
     """Read exactly n bytes. None on a clean EOF before the first byte of a frame.
 
     With ``deadline`` (time.monotonic()), the whole read must finish by then: a peer
-    trickling one byte at a time cannot stretch a per-recv timeout.
+    trickling one byte at a time cannot stretch a per-recv timeout. With ``budget`` the buffer
+    grows (doubling) as bytes arrive, each growth taken from the budget and all of it given
+    back on return: FrameError if the budget has no room.
     """
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"frame not complete by its deadline ({got} of {n} bytes)")
-            sock.settimeout(left)
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            if first and got == 0:
+    taken = 0
+    try:
+        buf = bytearray(n if budget is None else 0)
+        got = 0
+        while got < n:
+            if got == len(buf):  # budgeted: room for more only once what came fills the buffer
+                more = min(n, max(_GROW_FROM, 2 * len(buf))) - len(buf)
+                if not budget.take(more):
+                    raise FrameBudgetSpent(f"the server's budget for partly received frames ({budget.limit} bytes) "
+                                     f"is spent; frame of {n} bytes refused, retry later")
+                taken += more
+                buf.extend(bytes(more))
+            got += _recv_some(sock, buf, got, n, first, deadline)
+            if got == 0:
                 return None
-            raise FrameError(f"connection closed mid-frame ({got} of {n} bytes)")
-        got += k
-    return buf
+        return buf
+    finally:
+        if taken:
+            budget.give(taken)
 
 
-def recv_frame(sock: socket.socket, max_size: int, deadline: float | None = None) -> bytearray | None:
+def _recv_some(sock: socket.socket, buf: bytearray, got: int, n: int, first: bool,
+               deadline: float | None) -> int:
+    """One recv into ``buf[got:]``: the bytes it read; 0 only at a clean EOF before a frame."""
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{FRAME_DEADLINE} ({got} of {n} bytes)")
+        sock.settimeout(left)
+    with memoryview(buf) as view:
+        try:
+            k = sock.recv_into(view[got:])
+        except TimeoutError:
+            if deadline is None:
+                raise
+            raise TimeoutError(f"{FRAME_DEADLINE} ({got} of {n} bytes)") from None
+    if k == 0:
+        if first and got == 0:
+            return 0
+        raise FrameError(f"connection closed mid-frame ({got} of {n} bytes)")
+    return k
+
+
+def recv_frame(sock: socket.socket, max_size: int, deadline: float | None = None,
+               frame_timeout_s: float | None = None, budget: FrameBudget | None = None) -> bytearray | None:
     """The body of the next frame, or None if the peer closed between frames.
 
-    Raises FrameError for a length over ``max_size`` or a truncated frame; socket timeouts and
-    OSErrors propagate. ``deadline`` (time.monotonic()) bounds the whole frame, not each recv.
+    Raises FrameError for a length over ``max_size``, a truncated frame or a spent ``budget``
+    (see `_recv_exact`); socket timeouts and OSErrors propagate. ``deadline`` (time.monotonic())
+    bounds the whole frame, not each recv; ``frame_timeout_s`` bounds the body from the moment its
+    length arrived (the socket's own timeout is back in force for the next frame).
     """
     header = _recv_exact(sock, HEADER.size, first=True, deadline=deadline)
     if header is None:
@@ -269,4 +337,11 @@ def recv_frame(sock: socket.socket, max_size: int, deadline: float | None = None
     (length,) = HEADER.unpack(header)
     if length > max_size:
         raise FrameError(f"frame of {length} bytes exceeds the limit of {max_size}")
-    return _recv_exact(sock, length, deadline=deadline)
+    if frame_timeout_s is None:
+        return _recv_exact(sock, length, deadline=deadline, budget=budget)
+    idle = sock.gettimeout()
+    body_deadline = time.monotonic() + frame_timeout_s
+    body = _recv_exact(sock, length, deadline=body_deadline if deadline is None else min(deadline, body_deadline),
+                       budget=budget)
+    sock.settimeout(idle)
+    return body

@@ -6,9 +6,15 @@ mode 0600 (0660 and the shared group with group sharing), so no other user can r
 KV cache it holds. A client checks owner and mode on the opened descriptor before it maps
 anything, so it never maps a file another user planted under an arena's name.
 
-Names are ``kvpool-<socket tag>-<pid>``: the tag (a hash of the socket path) lets a server that
-takes over a dead server's socket find and unlink the arena that server left behind after a
-SIGKILL, without touching another socket's arenas.
+The arena's pages are reserved when it is created (``posix_fallocate``): a tmpfs file is
+sparse, and a page first touched after another user filled /dev/shm would kill the process that
+touched it (a client's put: a vLLM worker) with SIGBUS. A server that cannot reserve its arena
+refuses to start and says so.
+
+Names are ``kvpool-<socket tag>-<pid>-<random>``: the tag (a hash of the socket path) lets a
+server that takes over a dead server's socket find and unlink the arena that server left behind
+after a SIGKILL, without touching another socket's arenas; the random part keeps another user
+from creating the name first (which would stop the server from starting).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import hashlib
 import logging
 import mmap
 import os
+import secrets
 import stat
 from dataclasses import dataclass
 
@@ -38,7 +45,15 @@ def socket_tag(socket_path: str) -> str:
 
 
 def arena_name(socket_path: str, pid: int) -> str:
-    return f"{_PREFIX}{socket_tag(socket_path)}-{pid}"
+    """A fresh arena name for the server of ``socket_path`` with process id ``pid``: no one can
+    guess it before the server creates it."""
+    return f"{_PREFIX}{socket_tag(socket_path)}-{pid}-{secrets.token_hex(8)}"
+
+
+def arena_names(socket_path: str, pid: int | None = None) -> list[str]:
+    """The arenas in /dev/shm of ``socket_path``'s servers (of process ``pid`` only, if given)."""
+    pattern = f"{_PREFIX}{socket_tag(socket_path)}-{'*' if pid is None else pid}-*"
+    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(SHM_DIR, pattern)))
 
 
 def _check_name(name: str) -> str:
@@ -89,14 +104,12 @@ def arena_mode(allowed_gid: int | None) -> int:
 
 
 def create(name: str, size: int, allowed_gid: int | None = None) -> Arena:
-    """Create and map a new arena of ``size`` bytes (sparse: pages are allocated on first write)."""
+    """Create, reserve and map a new arena of ``size`` bytes."""
     if not os.path.isdir(SHM_DIR):
         raise ConfigError("shm", SHM_DIR, "a tmpfs mounted at /dev/shm (POSIX shared memory)")
     free = os.statvfs(SHM_DIR)
     available = free.f_bavail * free.f_frsize
     if size > available:
-        # tmpfs files are sparse: ftruncate would succeed and the first write past the mount's
-        # limit would kill the writer with SIGBUS. Refuse up front instead.
         raise ConfigError(
             "global_segment_size", size,
             f"at most the {available} bytes free in {SHM_DIR}; lower --memory-size or enlarge "
@@ -109,6 +122,18 @@ def create(name: str, size: int, allowed_gid: int | None = None) -> Arena:
             os.fchown(fd, -1, allowed_gid)
             os.fchmod(fd, arena_mode(allowed_gid))
         os.ftruncate(fd, size)
+        try:
+            # Every page now, while /dev/shm has room: a page first touched later, after someone
+            # else filled the mount, is SIGBUS in whichever process touches it.
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            now = os.statvfs(SHM_DIR)
+            raise ConfigError(
+                "global_segment_size", size,
+                f"room for the whole arena in {SHM_DIR} when the server starts (reserving it failed: "
+                f"{os.strerror(exc.errno or 0)}; {now.f_bavail * now.f_frsize} bytes free now); lower "
+                f"--memory-size, or free or enlarge {SHM_DIR} (e.g. docker --shm-size)",
+            ) from exc
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         os.close(fd)
@@ -157,8 +182,8 @@ def remove_stale(socket_path: str, keep: str | None = None) -> list[str]:
     Only files we own are touched; the lock guarantees no live server uses this tag.
     """
     removed = []
-    for path in glob.glob(os.path.join(SHM_DIR, f"{_PREFIX}{socket_tag(socket_path)}-*")):
-        name = os.path.basename(path)
+    for name in arena_names(socket_path):
+        path = os.path.join(SHM_DIR, name)
         if name == keep:
             continue
         try:

@@ -45,16 +45,23 @@ def as_u8(buf: Any, writable: bool = False) -> np.ndarray:
 # `scatter`). Buffers are anything `as_u8` accepts.
 
 
-def checksum(bufs: Sequence[Any]) -> int:
+def checksum(bufs: Sequence[Any], seed: int = 0) -> int:
     """XXH3-64 of one value (its buffers back to back): what a reader checks the bytes it
     copied against (`scatter_summed` copies and hashes in one pass). The binding releases the
-    GIL while it hashes, so copy threads hash in parallel."""
+    GIL while it hashes, so copy threads hash in parallel. `seed` binds something else into the
+    sum (`key_seed`: the key a value was stored under)."""
     if len(bufs) == 1:
-        return xxhash.xxh3_64_intdigest(as_u8(bufs[0]))
-    h = xxhash.xxh3_64()
+        return xxhash.xxh3_64_intdigest(as_u8(bufs[0]), seed)
+    h = xxhash.xxh3_64(seed=seed)
     for b in bufs:
         h.update(as_u8(b))
     return h.intdigest()
+
+
+def key_seed(key: str) -> int:
+    """A checksum seed of `key`: a value summed with it checks only under that key, so a store
+    that lets anyone copy one key's bytes to another (Redis) cannot serve them as the other's."""
+    return xxhash.xxh3_64_intdigest(key.encode())
 
 
 def total_size(bufs: Sequence[Any]) -> int:
