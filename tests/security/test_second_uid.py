@@ -353,3 +353,110 @@ def test_a_shared_lookup_base_path_is_refused(monkeypatch, tmp_path):
         lookup.lookup_socket_path(1, 0)
     assert exc.value.key == "VLLM_RPC_BASE_PATH"
     assert os.listdir(sticky) == []
+
+
+def test_a_swapped_lookup_directory_is_refused_on_its_peer_credentials(attacker, shared_dir, monkeypatch):
+    """VLLM_RPC_BASE_PATH is ours and private when the instance starts, but its parent is the
+    attacker's to write: the attacker moves it aside and puts its own directory, with a socket
+    of the channel's name, in its place. The scheduler tells it no block hash, and a miss is all
+    it can make of the lookup (without the check: the hashes, and any hit count it answers)."""
+    lookup = pytest.importorskip("kvpool.vllm.lookup")
+    parent = os.path.join(shared_dir, "parent")
+    os.mkdir(parent)
+    os.chmod(parent, 0o777)
+    base = os.path.join(parent, "rpc")
+    os.mkdir(base, 0o700)
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", base)
+    asked = []
+    server = lookup.LookupServer(4343, 0, lambda hashes, start=0: asked.append(hashes) or len(hashes))
+    client = lookup.LookupClient(4343, 0, direct=False)
+    try:
+        swap = (f"import os, sys; os.rename({base!r}, {base + '.old'!r}); os.mkdir({base!r}); "
+                f"os.chmod({base!r}, 0o777); sys.argv = ['x', {server.path!r}, '']\n")
+        proc = attacker.start(swap + IMPOSTOR)
+        assert proc.stdout.readline().strip() == "ready"
+        assert client.lookup([b"a" * 32] * 8) == 0
+        report = attacker.finish(proc)
+        assert report["received"] == 0 and report["connections"] >= 1
+        assert asked == []
+    finally:
+        client.close()
+        server.close()
+
+
+ASK_LOOKUP = r"""
+import json, socket, struct, sys
+s = socket.socket(socket.AF_UNIX); s.settimeout(5)
+s.connect(sys.argv[1])
+body = bytes([0x92, 0x00, 0x91, 0xc4, 0x02]) + b"ab"  # msgpack [0, [b"ab"]]
+try:
+    s.sendall(struct.pack("!I", len(body)) + body)
+    answer = s.recv(64)
+except OSError as e:
+    answer = b""
+print(json.dumps({"answered": len(answer)}))
+"""
+
+
+def test_the_lookup_server_answers_no_other_uid_even_through_an_open_socket(attacker, shared_dir, monkeypatch):
+    """Directory and socket opened up to everyone by mistake: the worker still asks the kernel
+    who connected, and another uid gets no answer and asks nothing of the pool."""
+    lookup = pytest.importorskip("kvpool.vllm.lookup")
+    base = os.path.join(shared_dir, "rpc")
+    os.mkdir(base, 0o700)
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", base)
+    asked = []
+    server = lookup.LookupServer(4344, 0, lambda hashes, start=0: asked.append(hashes) or len(hashes))
+    try:
+        os.chmod(base, 0o755)
+        os.chmod(server.path, 0o777)
+        report = attacker.run(f"import sys; sys.argv = ['x', {server.path!r}]\n" + ASK_LOOKUP)
+        assert report == {"answered": 0} and asked == []
+    finally:
+        server.close()
+
+
+def test_a_shard_of_another_uid_inside_the_tier_is_never_read_or_written(attacker, shared_dir):
+    """The tier's directory is ours and passes its check, but one shard directory in it is the
+    attacker's (left by an earlier misconfiguration), with a well-formed file of a key planted in
+    it: a restarted tier neither serves that file nor writes a key of that shard into it."""
+    import hashlib
+
+    from kvpool.errors import StoreError
+
+    victim = os.path.join(shared_dir, "ssd")
+    os.mkdir(victim, 0o755)
+    shard = os.path.join(victim, hashlib.sha256(b"secret").hexdigest()[:2])
+    os.mkdir(shard, 0o755)
+    os.chown(shard, attacker.uid, attacker.gid)
+    assert attacker.run(f"import sys; sys.argv = ['x', {victim!r}, 'secret']\n" + PLANT) == {"planted": 1}
+    disk = DiskTier(victim, 1 << 20)
+    assert disk.keys() == []
+    with pytest.raises(StoreError) as exc:
+        disk.get("secret")
+    assert exc.value.code == ErrorCode.OBJECT_NOT_FOUND
+    assert disk.put("secret", b"victim's bytes") != ErrorCode.OK  # never into the attacker's shard
+    assert disk.put("other", b"victim's bytes") == ErrorCode.OK and disk.get("other") == b"victim's bytes"
+    disk.close()
+
+
+def test_a_tier_directory_swapped_after_start_changes_nothing(attacker, shared_dir):
+    """The directory's parent is the attacker's to write: after the tier started, the attacker
+    moves the directory aside and puts one of its own there, with a forged file of a stored key.
+    The tier keeps working in the directory it opened: it serves its own bytes, and writes
+    nothing into the attacker's."""
+    parent = os.path.join(shared_dir, "parent")
+    os.mkdir(parent)
+    os.chmod(parent, 0o777)
+    victim = os.path.join(parent, "ssd")
+    os.mkdir(victim, 0o700)
+    disk = DiskTier(victim, 1 << 20)
+    assert disk.put("secret", b"victim's bytes") == ErrorCode.OK
+    swap = f"import os; os.rename({victim!r}, {victim + '.old'!r}); os.mkdir({victim!r}, 0o755)\n"
+    assert attacker.run(swap + f"import sys; sys.argv = ['x', {victim!r}, 'secret']\n" + PLANT) == {"planted": 1}
+    assert disk.get("secret") == b"victim's bytes"
+    assert disk.put("later", b"more bytes") == ErrorCode.OK and disk.get("later") == b"more bytes"
+    planted_shards = [d for d in os.listdir(victim)]
+    assert all(os.stat(os.path.join(victim, d)).st_uid == attacker.uid for d in planted_shards)
+    assert sorted(os.listdir(victim + ".old")) != []  # where the tier still keeps its files
+    disk.close()

@@ -57,5 +57,5 @@ def test_another_user_cannot_squat_the_arena_name(attacker, private_tmp):
     under the old scheme) neither stop the server nor get mapped by anyone."""
     out = run_private("squat", private_tmp, attacker.uid, "32m")
     assert out["squatted"] >= 2998 and out["server_pid"] < 3000
-    assert out["arena"].startswith(f"kvpool-") and out["arena"].count("-") == 3
+    assert out["arena"].startswith("kvpool-") and out["arena"].count("-") == 3
     assert out["put"] == [OK] and out["get"] == [OK] and out["equal"]

@@ -211,8 +211,9 @@ def test_restart_rebuilds_index_and_removes_bad_files(make_disk, ssd_dir) -> Non
     stale_tmp = file_of(disk, "k0") + ".tmp.123.0"
     open(stale_tmp, "wb").write(b"partial")
     garbage = os.path.join(ssd_dir, "ab", "ab" + "0" * 62)
-    os.makedirs(os.path.dirname(garbage), exist_ok=True)
-    open(garbage, "wb").write(b"not a kvpool file")
+    os.makedirs(os.path.dirname(garbage), mode=0o700, exist_ok=True)
+    with open(os.open(garbage, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:  # named and made as the tier's
+        f.write(b"not a kvpool file")
     unrelated = os.path.join(ssd_dir, "README")
     open(unrelated, "w").write("keep me")
 
@@ -339,14 +340,14 @@ def test_a_quota_a_full_disk_lowered_grows_back_once_the_disk_has_room(make_disk
     disk.put("k2", bytes(100))
     lowered = disk.quota_bytes
     assert lowered < quota_for(4)
-    real_statvfs = os.statvfs
+    real_statvfs = os.fstatvfs
     free = {"bytes": 0}
 
-    def statvfs(path):
-        st = real_statvfs(path)
+    def statvfs(fd):
+        st = real_statvfs(fd)
         return type("St", (), {"f_bavail": free["bytes"] // st.f_frsize, "f_frsize": st.f_frsize})()
 
-    monkeypatch.setattr(disk_module.os, "statvfs", statvfs)
+    monkeypatch.setattr(disk_module.os, "fstatvfs", statvfs)  # the tier asks its directory's descriptor
     monkeypatch.setattr(disk, "_regrow_at", 0.0)
     disk.put("k3", bytes(100))  # still full: the quota stays where the disk put it
     assert disk.quota_bytes == lowered

@@ -27,10 +27,12 @@ Invariants:
   exceeds ``quota_bytes``.
 
 Trust (docs/security.md): the directory must be the serving user's and writable by no one
-else (``validate_offload_path``); the tier creates its shard directories 0700 and its files
-0600 (``O_CREAT | O_EXCL | O_NOFOLLOW``, then ``fchmod`` so no umask widens them), and holds an
-exclusive ``flock`` on ``.kvpool.lock`` in the directory for its lifetime, so two servers or
-engines never share one directory (each would keep its own index and quota).
+else (``validate_offload_path``); the tier opens it once and reaches every shard and file
+relative to that descriptor, checking each on its own descriptor (``tierdir.TierDir``: a swapped
+path, or a shard or file another user owns, is never read). It creates its shard directories
+0700 and its files 0600 (``O_CREAT | O_EXCL | O_NOFOLLOW``, then ``fchmod`` so no umask widens
+them), and holds an exclusive ``flock`` on ``.kvpool.lock`` in the directory for its lifetime,
+so two servers or engines never share one directory (each would keep its own index and quota).
 
 Restart: ``close`` writes an index of every stored key and file size (``.kvpool.index``,
 crc32-sealed) together with the modification times of the shard directories; the next open
@@ -66,7 +68,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterable, Sequence
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 import xxhash
@@ -74,6 +76,7 @@ import xxhash
 from kvpool.errors import ConfigError, ErrorCode, StoreError
 from kvpool.paths import validate_offload_path
 from kvpool.store.quota import POLICIES, DiskPolicy, QuotaIndex
+from kvpool.store.tierdir import TierDir
 
 logger = logging.getLogger(__name__)
 
@@ -89,21 +92,27 @@ HEADER_SIZE = _HEADER.size
 _LOW32 = 0xFFFFFFFF
 _TMP_MARK = ".tmp."
 LOCK_NAME = ".kvpool.lock"
-FILE_MODE = 0o600
-DIR_MODE = 0o700
 # How long a put waits for another thread's write of the same key: one file write, so only a
 # hung device takes this long; the put then reports failure rather than an unbacked OK.
 INFLIGHT_WAIT_S = 30.0
 # After a full disk lowered the quota, how often a put looks whether the disk has room again.
 REGROW_CHECK_S = 5.0
+_HEXDIGITS = frozenset("0123456789abcdef")
 # Read errors that say nothing about the file (the process ran out of something): no deletion.
 _TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR})
 
 
-def _lock_dir(path: str) -> int:
+class _Loc(NamedTuple):
+    """Where a key's file is: its shard directory and its name there."""
+
+    shard: str
+    name: str
+
+
+def _lock_dir(tier_dir: TierDir) -> int:
     """Take the directory's lock for this tier's lifetime; ConfigError naming the holder if taken."""
-    lock_path = os.path.join(path, LOCK_NAME)
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    path, lock_path = tier_dir.path, tier_dir.where(None, LOCK_NAME)
+    fd = tier_dir.lock_file(LOCK_NAME)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -188,7 +197,12 @@ class DiskTier:
                 key="ssd_quota_bytes", value=quota_bytes, expected="a positive int of bytes"
             )
         self.path = os.path.normpath(path)
-        self._lock_fd: int | None = _lock_dir(self.path)
+        self._dir = TierDir(self.path)
+        try:
+            self._lock_fd: int | None = _lock_dir(self._dir)
+        except BaseException:
+            self._dir.close()
+            raise
         self.policy: DiskPolicy = policy
         self._lock = threading.Lock()  # the index lock (module docstring): memory only
         self._names = threading.Lock()  # the name lock: renames, unlinks, identity checks
@@ -231,6 +245,10 @@ class DiskTier:
         fd, self._lock_fd = getattr(self, "_lock_fd", None), None
         if fd is not None:
             os.close(fd)
+        # The directory's descriptors outlive close(): a reader still finishing reads through them.
+        tier_dir, self._dir = getattr(self, "_dir", None), None
+        if tier_dir is not None:
+            tier_dir.close()
 
 
     @property
@@ -323,18 +341,18 @@ class DiskTier:
                 self._delete_doomed()
             return ErrorCode.NO_AVAILABLE_HANDLE
 
-        final = self._file_path(key)
+        loc = self._where(key)
         settled = False
         try:
             if victims:
                 self._delete_doomed()  # their room on the device before this write takes it
             for attempt in (1, 2):
                 try:
-                    self._write(final, key_bytes, views, payload_len)
+                    self._write(loc, key_bytes, views, payload_len)
                 except OSError as exc:
                     if exc.errno in (errno.ENOSPC, errno.EDQUOT) and attempt == 1 and self._room_after_full_disk(size):
                         continue  # the disk filled up under the quota: evicted to make room, try again
-                    logger.warning("disk tier: writing key=%r to %s failed: %s", key, final, exc)
+                    logger.warning("disk tier: writing key=%r to %s failed: %s", key, self._dir.where(*loc), exc)
                     return ErrorCode.INTERNAL_ERROR
                 settled = True
                 return ErrorCode.OK
@@ -349,17 +367,18 @@ class DiskTier:
                     self._order.cancel(key)
                 self._landed.notify_all()
 
-    def _write(self, final: str, key_bytes: bytes, views: list[memoryview], payload_len: int) -> None:
-        """Write one object's file next to ``final`` and rename it into place (no temp file is
+    def _write(self, loc: _Loc, key_bytes: bytes, views: list[memoryview], payload_len: int) -> None:
+        """Write one object's file next to ``loc`` and rename it into place (no temp file is
         left behind on failure)."""
-        tmp = f"{final}{_TMP_MARK}{os.getpid()}.{next(self._tmp_counter)}"
+        tmp = f"{loc.name}{_TMP_MARK}{os.getpid()}.{next(self._tmp_counter)}"
+        created = False
         try:
             h = xxhash.xxh3_64()
             for v in views:
                 h.update(v)
-            os.makedirs(os.path.dirname(final), mode=DIR_MODE, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
-            os.fchmod(fd, FILE_MODE)
+            self._dir.shard(loc.shard, create=True)
+            fd = self._dir.create(loc.shard, tmp)
+            created = True
             with open(fd, "wb") as f:
                 f.write(_HEADER.pack(MAGIC, VERSION, 0, len(key_bytes), payload_len, h.intdigest() & _LOW32))
                 f.write(key_bytes)
@@ -367,13 +386,12 @@ class DiskTier:
                     f.write(v)
             with self._names:
                 self._delete_doomed_names_locked()  # an older copy of this key may be among them
-                os.replace(tmp, final)
-                self._saw_shard_names_locked(os.path.dirname(final))
+                self._dir.replace(loc.shard, tmp, loc.name)
+                created = False
+                self._saw_shard_names_locked(loc.shard)
         except OSError:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            if created:
+                self._unlink_quietly(loc.shard, tmp)
             raise
 
     def _room_after_full_disk(self, size: int) -> bool:
@@ -409,7 +427,7 @@ class DiskTier:
                 return
             self._regrow_at = now + REGROW_CHECK_S
         try:
-            st = os.statvfs(self.path)  # outside the index lock: a system call (module docstring)
+            st = self._dir.statvfs()  # outside the index lock: a system call (module docstring)
         except OSError:
             return
         free = st.f_bavail * st.f_frsize
@@ -435,8 +453,8 @@ class DiskTier:
         never become valid, and leaving it would fail every later read too).
         """
         self._touch(key)
-        file_path = self._file_path(key)
-        fd = self._open(key, file_path)
+        loc = self._where(key)
+        fd = self._open(key, loc)
         try:
             try:
                 with open(fd, "rb", closefd=False) as f:
@@ -448,12 +466,12 @@ class DiskTier:
                     payload = f.read(parsed[4]) if parsed else b""
                     trailing = bool(f.read(1))
             except OSError as exc:
-                self._unreadable(key, file_path, exc, fd)
+                self._unreadable(key, loc, exc, fd)
             problem = self._check_file(parsed, key_bytes, len(payload), trailing, key)
             if problem is None and parsed is not None:
                 problem = self._check_sum(parsed, payload)[1]
             if problem is not None:
-                self._corrupt(key, file_path, problem, fd)
+                self._corrupt(key, loc, problem, fd)
         finally:
             # Open until any deletion above is decided: the descriptor pins the inode, so the
             # identity check there cannot meet a new file reusing its number.
@@ -471,10 +489,10 @@ class DiskTier:
         but is otherwise whole (the key was evicted and stored again meanwhile) is a miss.
         """
         self._touch(key)
-        file_path = self._file_path(key)
+        loc = self._where(key)
         key_bytes = key.encode("utf-8")
         start = HEADER_SIZE + len(key_bytes)  # where the payload begins, if the key is the file's
-        fd = self._open(key, file_path)
+        fd = self._open(key, loc)
         try:
             try:
                 file_size = os.fstat(fd).st_size
@@ -487,26 +505,27 @@ class DiskTier:
                                      f"key={key!r} on the disk tier is {payload_len} bytes now, not {dest.nbytes}")
                 got = _pread_into(fd, dest, start) if payload_len == dest.nbytes else 0
             except OSError as exc:
-                self._unreadable(key, file_path, exc, fd)
+                self._unreadable(key, loc, exc, fd)
             problem = self._check_file(parsed, head[HEADER_SIZE:], got, file_size > start + got, key)
             digest = 0
             if problem is None and parsed is not None:
                 digest, problem = self._check_sum(parsed, dest)
             if problem is not None:
-                self._corrupt(key, file_path, problem, fd)
+                self._corrupt(key, loc, problem, fd)
         finally:
             os.close(fd)  # after any deletion (see get)
         self._checked(key)
         return digest
 
-    def _open(self, key: str, file_path: str) -> int:
-        """Open ``key``'s file for reading; raises StoreError as ``get`` does."""
+    def _open(self, key: str, loc: _Loc) -> int:
+        """Open ``key``'s file for reading; raises StoreError as ``get`` does (a file or shard not
+        the tier's own is unreadable: a miss, and the name is deleted)."""
         try:
-            return os.open(file_path, os.O_RDONLY | os.O_CLOEXEC)
+            return self._dir.open(loc.shard, loc.name)
         except FileNotFoundError:
             self._gone(key)
         except OSError as exc:
-            self._unreadable(key, file_path, exc, None)
+            self._unreadable(key, loc, exc, None)
 
     def _touch(self, key: str) -> None:
         """Mark ``key`` read (its LRU place); OBJECT_NOT_FOUND when it is not stored."""
@@ -520,20 +539,27 @@ class DiskTier:
         with self._names:
             # Unless a new copy was stored meanwhile (renames hold the name lock): that one
             # is acknowledged and stays listed.
-            if not os.path.lexists(self._file_path(key)):
+            if not self._exists(self._where(key)):
                 with self._lock:
                     self._order.discard(key)
         raise StoreError(ErrorCode.OBJECT_NOT_FOUND, f"key={key!r} is not on the disk tier") from None
 
-    def _unreadable(self, key: str, file_path: str, exc: OSError, fd: int | None) -> NoReturn:
+    def _exists(self, loc: _Loc) -> bool:
+        try:
+            self._dir.lstat(loc.shard, loc.name)
+            return True
+        except OSError:  # absent, or in a shard that is not the tier's: not a file of ours
+            return False
+
+    def _unreadable(self, key: str, loc: _Loc, exc: OSError, fd: int | None) -> NoReturn:
         """A read of ``key``'s file failed: a miss, never an OSError to the caller (through the
         server that would end the reader's connection, on every read of a bad sector)."""
         if exc.errno in _TRANSIENT:  # the process, not the file: keep it
             raise StoreError(
                 ErrorCode.INTERNAL_ERROR,
-                f"key={key!r}: could not read {file_path} ({exc}); the file is kept, retry later",
+                f"key={key!r}: could not read {self._dir.where(*loc)} ({exc}); the file is kept, retry later",
             ) from None
-        self._corrupt(key, file_path, f"unreadable: {exc}", fd)
+        self._corrupt(key, loc, f"unreadable: {exc}", fd)
 
     def remove(self, key: str) -> ErrorCode:
         """Delete ``key``'s file; OBJECT_NOT_FOUND if it is not stored."""
@@ -546,9 +572,15 @@ class DiskTier:
 
     # ---- internals ----------------------------------------------------------
 
-    def _file_path(self, key: str) -> str:
+    def file_path(self, key: str) -> str:
+        """The path of ``key``'s file (for messages and tools: the tier itself opens it through
+        its directory's descriptor)."""
+        return self._dir.where(*self._where(key))
+
+    @staticmethod
+    def _where(key: str) -> _Loc:
         digest = hashlib.sha256(key.encode("utf-8")).hexdigest()
-        return os.path.join(self.path, digest[:2], digest)
+        return _Loc(digest[:2], digest)
 
     @staticmethod
     def _check_file(
@@ -577,9 +609,10 @@ class DiskTier:
             return digest, None if zlib.crc32(payload) == check else "crc32 mismatch"
         return digest, None if digest & _LOW32 == check else "checksum mismatch"
 
-    def _corrupt(self, key: str, file_path: str, problem: str, fd: int | None) -> NoReturn:
+    def _corrupt(self, key: str, loc: _Loc, problem: str, fd: int | None) -> NoReturn:
         """Report ``key``'s file (read through ``fd``; None: could not be opened) as corrupt and
         delete it, unless a new copy was renamed over it meanwhile: that one was acknowledged."""
+        file_path = self._dir.where(*loc)
         logger.warning(
             "disk tier: key=%r file %s is corrupt (%s); deleted it and reporting a miss",
             key, file_path, problem,
@@ -587,7 +620,7 @@ class DiskTier:
         with self._names:
             with self._lock:
                 self.checksum_failures += 1
-            if fd is None or self._is_file_names_locked(file_path, fd):
+            if fd is None or self._is_file_names_locked(loc, fd):
                 with self._lock:
                     if self._order.discard(key):
                         self._doom_locked([key])
@@ -598,13 +631,12 @@ class DiskTier:
             f"the object must be recomputed",
         )
 
-    @staticmethod
-    def _is_file_names_locked(file_path: str, fd: int) -> bool:
-        """Whether ``file_path`` still names the file open as ``fd`` (call under the name lock,
+    def _is_file_names_locked(self, loc: _Loc, fd: int) -> bool:
+        """Whether ``loc`` still names the file open as ``fd`` (call under the name lock,
         which every rename and unlink in the tier holds, with ``fd`` open so its inode is not
         reused)."""
         try:
-            now, read = os.stat(file_path, follow_symlinks=False), os.fstat(fd)
+            now, read = self._dir.lstat(loc.shard, loc.name), os.fstat(fd)
         except OSError:
             return False
         return (now.st_dev, now.st_ino) == (read.st_dev, read.st_ino)
@@ -633,9 +665,10 @@ class DiskTier:
                 return
             victims, self._doomed = self._doomed, set()
         for victim in victims:
-            file_path = self._file_path(victim)
+            loc = self._where(victim)
+            file_path = self._dir.where(*loc)
             try:
-                os.unlink(file_path)
+                self._dir.unlink(loc.shard, loc.name)
             except FileNotFoundError:
                 pass
             except OSError as exc:
@@ -644,19 +677,24 @@ class DiskTier:
                 # read with an exception and leave its reservation behind.
                 logger.warning("disk tier: could not delete %s (key=%r): %s; it stays on disk, unindexed, "
                                "until a restart's scan", file_path, victim, exc)
-            self._saw_shard_names_locked(os.path.dirname(file_path))
+            self._saw_shard_names_locked(loc.shard)
+
+    def _shard_names(self) -> list[str]:
+        """The directory's shard names (two hex digits); the tier's own or not (`TierDir.shard`)."""
+        return [name for name in self._dir.shard_names() if len(name) == 2 and set(name) <= _HEXDIGITS]
 
     def _shard_times(self) -> dict[str, int]:
-        hexdigits = set("0123456789abcdef")
-        return {
-            shard.name: shard.stat(follow_symlinks=False).st_mtime_ns
-            for shard in os.scandir(self.path)
-            if shard.is_dir(follow_symlinks=False) and len(shard.name) == 2 and set(shard.name) <= hexdigits
-        }
+        times = {}
+        for name in self._shard_names():
+            try:
+                times[name] = self._dir.lstat(None, name).st_mtime_ns
+            except OSError:
+                pass
+        return times
 
-    def _saw_shard_names_locked(self, shard_path: str) -> None:
+    def _saw_shard_names_locked(self, shard: str) -> None:
         try:
-            self._shard_seen[os.path.basename(shard_path)] = os.stat(shard_path).st_mtime_ns
+            self._shard_seen[shard] = self._dir.lstat(None, shard).st_mtime_ns
         except OSError:
             pass
 
@@ -681,27 +719,26 @@ class DiskTier:
             parts.append(_INDEX_ENTRY.pack(len(key_bytes), size))
             parts.append(key_bytes)
         body = b"".join(parts)
-        final = os.path.join(self.path, INDEX_NAME)
-        tmp = f"{final}{_TMP_MARK}{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+        tmp = f"{INDEX_NAME}{_TMP_MARK}{os.getpid()}"
+        fd = self._dir.create(None, tmp, truncate=True)
         with open(fd, "wb") as f:
             f.write(body)
             f.write(struct.pack("<I", zlib.crc32(body)))
-        os.replace(tmp, final)
+        self._dir.replace(None, tmp, INDEX_NAME)
 
     def _load_index(self) -> bool:
         """Take the index the previous close wrote, if it is intact and no shard changed since;
         delete it either way. False: the caller must scan."""
-        final = os.path.join(self.path, INDEX_NAME)
+        final = self._dir.where(None, INDEX_NAME)
         try:
-            fd = os.open(final, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = self._dir.open(None, INDEX_NAME)
         except OSError:
             return False
         try:
             with open(fd, "rb") as f:
                 blob = f.read()
         finally:
-            self._unlink_quietly(final)  # a crash from here on must not leave a stale index behind
+            self._unlink_quietly(None, INDEX_NAME)  # a crash from here on must not leave a stale index behind
         try:
             return self._parse_index(blob)
         except (struct.error, UnicodeDecodeError, ValueError) as exc:
@@ -750,25 +787,25 @@ class DiskTier:
         and their temp files); anything else in the directory is left alone.
         """
         found: list[tuple[float, str, int]] = []
-        hexdigits = set("0123456789abcdef")
-        for shard in os.scandir(self.path):
-            if not (shard.is_dir(follow_symlinks=False) and len(shard.name) == 2 and set(shard.name) <= hexdigits):
+        for shard in self._shard_names():
+            try:
+                entries = list(self._dir.files(shard))
+            except OSError as exc:  # Untrusted: another user's shard is never read
+                logger.warning("disk tier: skipping %s at start-up: %s", self._dir.where(None, shard), exc)
                 continue
-            for entry in os.scandir(shard.path):
-                if not entry.is_file(follow_symlinks=False):
-                    continue
+            for entry in entries:
                 name = entry.name
-                if _TMP_MARK in name and len(name) > 64 and set(name[:64]) <= hexdigits:
+                if _TMP_MARK in name and len(name) > 64 and set(name[:64]) <= _HEXDIGITS:
                     # A write the previous process never renamed: never complete.
-                    self._unlink_quietly(entry.path)
+                    self._unlink_quietly(shard, name)
                     continue
-                if len(name) != 64 or not set(name) <= hexdigits or not name.startswith(shard.name):
+                if len(name) != 64 or not set(name) <= _HEXDIGITS or not name.startswith(shard):
                     continue
-                key, problem = self._read_header(entry.path, name)
+                key, problem = self._read_header(_Loc(shard, name))
                 if key is None:
-                    logger.warning("disk tier: removing %s at start-up: %s", entry.path, problem)
+                    logger.warning("disk tier: removing %s at start-up: %s", self._dir.where(shard, name), problem)
                     self.removed_at_scan += 1
-                    self._unlink_quietly(entry.path)
+                    self._unlink_quietly(shard, name)
                     continue
                 st = entry.stat(follow_symlinks=False)
                 found.append((st.st_mtime, key, st.st_size))
@@ -787,11 +824,11 @@ class DiskTier:
             )
             self._doom_locked(self._order.evict(self._order.used - self.quota_bytes))
 
-    @staticmethod
-    def _read_header(file_path: str, name: str) -> tuple[str | None, str]:
+    def _read_header(self, loc: _Loc) -> tuple[str | None, str]:
         try:
-            size = os.path.getsize(file_path)
-            with open(file_path, "rb") as f:
+            fd = self._dir.open(loc.shard, loc.name)
+            size = os.fstat(fd).st_size
+            with open(fd, "rb") as f:
                 head = f.read(HEADER_SIZE)
                 if len(head) < HEADER_SIZE:
                     return None, "truncated header"
@@ -807,13 +844,12 @@ class DiskTier:
             key = key_bytes.decode("utf-8")
         except UnicodeDecodeError:
             return None, "key is not utf-8"
-        if hashlib.sha256(key_bytes).hexdigest() != name:
+        if hashlib.sha256(key_bytes).hexdigest() != loc.name:
             return None, "file name does not match the stored key"
         return key, ""
 
-    @staticmethod
-    def _unlink_quietly(file_path: str) -> None:
+    def _unlink_quietly(self, shard: str | None, name: str) -> None:
         try:
-            os.unlink(file_path)
+            self._dir.unlink(shard, name)
         except OSError:
             pass

@@ -31,6 +31,10 @@ server still listens, for schedulers in other processes.
 Socket and lock live in the per-user runtime directory (mode 0700, kvpool.paths), so no other
 user can connect, plant a socket there first or hold the lock; `VLLM_RPC_BASE_PATH`, when set,
 replaces that directory and must pass the same check as an explicit `kvpool server` socket path.
+Paths can still be swapped after they were checked (a directory whose parent another user may
+write), so both ends also ask the kernel who is at the other end (SO_PEERCRED) before either
+says anything: a peer of another uid is dropped, and to the scheduler that is a miss. Nobody
+else learns a prompt's block hashes, and nobody else's hit counts are believed.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ import msgspec
 from kvpool.config import MAX_SOCKET_PATH
 from kvpool.errors import ConfigError
 from kvpool.paths import check_socket_dir, open_private_lock, runtime_dir
+from kvpool.server.peers import peer_of, trusted
 from kvpool.server.protocol import MAX_REQUEST_FRAME, FrameError, encode_frame, recv_frame
 
 logger = logging.getLogger(__name__)
@@ -80,6 +85,19 @@ def _count_or_miss(count: Callable[[], int]) -> int:
     except Exception:
         logger.exception("kvpool lookup failed; answering 0 hits")
         return 0
+
+
+class UntrustedPeer(OSError):
+    """The other end of the lookup channel is a process of another user."""
+
+
+def check_peer(sock: socket.socket, path: str) -> None:
+    """Raise UntrustedPeer unless the kernel says `sock`'s peer runs as our uid."""
+    peer = peer_of(sock)
+    if not trusted(sock, peer, None):
+        raise UntrustedPeer(f"the lookup channel {path} is held by another user ({peer.describe()}; we are uid "
+                            f"{os.getuid()}): refusing it. Someone may have replaced its directory; keep "
+                            f"VLLM_RPC_BASE_PATH in a directory whose parents only this user can write")
 
 
 def lookup_socket_path(lookup_rpc_port: int, dp_rank: int = 0) -> str:
@@ -136,6 +154,12 @@ class LookupServer:
                         try:
                             conn, _ = self._listener.accept()
                         except OSError:
+                            continue
+                        try:
+                            check_peer(conn, self.path)  # before it hears or tells anything
+                        except OSError as e:
+                            logger.error("kvpool lookup channel: dropping a connection: %s", e)
+                            conn.close()
                             continue
                         sel.register(conn, selectors.EVENT_READ)
                     elif not self._answer(key.fileobj):
@@ -205,6 +229,7 @@ class LookupClient:
             try:
                 s.settimeout(LOOKUP_TIMEOUT_MS / 1000)
                 s.connect(self.path)
+                check_peer(s, self.path)  # before a single hash goes out
             except BaseException:
                 s.close()
                 raise
@@ -254,6 +279,10 @@ class LookupClient:
             logger.warning("kvpool lookup on %s: no answer in %d ms (worker rank 0 stuck, e.g. on a hung "
                            "store); the next %.0f s of lookups are misses without asking",
                            self.path, LOOKUP_TIMEOUT_MS, self._backoff_s)
+            self._drop()
+            return 0
+        except UntrustedPeer as e:
+            logger.error("kvpool lookup: %s; treating as a miss", e)
             self._drop()
             return 0
         except OSError as e:  # no server yet, a closed connection
