@@ -23,6 +23,7 @@ from typing import Any
 
 from kvpool.backends.net import parse_host_port, parse_tcp_url, probe
 from kvpool.backends.registry import doctor_check
+from kvpool.cli.inputs import loads, read_file
 from kvpool.config import KVPoolConfig, LocalSettings, RedisSettings, ServerClientSettings, check_config, int_arg
 from kvpool.errors import ConfigError
 from kvpool.paths import check_socket_dir
@@ -72,10 +73,10 @@ class Report:
 
 def read_transfer_config(text: str) -> dict[str, Any]:
     """JSON text, or `@path` of a file holding it."""
+    what = text[1:] if text.startswith("@") else "--kv-transfer-config"
     if text.startswith("@"):
-        with open(text[1:]) as f:
-            text = f.read()
-    value = json.loads(text)
+        text = read_file(text[1:])
+    value = loads(text, what)
     if not isinstance(value, dict):
         raise ValueError("the kv-transfer-config must be a JSON object")
     return value

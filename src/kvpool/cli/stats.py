@@ -15,11 +15,10 @@ import json
 import logging
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Collection
 from typing import Any
 
+from kvpool.cli.inputs import InputError, http_get, loads, numbers
 from kvpool.config import DEFAULT_SERVER_SOCKET
 from kvpool.errors import KVPoolError
 from kvpool.metrics import catalog
@@ -47,12 +46,18 @@ def fetch_from_socket(socket_path: str, timeout_s: float = 5.0) -> dict[str, Any
 
 
 def fetch_from_url(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
-    """GET ``url`` (a server's metrics base URL, or its /stats URL) as JSON."""
+    """GET ``url`` (a server's metrics base URL, or its /stats URL) as JSON: a server's stats,
+    within ``timeout_s`` and a size bound, with numbers where the server puts numbers."""
     base = url.rstrip("/")
     if not base.endswith("/stats"):
         base += "/stats"
-    with urllib.request.urlopen(base, timeout=timeout_s) as resp:  # noqa: S310 (operator-given URL)
-        return json.loads(resp.read())
+    stats = loads(http_get(base, timeout_s), base)
+    if not isinstance(stats, dict):
+        raise InputError(f"{base}: a JSON {type(stats).__name__}, not a kvpool server's stats object")
+    clients = stats.get("client_list", [])
+    if not isinstance(clients, list) or not all(isinstance(c, dict) for c in clients):
+        raise InputError(f"{base}: client_list is not a list of objects; is this a kvpool server?")
+    return numbers(stats, STATS_NUMBERS, base)
 
 
 def derive(stats: dict[str, Any]) -> dict[str, Any]:
@@ -133,11 +138,14 @@ def fetch_prometheus(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
     base = url.rstrip("/")
     if not base.endswith("/metrics"):
         base += "/metrics"
-    with urllib.request.urlopen(base, timeout=timeout_s) as resp:  # noqa: S310 (operator-given URL)
-        text = resp.read().decode()
+    text = http_get(base, timeout_s).decode(errors="replace")
     out: dict[str, Any] = {}
     counters = []
-    for family in text_string_to_metric_families(text):
+    try:
+        families = list(text_string_to_metric_families(text))
+    except (ValueError, TypeError, IndexError) as exc:  # the parser's errors for text that is not the format
+        raise InputError(f"{base}: not Prometheus text ({exc})") from None
+    for family in families:
         for sample in family.samples:
             out[sample.name] = out.get(sample.name, 0.0) + sample.value
             if family.type == "counter":
@@ -233,6 +241,9 @@ class Source:
 
 # The server's counters: the stats entries behind the catalog's counter series.
 SERVER_COUNTERS = frozenset(key for s in catalog.SERVER if s.kind == "counter" for key in s.stats.values())
+# Every entry of the server's stats that is a number (a series' source, or one it does not export).
+STATS_NUMBERS = frozenset(key for s in catalog.SERVER for key in s.stats.values()) | frozenset(
+    catalog.SERVER_STATS_NOT_EXPORTED)
 
 
 def source_from_args(args: argparse.Namespace) -> Source:
@@ -317,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
     if args.watch is None:
         try:
             stats = source.fetch()
-        except (KVPoolError, OSError, urllib.error.URLError, ValueError) as exc:
+        except (KVPoolError, OSError, ValueError) as exc:  # InputError among them
             print(f"kvpool stats: cannot reach the {source.title} at {source.where}: {exc}", file=sys.stderr)
             return 1
         if args.json:
@@ -341,7 +352,7 @@ def _watch(source: Source, interval_s: float, count: int, as_json: bool) -> int:
     for n in itertools.count(1):
         try:
             stats = source.fetch()
-        except (KVPoolError, OSError, urllib.error.URLError, ValueError) as exc:
+        except (KVPoolError, OSError, ValueError) as exc:  # InputError among them
             # A live view outlives a store's restart: say so and keep asking.
             print(f"kvpool stats: cannot reach the {source.title} at {source.where}: {exc}", file=sys.stderr)
             stats = None
