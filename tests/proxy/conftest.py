@@ -13,7 +13,7 @@ import httpx
 import pytest
 from proxy_peers import Peer, PeerBehavior, ServerThread
 
-from kvpool.proxy.app import create_app
+from kvpool.proxy.app import create_app, server_options
 from kvpool.proxy.config import Endpoint, ProxyConfig
 
 # The admin token the test proxies run with (as if from KVPOOL_PROXY_ADMIN_TOKEN).
@@ -30,7 +30,8 @@ class ProxyHandle:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self.app = create_app(config)
-        self.server = ServerThread(self.app, config.port).start()
+        # Served as `kvpool proxy` serves it: through kvpool.proxy.guard's connection caps and deadline.
+        self.server = ServerThread(self.app, config.port, **server_options(config)).start()
         self.url = self.server.url
         self.client = httpx.Client(base_url=self.url, timeout=10.0, trust_env=False)
 

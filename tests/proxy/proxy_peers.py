@@ -29,12 +29,13 @@ from starlette.routing import Route
 class ServerThread:
     """An ASGI app served by uvicorn in a daemon thread on 127.0.0.1."""
 
-    def __init__(self, app: Any, port: int = 0) -> None:
+    def __init__(self, app: Any, port: int = 0, **options: Any) -> None:
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", port))
         self.port: int = self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1)
+        options = {"log_level": "warning", **options, "timeout_graceful_shutdown": 1}
+        config = uvicorn.Config(app, lifespan="on", **options)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

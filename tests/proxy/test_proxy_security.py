@@ -407,3 +407,75 @@ def test_a_non_ascii_request_id_in_mixed_mode_is_not_a_500(make_peer, start_prox
     assert resp.status_code == 200, resp.text
     (seen,) = m.completions()
     assert seen.headers["authorization"] == "Bearer s\xe9cret"
+
+
+# ---------------------------------------------------------------- memory and slow clients
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_bodies_that_would_parse_into_millions_of_objects_are_refused_unparsed(make_peer, start_proxy):
+    """16 MiB of `[{},{},...]` is 5.6 million dicts (800 MiB) once parsed: four at once would take
+    the proxy past 2 GiB. What a body would build is charged to the body budget before it is
+    parsed, so these are 503s, and the proxy (this process: it is served in-process) stays small."""
+    import concurrent.futures
+
+    p, d = make_peer("P"), make_peer("D")
+    proxy = start_proxy([p], [d])
+    body = b'{"prompt": "x", "junk": [' + b"{}," * (5_500_000) + b"{}]}"
+    assert len(body) < proxy.config.max_body_bytes
+    before = _rss()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        codes = list(pool.map(lambda _: httpx.post(f"{proxy.url}/v1/completions", content=body, timeout=60,
+                                                    headers={"Content-Type": "application/json"},
+                                                    trust_env=False).status_code, range(4)))
+    assert codes == [503] * 4
+    assert _rss() - before < 256 << 20
+    assert proxy.state.bodies.used == 0 and proxy.state.bodies.refused == 4
+    assert p.received == [] and proxy.post("/v1/completions", BODY).status_code == 200  # still serving
+    assert proxy.state.bodies.used == 0  # an answered request gives its share back
+
+
+def test_the_body_budget_is_a_flag_at_least_four_bodies_large():
+    assert _parse([], {}).body_budget_bytes == 512 << 20
+    with pytest.raises(ConfigError) as exc:
+        _parse(["--max-body-bytes", "1048576", "--body-budget-bytes", "1048576"], {})
+    assert exc.value.key == "--body-budget-bytes"
+
+
+def test_a_request_whose_headers_never_finish_gets_a_408_and_is_closed(make_peer, start_proxy):
+    p, d = make_peer("P"), make_peer("D")
+    proxy = start_proxy([p], [d], request_timeout=0.5)
+    with socket.create_connection(("127.0.0.1", proxy.server.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        answer = b""
+        while chunk := sock.recv(65536):  # the proxy closes after its answer
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408") and b"--request-timeout" in answer
+    assert proxy.post("/v1/completions", BODY).status_code == 200
+
+
+def test_a_body_that_never_finishes_gets_a_408(make_peer, start_proxy):
+    p, d = make_peer("P"), make_peer("D")
+    proxy = start_proxy([p], [d], request_timeout=0.5)
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n")
+    status, answer = _raw(proxy.server.port, head, [b'{"prompt": "x"'])
+    assert status == 408 and "--request-timeout" in answer["error"]["message"]
+    assert p.received == [] and proxy.state.bodies.used == 0
+
+
+def test_one_client_cannot_take_every_connection(make_peer, start_proxy):
+    p, d = make_peer("P"), make_peer("D")
+    proxy = start_proxy([p], [d], max_client_connections=3, request_timeout=30)
+    held = [socket.create_connection(("127.0.0.1", proxy.server.port), timeout=10) for _ in range(3)]
+    try:
+        with socket.create_connection(("127.0.0.1", proxy.server.port), timeout=10) as extra:
+            answer = extra.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 503") and b"--max-client-connections" in answer
+    finally:
+        for s in held:
+            s.close()
+    expect(lambda: proxy.post("/v1/completions", BODY).status_code == 200, "the proxy serving again")

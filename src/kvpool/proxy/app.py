@@ -44,6 +44,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response
 
 from kvpool.errors import ConfigError
@@ -57,7 +58,8 @@ from kvpool.proxy.config import (
 )
 from kvpool.proxy.forward import Forwarder, error_response
 from kvpool.proxy.health import HealthChecker
-from kvpool.proxy.intake import BadRequest, completion_body, parse_json, read_body
+from kvpool.proxy.guard import BodyBudget, guarded_protocol
+from kvpool.proxy.intake import Admission, BadRequest, completion_body, parse_json, read_body
 from kvpool.proxy.metrics import ProxyMetrics
 from kvpool.proxy.registry import Registry, Role
 from kvpool.proxy.route import MixedRouter
@@ -80,12 +82,27 @@ class ProxyState:
         )
         self.forwarder = Forwarder(self.registry, self.client, config, self.router)
         self.metrics = ProxyMetrics(self.registry, self.router)
+        self.bodies = BodyBudget(config.body_budget_bytes)  # kvpool.proxy.guard
         self.health = HealthChecker(self.registry, self.client, config.health_interval,
                                     timeout=min(5.0, config.timeout, config.connect_timeout + 1.0),
                                     timeouts_allowed=config.health_timeouts)
 
     async def aclose(self) -> None:
         await self.client.aclose()
+
+
+def _releasing(resp: Response, admission: Admission) -> Response:
+    """``resp``, giving the body's budget back once it has been sent (a stream: once it ended;
+    the request's body lives as long as the forwarding that reads it)."""
+    earlier = resp.background
+
+    async def release() -> None:
+        admission.release()
+        if earlier is not None:
+            await earlier()
+
+    resp.background = BackgroundTask(release)
+    return resp
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
@@ -197,8 +214,10 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
     async def _completion(request: Request, path: str, endpoint: str) -> Response:
         started = time.monotonic()
+        admission = Admission(state.bodies)
         try:
-            body = completion_body(await read_body(request, config.max_body_bytes))
+            body = completion_body(await read_body(request, config.max_body_bytes, config.request_timeout, admission),
+                                   admission)
         except BadRequest as exc:
             resp: Response = error_response(exc.status, exc.message, "invalid_request_error")
         else:
@@ -206,7 +225,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
             forward = state.forwarder.mixed if config.mixed else state.forwarder.completion
             resp = await _until_disconnect(request, forward(path, body, headers))
         state.metrics.observe(endpoint, resp.status_code, time.monotonic() - started)
-        return resp
+        return _releasing(resp, admission)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -257,7 +276,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
         if denied is not None:
             return denied
         try:
-            role, eps = _parse_instances(parse_json(await read_body(request, config.max_body_bytes)))
+            role, eps = _parse_instances(parse_json(await read_body(request, config.max_body_bytes,
+                                                                    config.request_timeout)))
             state.registry.check_role(role)
             return role, eps
         except BadRequest as exc:
@@ -314,8 +334,13 @@ def serve(config: ProxyConfig) -> None:
         logger.info("kvpool proxy on http://%s:%d: prefill %s, decode %s", config.host, config.port,
                     [e.key for e in config.prefillers], [e.key for e in config.decoders])
     logging.getLogger("uvicorn.access").addFilter(ProbesAtDebug())
-    uvicorn.run(create_app(config), host=config.host, port=config.port,
-                log_level=config.log_level.lower(), timeout_graceful_shutdown=5)
+    uvicorn.run(create_app(config), host=config.host, port=config.port, **server_options(config))
+
+
+def server_options(config: ProxyConfig) -> dict[str, Any]:
+    """How uvicorn serves the proxy: its log level, and connections through `guard`'s caps and deadline."""
+    return {"log_level": config.log_level.lower(), "timeout_graceful_shutdown": 5,
+            "http": guarded_protocol(config.max_connections, config.max_client_connections, config.request_timeout)}
 
 
 PROBE_PATHS = frozenset({"/health", "/healthcheck"})

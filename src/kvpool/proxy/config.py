@@ -119,6 +119,14 @@ class ProxyConfig:
     log_level: str = "INFO"
     # Bytes a request body may have (Content-Length or counted as it arrives); more is a 413.
     max_body_bytes: int = 16 * 1024 * 1024
+    # Bytes all request bodies in the proxy, and what parsing them builds, may hold together
+    # (kvpool.proxy.guard); a request past it is a 503.
+    body_budget_bytes: int = 512 * 1024 * 1024
+    # Seconds a request's line and headers may take to arrive, and then its body (each a 408 past it).
+    request_timeout: float = 30.0
+    # Connections open at once: in all, and from one client address (one more is a 503, closed).
+    max_connections: int = 1024
+    max_client_connections: int = 64
     # Which instances get the client's Authorization header (see ForwardAuth).
     forward_authorization: ForwardAuth = ForwardAuth.NONE
     # The admin routes' bearer token; None disables them. Not in repr: it must not reach a log.
@@ -271,6 +279,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     security.add_argument("--max-body-bytes", type=int_arg, default=d.max_body_bytes,
                         help="largest request body accepted, in bytes; a larger one is answered 413 before "
                              f"it is read (default {d.max_body_bytes}, 16 MiB)")
+    security.add_argument("--body-budget-bytes", type=int_arg, default=d.body_budget_bytes,
+                        help="bytes all request bodies being served, and what parsing them builds, may hold "
+                             "together; a request past it is answered 503 (default "
+                             f"{d.body_budget_bytes}, 512 MiB; at least --max-body-bytes x 4)")
+    security.add_argument("--request-timeout", type=float, default=d.request_timeout,
+                        help="seconds a request's line and headers may take to arrive, and then its body; "
+                             f"past it a 408 and the connection is closed (default {d.request_timeout})")
+    security.add_argument("--max-connections", type=int_arg, default=d.max_connections,
+                        help=f"connections open at once; one more is answered 503 (default {d.max_connections})")
+    security.add_argument("--max-client-connections", type=int_arg, default=d.max_client_connections,
+                        help="connections open at once from one client address; one more is answered 503 "
+                             f"(default {d.max_client_connections})")
     security.add_argument("--forward-authorization", default=d.forward_authorization.value,
                         choices=[m.value for m in ForwardAuth],
                         help="pass the client's Authorization header on to: no instance (none, the default), "
@@ -292,7 +312,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         raise ConfigError("--max-retries", args.max_retries, "expected 0 or more")
     if not (math.isfinite(args.retry_delay) and args.retry_delay >= 0):
         raise ConfigError("--retry-delay", args.retry_delay, "expected a number of seconds >= 0")
-    for name in ("health_interval", "connect_timeout", "timeout"):
+    for name in ("health_interval", "connect_timeout", "timeout", "request_timeout"):
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
             raise ConfigError("--" + name.replace("_", "-"), value, "expected a number of seconds > 0")
@@ -300,6 +320,13 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         raise ConfigError("--health-timeouts", args.health_timeouts, "expected a whole number >= 1")
     if args.max_body_bytes < 1024:
         raise ConfigError("--max-body-bytes", args.max_body_bytes, "expected a number of bytes >= 1024")
+    if args.body_budget_bytes < 4 * args.max_body_bytes:
+        # A body's parsed tree is charged too, at up to ~4x its bytes for ordinary requests.
+        raise ConfigError("--body-budget-bytes", args.body_budget_bytes,
+                          f"expected at least 4 x --max-body-bytes ({4 * args.max_body_bytes})")
+    for name in ("max_connections", "max_client_connections"):
+        if getattr(args, name) < 1:
+            raise ConfigError("--" + name.replace("_", "-"), getattr(args, name), "expected a whole number >= 1")
     prefillers = endpoints("prefiller", args.prefiller_hosts, args.prefiller_ports)
     decoders = endpoints("decoder", args.decoder_hosts, args.decoder_ports)
     instances = endpoints("instance", args.instance_hosts, args.instance_ports)
@@ -342,6 +369,10 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         timeout=args.timeout,
         log_level=args.log_level,
         max_body_bytes=args.max_body_bytes,
+        body_budget_bytes=args.body_budget_bytes,
+        request_timeout=args.request_timeout,
+        max_connections=args.max_connections,
+        max_client_connections=args.max_client_connections,
         forward_authorization=ForwardAuth(args.forward_authorization),
         admin_token=admin_token_from(os.environ if env is None else env),
     )

@@ -6,6 +6,11 @@ Every failure here is the sender's fault and becomes a 4xx with a message, never
   refused before a byte of the body is read; a body without one (chunked) is counted as it
   arrives and refused as soon as it passes the limit, so the proxy never holds more than the
   limit of one request's body;
+- time: the body must arrive within ``--request-timeout`` of its headers (408);
+- memory: the body's bytes, then a bound of what parsing it builds (`tree_cost`, computed
+  before it is parsed), are charged to the proxy's `guard.BodyBudget` until the request ends;
+  past the budget the request is a 503 and nothing is parsed (16 MiB of ``[{},{},...]`` would
+  build 5 million dicts, 800 MiB);
 - JSON: strict JSON only. ``NaN``/``Infinity`` literals (Python's ``json`` accepts them, JSON
   does not, and the proxy could not send them on), numbers past a double's range (``1e400``:
   Python reads them as infinity, which cannot be sent on either), nesting deeper than
@@ -20,15 +25,25 @@ the instance's and the caller answers 502.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
 
+from kvpool.proxy.guard import BodyBudget
+
 # Deepest nesting of arrays and objects accepted. A chat request with content parts is about
 # 6 deep; tool and response-format JSON schemas rarely pass 20.
 MAX_JSON_DEPTH = 64
+
+# What parsing builds, at most, per array or object and per value besides the raw bytes
+# (CPython: an empty dict is 64 bytes, ~140 with its slot in a list and the allocator's rounding;
+# a short string about 50 plus its slot, an int 28 plus its slot): `tree_cost` charges these.
+CONTAINER_COST = 160
+VALUE_COST = 64
 
 # The completion fields the proxy reads or rewrites, and the JSON types each may have
 # (None: null). A field not listed is passed on untouched for the instance to judge.
@@ -56,8 +71,29 @@ class BadRequest(Exception):
         self.message = message
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, at most ``limit`` bytes; :class:`BadRequest` (413) past it."""
+class Admission:
+    """What one request's body holds of the proxy's `BodyBudget`, given back (`release`) when the
+    request has been answered."""
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self.budget = budget
+        self.charged = 0
+
+    def charge(self, n: int) -> None:
+        if not self.budget.take(n):
+            raise BadRequest(503, f"the proxy is holding as many request bodies as it may ({self.budget.limit} "
+                                  "bytes, --body-budget-bytes); retry later")
+        self.charged += n
+
+    def release(self) -> None:
+        self.budget.give(self.charged)
+        self.charged = 0
+
+
+async def read_body(request: Request, limit: int, timeout_s: float | None = None,
+                    admission: Admission | None = None) -> bytes:
+    """The whole body, at most ``limit`` bytes (413 past it), within ``timeout_s`` (408), each
+    chunk charged to ``admission`` as it arrives (503): :class:`BadRequest` says which."""
     too_large = f"the request body is larger than the proxy's limit of {limit} bytes (--max-body-bytes)"
     length = request.headers.get("content-length")
     if length is not None:
@@ -67,12 +103,34 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise BadRequest(413, too_large)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BadRequest(413, too_large)
-        chunks.append(chunk)
+
+    async def receive() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BadRequest(413, too_large)
+            if admission is not None:
+                admission.charge(len(chunk))
+            chunks.append(chunk)
+
+    try:
+        async with asyncio.timeout(timeout_s):
+            await receive()
+    except TimeoutError:
+        raise BadRequest(408, f"the request body did not arrive within {timeout_s:g} s "
+                              f"(--request-timeout; {size} bytes came)") from None
     return b"".join(chunks)
+
+
+def tree_cost(data: bytes) -> int:
+    """An upper bound of the bytes parsing ``data`` builds, the raw bytes included, counted
+    without parsing: every array or object opens with a bracket, every value but the first
+    follows a comma or a colon or opens a container. The same characters inside strings count
+    too, which only raises the bound (four scans at memchr speed, no copy)."""
+    containers = data.count(b"{") + data.count(b"[")
+    values = data.count(b",") + data.count(b":") + containers + 1
+    return 2 * len(data) + CONTAINER_COST * containers + VALUE_COST * values
 
 
 def _no_constant(name: str) -> Any:
@@ -88,8 +146,11 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def parse_json(data: bytes, what: str = "the request body") -> Any:
-    """Strict JSON (see the module docstring); :class:`BadRequest` (400) says what is wrong."""
+def parse_json(data: bytes, what: str = "the request body", charge: Callable[[int], None] | None = None) -> Any:
+    """Strict JSON (see the module docstring); :class:`BadRequest` (400) says what is wrong.
+    ``charge`` is given what parsing will build (`tree_cost`) before it builds it."""
+    if charge is not None:
+        charge(tree_cost(data) - len(data))  # the raw bytes were charged as they arrived
     try:
         value = json.loads(data.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float)
     except UnicodeDecodeError:
@@ -126,9 +187,10 @@ def _check_str(text: str, what: str) -> None:
         raise BadRequest(400, f"{what} has a string with a lone UTF-16 surrogate (\\ud800-\\udfff)") from None
 
 
-def completion_body(data: bytes) -> dict[str, Any]:
-    """A completion request's body, parsed and checked (see :data:`FIELD_TYPES`)."""
-    body = parse_json(data)
+def completion_body(data: bytes, admission: Admission | None = None) -> dict[str, Any]:
+    """A completion request's body, parsed and checked (see :data:`FIELD_TYPES`), what parsing
+    builds charged to ``admission``."""
+    body = parse_json(data, charge=admission.charge if admission is not None else None)
     if not isinstance(body, dict):
         raise BadRequest(400, f"the request body must be a JSON object, not {_json_type(body)}")
     for field, types in FIELD_TYPES.items():
