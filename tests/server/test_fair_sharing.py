@@ -342,6 +342,29 @@ def test_long_keys_are_charged_to_the_memory_budget(start_server, make_client):
     assert c.put(["é" * 3000], [[np.zeros(8, np.uint8)]]) == [int(ErrorCode.INVALID_KEY)]
 
 
+def _anon_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+def test_an_objects_heap_stays_under_what_it_is_charged(start_server, make_client):
+    """The sizing rule (docs/server.md): the server's heap per object (its index entries and key,
+    off the arena) is at most what the object is charged in the arena (1 KiB plus its key), so
+    the heap is at most (heap / charge) of the memory tier whatever objects are stored."""
+    server = start_server("--memory-size", "96MB")
+    c = make_client()
+    warm = [f"w{i:05d}".ljust(1024, "k") for i in range(2000)]  # the server's first allocations
+    assert c.put(warm, [[np.zeros(1, np.uint8)] for _ in warm]) == [OK] * len(warm)
+    before, used = _anon_rss(server.pid), c.server_stats()[0]["memory_used"]
+    keys = [f"{i:06d}".ljust(1024, "k") for i in range(30000)]  # 1-byte values: heap is all they cost
+    for i in range(0, len(keys), 2000):
+        batch = keys[i:i + 2000]
+        assert c.put(batch, [[np.zeros(1, np.uint8)] for _ in batch]) == [OK] * len(batch)
+    heap = (_anon_rss(server.pid) - before) / len(keys)
+    charged = (c.server_stats()[0]["memory_used"] - used) / len(keys)
+    assert charged >= 1024 + 1024 and heap < charged, (heap, charged)
+
+
 # ---- a connection that outlived its client TTL ------------------------------------------------------------
 
 
