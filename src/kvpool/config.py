@@ -868,6 +868,9 @@ class ServerSettings(EngineSettings, frozen=True, kw_only=True):
         "refuse handshakes beyond this many connected clients"))] = 1024
     max_connections_per_client: Annotated[int, Meta(ge=1, le=1 << 20, description=(
         "refuse handshakes beyond this many connections from one client process"))] = 16
+    max_connections_per_uid: Annotated[int, Meta(ge=1, le=1 << 20, description=(
+        "with --allowed_gid: refuse handshakes beyond this many connections from one other user, "
+        "all its processes together (room for a TP=8 vLLM instance: 9 processes, 1-2 each)"))] = 64
     max_handshakes: Annotated[int, Meta(ge=1, le=1 << 16, description=(
         "connections that have not said Hello yet; past it the oldest is closed to admit a new one"))] = 32
     client_pool_share: Annotated[float, Meta(gt=0, le=1, description=(

@@ -8,6 +8,7 @@ of the attacker's.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import tempfile
@@ -169,7 +170,7 @@ def _stops_cleanly(server: PoolServer) -> None:
     (a server that had to be SIGKILLed would leave its group-readable arena in /dev/shm)."""
     assert server.stop() == 0, server.log_tail()
     assert not os.path.exists(server.socket_path) and not os.path.exists(server.socket_path + ".lock")
-    assert not os.path.exists(os.path.join(shm.SHM_DIR, shm.arena_name(server.socket_path, server.pid)))
+    assert shm.arena_names(server.socket_path, server.pid) == []
 
 
 def test_the_real_server_refuses_another_uid(attacker, shared_dir):
@@ -460,3 +461,84 @@ def test_a_tier_directory_swapped_after_start_changes_nothing(attacker, shared_d
     assert all(os.stat(os.path.join(victim, d)).st_uid == attacker.uid for d in planted_shards)
     assert sorted(os.listdir(victim + ".old")) != []  # where the tier still keeps its files
     disk.close()
+
+
+# ---- another user is one owner, whatever processes it runs ---------------------------------------------------
+
+# As the other user: `n` processes, each one connection that says Hello and allocates (its own key);
+# then one more connection per process until the server refuses. Frames are built by the test.
+MANY_PROCESSES = r"""
+import json, os, socket, struct, sys
+path, n, hello = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3])
+allocs = [bytes.fromhex(a) for a in sys.argv[4].split(",")]
+def frame(s):
+    head = b""
+    while len(head) < 4:
+        head += s.recv(4 - len(head))
+    size = struct.unpack("!I", head)[0]; body = b""
+    while len(body) < size:
+        body += s.recv(size - len(body))
+    return body
+def conn():
+    s = socket.socket(socket.AF_UNIX); s.settimeout(10); s.connect(path); s.sendall(hello); return s, frame(s)
+out = {"allocations": [], "more": 0, "refused": 0}
+reads = []
+for i in range(n):  # n processes, one connection and one allocation each, all held
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.close(r)
+        s, _ = conn()
+        s.sendall(allocs[i])
+        os.write(w, frame(s).hex().encode())
+        os.close(w)
+        os.read(0, 1)  # hold it until the test is done
+        os._exit(0)
+    os.close(w)
+    reads.append(r)
+for r in reads:
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    out["allocations"].append(data.decode())
+held = []
+for _ in range(40):  # then more connections from this process, until refused
+    c, reply = conn()
+    held.append(c)
+    if b"max_connections_per_uid" in reply:
+        out["refused"] = 1
+        break
+    out["more"] += 1
+print(json.dumps(out), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_another_user_is_one_owner_whatever_processes_it_runs(attacker, shared_dir):
+    """Group sharing: another uid's processes share one pool share and one connection budget, so
+    starting more processes buys it nothing (with per-process quotas three processes would pin
+    90% of the pool)."""
+    sock_dir = os.path.join(shared_dir, "srv")
+    os.mkdir(sock_dir)
+    os.chmod(sock_dir, 0o755)
+    path = os.path.join(sock_dir, "kvpool.sock")
+    server = PoolServer(path, memory_size="64MB", log_path=os.path.join(shared_dir, "server.log"), startup_timeout_s=15.0,
+                        extra_args=("--allowed_gid", str(attacker.gid), "--max_connections_per_uid", "12",
+                                    "--put_timeout", "60")).start()
+    try:
+        with PoolClient(path, "victim", allowed_gid=attacker.gid) as victim:
+            cap = victim.server_stats()[0]["memory_capacity"]
+            hello = bytes(P.encode_frame(P.Hello("other", 1))).hex()
+            alloc = ",".join(bytes(P.encode_frame(P.Allocate([f"x{i}"], [int(cap * 0.3)]))).hex() for i in range(3))
+            proc = attacker.start(f"import sys; sys.argv = ['x', {path!r}, '3', {hello!r}, {alloc!r}]\n" + MANY_PROCESSES)
+            report = json.loads(proc.stdout.readline())
+            codes = [P.reply_decoder.decode(bytes.fromhex(a)).codes[0] for a in report["allocations"]]
+            # Each process asks for 30%: the first gets it, the others would pass the user's 50%.
+            assert codes.count(ErrorCode.OK) == 1 and codes.count(ErrorCode.NO_AVAILABLE_HANDLE) == 2, codes
+            assert 3 + report["more"] == 12 and report["refused"] == 1  # --max_connections_per_uid, all processes
+            owners = {c["owner"] for c in victim.server_stats()[1]}
+            assert owners == {f"uid:{attacker.uid}", f"pid:{os.getpid()}"}
+            # The victim's own share is untouched.
+            assert victim.put(["mine"], [[np.zeros(int(cap * 0.4), np.uint8)]]) == [ErrorCode.OK]
+            proc.communicate("", timeout=20)
+    finally:
+        server.stop()

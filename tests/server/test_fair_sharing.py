@@ -365,6 +365,49 @@ def test_an_objects_heap_stays_under_what_it_is_charged(start_server, make_clien
     assert charged >= 1024 + 1024 and heap < charged, (heap, charged)
 
 
+# ---- a connection handed over by the process that opened it -------------------------------------------------
+
+# A child that opens a connection, says Hello, allocates, hands the socket over (SCM_RIGHTS) and exits.
+HANDOFF = r"""
+import os, socket, sys
+from kvpool.server import protocol as P
+path, back = sys.argv[1], socket.socket(fileno=int(sys.argv[2]))
+s = socket.socket(socket.AF_UNIX)
+s.connect(path)
+s.sendall(P.encode_frame(P.Hello("child", os.getpid())))
+P.recv_frame(s, P.MAX_REPLY_FRAME)
+s.sendall(P.encode_frame(P.Allocate(["held-by-a-dead-child"], [1 << 20])))
+P.recv_frame(s, P.MAX_REPLY_FRAME)
+socket.send_fds(back, [b"x"], [s.fileno()])
+"""
+
+
+def test_a_connection_handed_to_another_process_ends_with_the_process_that_opened_it(start_server, make_client,
+                                                                                      sock_path):
+    """Quotas count against the process that opened a connection. Children that open
+    connections, hand them over and exit would each be a fresh quota; instead a connection
+    ends with its opener: what it held is freed, and its new holder gets nothing more through it."""
+    start_server()
+    good = make_client()
+    mine, theirs = socket.socketpair()
+    with mine, theirs:
+        subprocess.run([sys.executable, "-c", HANDOFF, sock_path, str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                       check=True, timeout=60)
+        _, fds, _, _ = socket.recv_fds(mine, 16, 1)
+    conn = socket.socket(fileno=fds[0])
+    with conn:
+        expect(lambda: good.server_stats()[0]["orphaned_connections"] == 1, "the handed-over connection closed")
+        expect(lambda: good.server_stats()[0]["pending_allocations"] == 0, "the dead child's allocation freed")
+        conn.settimeout(5)
+        try:
+            conn.sendall(P.encode_frame(P.Allocate(["stolen"], [1 << 20])))
+            answer = P.recv_frame(conn, P.MAX_REPLY_FRAME)
+        except OSError:
+            answer = None
+        assert answer is None
+    assert good.ping() == OK
+
+
 # ---- a connection that outlived its client TTL ------------------------------------------------------------
 
 

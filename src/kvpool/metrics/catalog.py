@@ -138,7 +138,8 @@ SERVER: tuple[Series, ...] = (
     _server("kvpool_refused_connections", "counter", "Connections refused or closed before serving, by reason",
             {("peer_credentials",): "refused_peers", ("connection_limit",): "refused_connections",
              ("handshake_evicted",): "evicted_handshakes", ("handshake_timeout",): "handshake_timeouts",
-             ("frame_budget",): "frame_budget_refusals", ("request_timeout",): "request_timeouts"},
+             ("frame_budget",): "frame_budget_refusals", ("request_timeout",): "request_timeouts",
+             ("opener_exited",): "orphaned_connections"},
             ("reason",)),
     _server("kvpool_protocol_errors", "counter", "Malformed or out-of-order requests (answered with an error; "
             "the connection survives unless it had not said Hello)", "protocol_errors"),

@@ -59,6 +59,7 @@ from kvpool.paths import check_socket_dir, open_private_lock
 from kvpool.server import peers
 from kvpool.server import protocol as P
 from kvpool.server import shm
+from kvpool.server.pidwatch import PidWatch
 from kvpool.store.engine import Allocation, Lease, LookupLease, PoolEngine
 from kvpool.server.metrics import MetricsServer, ServerMetrics
 
@@ -148,19 +149,27 @@ def _bind(socket_path: str, mode: int, allowed_gid: int | None) -> socket.socket
     return sock
 
 
-def _peer_pid(sock: socket.socket) -> int:
+def _peer_ids(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the peer, as SO_PEERCRED recorded them at connect; pid 0 if unknown."""
     try:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        return struct.unpack("3i", creds)[0]
+        pid, uid, _ = struct.unpack("3i", creds)
+        return pid, uid
     except (OSError, AttributeError):
-        return 0
+        return 0, os.getuid()
 
 
 # ---- connections --------------------------------------------------------------------------
 
 
-def _owner(peer_pid: int, hello: P.Hello) -> str:
-    """The client process a connection's quotas count against.
+def _owner(peer_pid: int, peer_uid: int, hello: P.Hello) -> str:
+    """Who a connection's quotas count against: another user as a whole, or a process of ours.
+
+    A user other than the server's own (group sharing, --allowed_gid) is one owner, ``uid:N``,
+    whatever processes it runs: its pool share, leases, hold time and connections are its own
+    and no more, however many processes it starts. The server's own uid is the pool's owner
+    (its processes may read and overwrite everything anyway); its processes are kept apart as
+    follows.
 
     The kernel's pid (SO_PEERCRED) when it gives one: a client cannot pick it, so opening more
     connections, or claiming another pid, buys no more quota. It gives 0 for a peer in a PID
@@ -171,6 +180,8 @@ def _owner(peer_pid: int, hello: P.Hello) -> str:
     another pid before; quotas keep honest neighbours apart, and the trust domain (one uid)
     is what keeps out the rest.
     """
+    if peer_uid != os.getuid():
+        return f"uid:{peer_uid}"
     if peer_pid > 0:
         return f"pid:{peer_pid}"
     return f"pid:{hello.pid}@{hello.process}" if hello.process else f"pid:{hello.pid}"
@@ -181,6 +192,7 @@ class _Conn:
     sock: socket.socket
     seq: int
     peer_pid: int
+    peer_uid: int
     client_id: str = ""
     name: str = ""
     owner: str = ""  # the client process this connection counts against, once handshaken (`_owner`)
@@ -207,6 +219,7 @@ class Server:
         self._listener: socket.socket | None = None
         self._conns: dict[int, _Conn] = {}
         self._frame_budget = P.FrameBudget(config.frame_budget)  # partly received request frames
+        self._pids: PidWatch | None = None  # the processes that opened connections (start())
         # Connections that have not finished their Hello, oldest first (seq order).
         self._strangers: dict[int, _Conn] = {}
         self._per_owner: dict[str, int] = {}  # handshaken connections per client process (`_owner`)
@@ -216,7 +229,8 @@ class Server:
         self._seq = 0
         self._counters = {"lookup_keys": 0, "lookup_hits": 0, "connections": 0, "protocol_errors": 0,
                           "refused_peers": 0, "refused_connections": 0, "evicted_handshakes": 0,
-                          "handshake_timeouts": 0, "frame_budget_refusals": 0, "request_timeouts": 0}
+                          "handshake_timeouts": 0, "frame_budget_refusals": 0, "request_timeouts": 0,
+                          "orphaned_connections": 0}
         self._started = time.monotonic()
         self._stopping = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
@@ -236,6 +250,7 @@ class Server:
             self._listener = _bind(cfg.socket_path, cfg.socket_mode, cfg.allowed_gid)
             self.arena = shm.create(shm.arena_name(cfg.socket_path, os.getpid()), cfg.memory_size,
                                     cfg.allowed_gid)
+            self._pids = PidWatch(self._opener_exited)
             engine_config = cfg.engine_config(client_ttl_s=cfg.client_ttl_s, put_timeout_s=cfg.put_timeout_s,
                                               reap_interval_s=min(1.0, cfg.client_ttl_s / 4),
                                               client_pool_share=cfg.client_pool_share,
@@ -318,7 +333,7 @@ class Server:
                 evict.evicted = True
                 self._counters["evicted_handshakes"] += 1
             self._seq += 1
-            conn = _Conn(sock, self._seq, _peer_pid(sock))
+            conn = _Conn(sock, self._seq, *_peer_ids(sock))
             self._conns[conn.seq] = conn
             self._strangers[conn.seq] = conn
             self._counters["connections"] += 1
@@ -401,6 +416,9 @@ class Server:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+        if self._pids is not None:
+            self._pids.close()
+            self._pids = None
         if self.engine is not None:
             self.engine.close()  # flushes the disk write-through queue
         if self.arena is not None:
@@ -508,8 +526,9 @@ class Server:
             return P.Error(int(ErrorCode.INVALID_PARAMS),
                            f"protocol version {hello.version} unsupported; server speaks "
                            f"{', '.join(map(str, sorted(P.SUPPORTED_VERSIONS)))}: upgrade the older of the two")
-        owner = _owner(conn.peer_pid, hello)
         cfg = self.config
+        owner = _owner(conn.peer_pid, conn.peer_uid, hello)
+        per_owner = cfg.max_connections_per_uid if owner.startswith("uid:") else cfg.max_connections_per_client
         with self._state:
             if conn.evicted:
                 return P.Error(int(ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS), "closed before its Hello")
@@ -517,9 +536,9 @@ class Server:
             if self._handshaken >= cfg.max_connections:
                 refusal = (f"server at --max_connections={cfg.max_connections} connected clients; "
                            f"retry later or raise it")
-            elif self._per_owner.get(owner, 0) >= cfg.max_connections_per_client:
-                refusal = (f"process {owner} already has --max_connections_per_client="
-                           f"{cfg.max_connections_per_client} connections; close some or raise it")
+            elif self._per_owner.get(owner, 0) >= per_owner:
+                flag = "max_connections_per_uid" if owner.startswith("uid:") else "max_connections_per_client"
+                refusal = f"{owner} already has --{flag}={per_owner} connections; close some or raise it"
             self._strangers.pop(conn.seq, None)
             if refusal:
                 self._counters["refused_connections"] += 1
@@ -533,12 +552,42 @@ class Server:
         if refusal:
             logger.warning("refusing a client (%s): %s", owner, refusal)
             return P.Error(int(ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS), refusal)
-        # Quotas are per client process, not per connection: opening more connections buys none.
+        # Quotas are per owner, not per connection: opening more connections buys none, and
+        # neither does opening them in processes that then exit (their connections end with them).
+        assert self._pids is not None
+        if owner.startswith("pid:") and conn.peer_pid > 0 and not self._pids.watch(conn.peer_pid):
+            if self._pids.available:  # gone already: the connection is someone else's by now
+                with self._state:
+                    self._handshaken -= 1
+                    self._drop_owner_conn_locked(owner)
+                    conn.client_id = ""
+                return P.Error(int(ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS),
+                               f"the process that opened this connection ({conn.peer_pid}) has exited; "
+                               "a connection serves only the process that opened it: connect from this one")
         self.engine.bind_client(conn.client_id, owner)
         self.engine.ping(conn.client_id)
         logger.info("client connected: %s (%s, %d connected)", conn.client_id, owner, connected)
         return P.HelloReply(conn.client_id, self.arena.name, cfg.memory_size, cfg.default_kv_lease_ttl_ms,
                             cfg.client_ttl_s, os.getpid())
+
+    def _drop_owner_conn_locked(self, owner: str) -> None:
+        left = self._per_owner.get(owner, 1) - 1
+        if left > 0:
+            self._per_owner[owner] = left
+        else:
+            self._per_owner.pop(owner, None)
+
+    def _opener_exited(self, pid: int) -> None:
+        """`PidWatch`: process ``pid`` exited; close the connections it opened, whoever holds them."""
+        with self._state:
+            conns = [c for c in self._conns.values() if c.peer_pid == pid and c.owner.startswith("pid:")]
+            self._counters["orphaned_connections"] += len(conns)
+        for conn in conns:
+            logger.info("connection %s outlived the process that opened it (%d): closing it", conn.client_id, pid)
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)  # its thread sees EOF and closes it
+            except OSError:
+                pass
 
     def _close_conn(self, conn: _Conn, reason: str) -> None:
         with self._state:
@@ -547,11 +596,7 @@ class Server:
             self._threads.discard(threading.current_thread())
             if conn.client_id:
                 self._handshaken -= 1
-                left = self._per_owner.get(conn.owner, 1) - 1
-                if left > 0:
-                    self._per_owner[conn.owner] = left
-                else:
-                    self._per_owner.pop(conn.owner, None)
+                self._drop_owner_conn_locked(conn.owner)
             left = self._handshaken
         try:
             conn.sock.close()
