@@ -201,7 +201,7 @@ class DiskTier:
         try:
             self._lock_fd: int | None = _lock_dir(self._dir)
         except BaseException:
-            self._dir.close()
+            self._dir.close()  # idempotent: __del__ closes it again harmlessly
             raise
         self.policy: DiskPolicy = policy
         self._lock = threading.Lock()  # the index lock (module docstring): memory only
@@ -246,7 +246,7 @@ class DiskTier:
         if fd is not None:
             os.close(fd)
         # The directory's descriptors outlive close(): a reader still finishing reads through them.
-        tier_dir, self._dir = getattr(self, "_dir", None), None
+        tier_dir = getattr(self, "_dir", None)
         if tier_dir is not None:
             tier_dir.close()
 

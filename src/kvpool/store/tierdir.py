@@ -63,11 +63,14 @@ class TierDir:
         self._lock = threading.Lock()
 
     def close(self) -> None:
+        """Close every descriptor (idempotent: a second close closes nothing, never another's fd)."""
         with self._lock:
             fds, self._shards = list(self._shards.values()), {}
-        for fd in fds:
+            fd, self.fd = self.fd, -1
+        for shard_fd in fds:
+            os.close(shard_fd)
+        if fd >= 0:
             os.close(fd)
-        os.close(self.fd)
 
     # ---- shards ---------------------------------------------------------------------------------
 
