@@ -148,13 +148,10 @@ def _vllm_version() -> str:
 
 
 def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from host import cpu_model  # benchmarks/host.py: the machine facts benchmarks report
+
+    return cpu_model() or platform.processor() or "unknown"
 
 
 def render(matrix: dict) -> str:

@@ -121,32 +121,24 @@ class TierDir:
     def create(self, shard: str | None, name: str, truncate: bool = False) -> int:
         """A new file of ours, 0600 whatever the umask (O_EXCL unless ``truncate``: then an existing
         file of that name must be ours)."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_TRUNC if truncate else os.O_EXCL)
-        fd = os.open(name, flags, FILE_MODE, dir_fd=self._at(shard))
-        try:
-            os.fchmod(fd, FILE_MODE)
-            _check(fd, self.where(shard, name), stat.S_IFREG, 0o077)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else os.O_EXCL)
+        return self._file(self._at(shard), shard, name, flags, chmod=True)
 
     def open(self, shard: str | None, name: str, write: bool = False) -> int:
         """An existing file of ours, read-only (or read-write); Untrusted if it is not ours and 0600."""
-        flags = (os.O_RDWR if write else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(name, flags, dir_fd=self._at(shard))
-        try:
-            _check(fd, self.where(shard, name), stat.S_IFREG, 0o077)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        return self._file(self._at(shard), shard, name, os.O_RDWR if write else os.O_RDONLY)
 
     def lock_file(self, name: str) -> int:
         """The directory's lock file (created if absent), read-write."""
-        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE, dir_fd=self.fd)
+        return self._file(self.fd, None, name, os.O_RDWR | os.O_CREAT)
+
+    def _file(self, at: int, shard: str | None, name: str, flags: int, chmod: bool = False) -> int:
+        """Open ``name`` relative to ``at`` (never through a symlink) and check it is a file of ours."""
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE, dir_fd=at)
         try:
-            _check(fd, self.where(None, name), stat.S_IFREG, 0o077)
+            if chmod:
+                os.fchmod(fd, FILE_MODE)
+            _check(fd, self.where(shard, name), stat.S_IFREG, 0o077)
         except BaseException:
             os.close(fd)
             raise
