@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvpool.backends import seal
 from kvpool.backends.base import STATS, Backend, Reconnect, gather, scatter, spans, total_size
 from kvpool.errors import STORED, BackendUnavailable, ErrorCode, is_stored
 
@@ -185,3 +186,48 @@ def test_an_exception_from_the_availability_check_is_a_per_key_code():
     assert b.batch_put(["a"], [val(10)]) == [RPC_FAIL]
     assert b.batch_get_into(["a"], [[np.zeros(10, np.uint8)]]) == [RPC_FAIL]
     assert b.calls == []
+
+
+class Sealed(Memory):
+    """A store any client can write under any key (as Mooncake, openYuanrong, MemCache)."""
+
+    seal_values = True
+
+
+def test_a_sealed_value_reads_back_and_its_seal_follows_it_under_its_own_name():
+    b = Sealed()
+    value = val(1000)
+    assert b.batch_put(["k"], [value]) == [OK]
+    (name,) = b.data
+    assert name == seal.stored_key("k") and len(b.data[name]) == 1000 + seal.SIZE
+    out = [np.zeros(333, np.uint8), np.zeros(667, np.uint8)]
+    assert b.batch_get_into(["k"], [out]) == [OK]
+    assert gather(out).tobytes() == gather(value).tobytes()
+    assert b.batch_exists(["k", "other"]) == [True, False]
+    assert b.stats()["put_bytes"] == b.stats()["get_bytes"] == 1000  # the seal is not counted
+
+
+def test_bytes_not_sealed_under_the_key_read_are_never_ok():
+    b = Sealed()
+    assert b.batch_put(["src", "k"], [val(1000, 1), val(1000, 2)]) == [OK, OK]
+    src, k = seal.stored_key("src"), seal.stored_key("k")
+    original = b.data[k]
+    forged = {
+        "another key's object": b.data[src],
+        "one byte changed": original[:10] + bytes([original[10] ^ 1]) + original[11:],
+        "its seal changed": original[:-1] + bytes([original[-1] ^ 1]),
+        "no seal at all": bytes(1000) + bytes(seal.SIZE),
+    }
+    for why, data in forged.items():
+        b.data[k] = data
+        assert b.batch_get_into(["k"], [[np.zeros(1000, np.uint8)]]) == [ErrorCode.CHECKSUM_MISMATCH], why
+    assert b.stats()["corrupt_reads"] == len(forged)
+    assert b.batch_get_into(["src"], [[np.zeros(1000, np.uint8)]]) == [OK]
+
+
+def test_an_unsealed_object_under_the_plain_key_is_a_miss():
+    # What a kvpool that did not seal stored: never read as a sealed value, never a load error.
+    b = Sealed()
+    b.data["k"] = bytes(1000)
+    assert b.batch_exists(["k"]) == [False]
+    assert b.batch_get_into(["k"], [[np.zeros(1000, np.uint8)]]) == [NOT_FOUND]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvpool.backends.mooncake as mc
-from kvpool.backends import create_backend
+from kvpool.backends import create_backend, seal
 from kvpool.backends.mooncake import MooncakeBackend, load_mooncake_config, map_code
 from kvpool.config import load_config
 from kvpool.errors import ConfigError, ErrorCode
@@ -170,7 +170,7 @@ class _ExpiringStore:
 
     def batch_get_replica_desc(self, keys):
         class D:
-            size = 10
+            size = 10 + seal.SIZE  # the value, and the seal every value carries
 
         class R:
             def is_memory_replica(self):

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvpool.backends import create_backend
+from kvpool.backends import create_backend, seal
 from kvpool.backends.keynorm import MARKER, KeyNormalizer, normalize_yuanrong_key
 from kvpool.backends.yuanrong import load_yuanrong_config
 from kvpool.config import load_config
@@ -147,14 +147,15 @@ def test_kvpool_keys_round_trip_under_normalized_names(tmp_path, worker, monkeyp
     outs = [[np.empty(v.size, np.uint8)] for v in vals]
     assert b.batch_get_into(keys, outs) == [ErrorCode.OK] * len(keys)
     assert all(np.array_equal(o[0], v) for o, v in zip(outs, vals))
-    # What the datasystem holds is the normalized name (with the configured prefix).
+    # What the datasystem holds is the normalized name (with the configured prefix) of the
+    # sealed value's name.
     from yr.datasystem import KVClient
 
     raw = KVClient(*worker.address.split(":")[:1], int(worker.address.split(":")[1]))
     raw.init()
     prefix = b.config.key_prefix
-    assert raw.exist([normalize_yuanrong_key(prefix + KVPOOL_KEY), normalize_yuanrong_key(prefix + "plain-key")]) == [
-        True, True]
+    names = [normalize_yuanrong_key(prefix + seal.stored_key(k)) for k in (KVPOOL_KEY, "plain-key")]
+    assert raw.exist(names) == [True, True]
     b.close()
 
 

@@ -100,6 +100,16 @@ class BackendFactory:
         self._backends.append(backend)
         return backend
 
+    def copy_raw(self, backend: Backend, src: str, dst: str) -> None:
+        """Copy the object `backend` stored for key `src` to key `dst` with the store's own client
+        calls, as any other client of the store can: no kvpool code decides what is written.
+        Only stores whose clients can write any key implement it (`FOREIGN_WRITABLE`)."""
+        raise NotImplementedError
+
+    def write_raw(self, backend: Backend, key: str, data: bytes) -> None:
+        """Store `data` under the name `backend` reads key `key` from, with the store's own client."""
+        raise NotImplementedError
+
     def close(self) -> None:
         errors = []
         for backend in reversed(self._backends):
@@ -205,6 +215,18 @@ class RedisFactory(BackendFactory):
     def client_config(self, backend: Backend) -> dict[str, Any]:
         return {"backend": "redis", "redis_url": self._urls[id(backend)]}
 
+    def _raw(self, backend: Backend) -> Any:
+        import redis
+
+        return redis.Redis.from_url(self._urls[id(backend)])
+
+    def copy_raw(self, backend: Backend, src: str, dst: str) -> None:
+        r = self._raw(backend)  # values under 1 MiB: one Redis key each
+        assert r.set(dst, r.get(src))
+
+    def write_raw(self, backend: Backend, key: str, data: bytes) -> None:
+        assert self._raw(backend).set(key, data)
+
     def connect(self, backend: Backend) -> Backend:
         other = super().connect(backend)
         self._urls[id(other)] = self._urls[id(backend)]
@@ -252,6 +274,12 @@ class MooncakeFactory(BackendFactory):
 
     def client_config(self, backend: Backend) -> dict[str, Any]:
         return {"backend": "mooncake", "mooncake_config_path": self._clients[id(backend)]}
+
+    def copy_raw(self, backend: Backend, src: str, dst: str) -> None:
+        self.write_raw(backend, dst, backend.store.get(backend._stored_names([src])[0]))
+
+    def write_raw(self, backend: Backend, key: str, data: bytes) -> None:
+        assert data and backend.store.upsert(backend._stored_names([key])[0], data) == 0  # replaces any object
 
     def connect(self, backend: Backend) -> Backend:
         other = super().connect(backend)
@@ -314,6 +342,19 @@ class YuanrongFactory(BackendFactory):
     def client_config(self, backend: Backend) -> dict[str, Any]:
         return {"backend": "yuanrong", "yuanrong_config_path": self._configs[id(backend)]}
 
+    @staticmethod
+    def _name(backend: Backend, key: str) -> str:
+        return backend._name(backend._stored_names([key])[0])
+
+    def copy_raw(self, backend: Backend, src: str, dst: str) -> None:
+        data = backend._sdk().get([self._name(backend, src)])[0]
+        self.write_raw(backend, dst, bytes(memoryview(data)))
+
+    def write_raw(self, backend: Backend, key: str, data: bytes) -> None:
+        client, name = backend._sdk(), self._name(backend, key)
+        client.delete([name])  # an object's write mode cannot change: any client may delete it first
+        client.set(name, data)
+
     def connect(self, backend: Backend) -> Backend:
         other = super().connect(backend)
         self._configs[id(other)] = self._configs[id(backend)]
@@ -369,6 +410,8 @@ _FACTORIES: dict[str, type[BackendFactory]] = {
 }
 # A backend registered without a factory here would silently drop out of the suite.
 assert set(_FACTORIES) == set(BACKENDS), f"conformance factories missing for {set(BACKENDS) - set(_FACTORIES)}"
+# Stores whose own clients can write any key: what kvpool reads from them must still be its own.
+FOREIGN_WRITABLE = [n for n in BACKENDS if _FACTORIES[n].copy_raw is not BackendFactory.copy_raw]
 
 
 def _factory(name: str) -> Iterator[BackendFactory]:
@@ -391,6 +434,12 @@ def _params(names: list[str]) -> list:
 @pytest.fixture(params=_params(BACKENDS))
 def backend_factory(request) -> Iterator[BackendFactory]:
     """`make(capacity_bytes) -> Backend` for each backend in BACKENDS."""
+    yield from _factory(request.param)
+
+
+@pytest.fixture(params=_params(FOREIGN_WRITABLE))
+def writable_backend_factory(request) -> Iterator[BackendFactory]:
+    """As `backend_factory`, for the stores any of whose clients can write any key (`copy_raw`)."""
     yield from _factory(request.param)
 
 

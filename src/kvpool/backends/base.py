@@ -12,6 +12,10 @@ keeps the client-side counters. An adapter implements the hooks `_exists`, `_put
 `_get_into` on input that is already checked, free of duplicates and non-empty, and, if it
 holds a connection, `_connect` and `_close`.
 
+Values in stores that any client can write under any key carry a seal (`seal_values`,
+`backends.seal`): the base class writes it after the value and checks it on every read, so an
+adapter moves the sealed value like any other.
+
 Put contract: per key OK (written by this call), OBJECT_ALREADY_EXISTS (the key was stored
 already; nothing was written, the stored bytes stay) or a failure code. Both of the first two
 mean the pool has the key (`errors.is_stored`), so a caller needs no existence check before a
@@ -31,6 +35,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from kvpool.errors import ErrorCode, KVPoolError
+from kvpool.backends import seal
 from kvpool.backends.guard import GUARD_COUNTERS, Guard, GuardSettings, Timeout
 from kvpool.errors import CHECKSUM_MISMATCH, EXISTS, INTERNAL, INVALID, INVALID_KEY, NOT_FOUND, OK  # the codes as ints
 from kvpool.errors import RPC_FAIL, RPC_TIMEOUT
@@ -176,6 +181,10 @@ class Backend(abc.ABC):
     # Reconnect backoff (`Reconnect`): the first retry of a store that is down, and the cap.
     retry_first_s: float = 0.5
     retry_cap_s: float = 5.0
+    # Whether values carry a seal (`backends.seal`): stores that address values by key alone and
+    # let any of their clients write any key. Stores kvpool's own code runs (`local`, `server`)
+    # and Redis (whose adapter binds its checksum into its own header) do not need one.
+    seal_values: bool = False
 
     @property
     def capabilities(self) -> Capabilities:
@@ -197,7 +206,7 @@ class Backend(abc.ABC):
                 first[key] = i
         todo = list(first)
         if todo:
-            hits = self._call("exists", self._exists, todo, lease)
+            hits = self._call("exists", self._exists, self._stored_names(todo), lease)
             if hits is not None:
                 by_key = {k: bool(h) for k, h in zip(todo, hits)}
                 found = [by_key.get(k, False) if _valid_key(k) else False for k in keys]
@@ -232,7 +241,14 @@ class Backend(abc.ABC):
             views[i] = segs
             todo.append(i)
         if todo:
-            results = self._run("put", self._put, todo, [keys[i] for i in todo], [views[i] for i in todo])
+            names = self._stored_names([keys[i] for i in todo])
+            out = [views[i] for i in todo]
+            if self.seal_values:
+                seals = seal.areas(len(todo))
+                for name, value, buf in zip(names, out, seals):
+                    seal.write(buf, name, value)
+                out = [value + [buf] for value, buf in zip(out, seals)]
+            results = self._run("put", self._put, todo, names, out)
             for i, code in zip(todo, results):
                 codes[i] = code
         primary: list[int] = []  # one index per distinct key (and each invalid one): what is counted
@@ -268,8 +284,16 @@ class Backend(abc.ABC):
                 rounds.append([])
             rounds[r].append(i)
         for todo in rounds:
-            results = self._run("get", self._get_into, todo, [keys[i] for i in todo], [views[i] for i in todo])
-            for i, code in zip(todo, results):
+            names = self._stored_names([keys[i] for i in todo])
+            out = [views[i] for i in todo]
+            if self.seal_values:
+                seals = seal.areas(len(todo))
+                out = [value + [buf] for value, buf in zip(out, seals)]
+            results = self._run("get", self._get_into, todo, names, out)
+            for j, (i, code) in enumerate(zip(todo, results)):
+                if code == OK and self.seal_values and not seal.holds(seals[j], names[j], views[i]):
+                    code = CHECKSUM_MISMATCH
+                    logger.warning("kvpool %s: %r holds bytes not sealed under that key: a miss", self.name, keys[i])
                 codes[i] = code
         self._tally(range(len(codes)), codes, views, ("gets", "get_bytes"), NOT_FOUND, "misses")
         return codes
@@ -353,6 +377,10 @@ class Backend(abc.ABC):
         return {}
 
     # ---- helpers for adapters -----------------------------------------------------------------
+
+    def _stored_names(self, keys: list[str]) -> list[str]:
+        """What the adapter stores `keys` under (`seal.stored_key` for sealed values)."""
+        return [seal.stored_key(k) for k in keys] if self.seal_values else keys
 
     @property
     def _link(self) -> Reconnect:

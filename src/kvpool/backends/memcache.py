@@ -141,6 +141,7 @@ class MemcacheBackend(Backend):
     """One `DistributedObjectStore` (an embedded local service) per process."""
 
     name = "memcache"
+    seal_values = True  # any client of the store can write any key
 
     @classmethod
     def from_settings(cls, settings: MemcacheSettings, client_name: str) -> "MemcacheBackend":

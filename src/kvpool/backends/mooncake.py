@@ -256,6 +256,7 @@ class MooncakeBackend(Backend):
     """One `MooncakeDistributedStore` client per process (vLLM worker)."""
 
     name = "mooncake"
+    seal_values = True  # any client of the store can write any key
 
     @classmethod
     def from_settings(cls, settings: MooncakeSettings, client_name: str) -> "MooncakeBackend":

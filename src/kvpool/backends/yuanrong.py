@@ -217,6 +217,7 @@ class YuanrongBackend(Backend):
     """One `KVClient` per process, connected to the host's datasystem worker."""
 
     name = "yuanrong"
+    seal_values = True  # any client of the store can write any key
 
     @classmethod
     def from_settings(cls, settings: YuanrongSettings, client_name: str) -> "YuanrongBackend":
