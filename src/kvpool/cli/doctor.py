@@ -27,7 +27,7 @@ from kvpool.cli.inputs import loads, read_file
 from kvpool.config import KVPoolConfig, LocalSettings, RedisSettings, ServerClientSettings, check_config, int_arg
 from kvpool.errors import ConfigError
 from kvpool.paths import check_socket_dir
-from kvpool.server import peers
+from kvpool.server import peers, shm
 
 KVPOOL_CONNECTORS = ("KVPoolConnector", "AscendStoreConnector")
 # vLLM's non-cryptographic block hashes: seeded randomly per process unless PYTHONHASHSEED is set.
@@ -303,6 +303,17 @@ def check_server(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) ->
     except OSError as exc:
         report.error(f"no kvpool server answers on {path} ({exc.strerror or exc})",
                      f"start it first: kvpool server --socket {path} --memory-size 8GB (see docs/server.md)")
+    check_leftover_arenas(report)
+
+
+def check_leftover_arenas(report: Report) -> None:
+    """Arenas of this user's dead servers still in /dev/shm (`shm.leftovers`)."""
+    dead = shm.leftovers()
+    if dead:
+        names = ", ".join(f"{d.name} ({human(d.resident)})" for d in dead)
+        report.warn(f"{len(dead)} arena(s) of dead kvpool servers hold {human(sum(d.resident for d in dead))} of "
+                    f"memory in {shm.SHM_DIR}: {names}",
+                    f"the next kvpool server to start removes them; or remove them now: rm {shm.SHM_DIR}/NAME")
 
 
 def check_redis(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) -> None:

@@ -247,6 +247,10 @@ class Server:
             removed = shm.remove_stale(cfg.socket_path)
             if removed:
                 logger.info("removed arena(s) left by a dead server: %s", ", ".join(removed))
+            dead = shm.remove_leftovers()
+            if dead:
+                logger.info("removed %d arena(s) of dead servers of other sockets, %d bytes in memory: %s",
+                            len(dead), sum(d.resident for d in dead), ", ".join(d.name for d in dead))
             self._listener = _bind(cfg.socket_path, cfg.socket_mode, cfg.allowed_gid)
             self.arena = shm.create(shm.arena_name(cfg.socket_path, os.getpid()), cfg.memory_size,
                                     cfg.allowed_gid)

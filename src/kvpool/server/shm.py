@@ -15,15 +15,24 @@ Names are ``kvpool-<socket tag>-<pid>-<random>``: the tag (a hash of the socket 
 server that takes over a dead server's socket find and unlink the arena that server left behind
 after a SIGKILL, without touching another socket's arenas; the random part keeps another user
 from creating the name first (which would stop the server from starting).
+
+Arenas of dead servers of other sockets (a test's, a demo's, a server moved to another path)
+would hold their memory until reboot. The server holds an ``flock`` on its arena for its whole
+life, which the kernel drops however it dies; `leftovers` finds the arenas of this user that
+nobody holds and whose creator's pid is gone, and `remove_leftovers` (run by every server at
+start-up) unlinks them. Both conditions must hold: the lock proves a live server of this
+version, the pid a live server of an older one (which held no lock) in this PID namespace.
 """
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import hashlib
 import logging
 import mmap
 import os
+import re
 import secrets
 import stat
 from dataclasses import dataclass
@@ -56,6 +65,10 @@ def arena_names(socket_path: str, pid: int | None = None) -> list[str]:
     return sorted(os.path.basename(p) for p in glob.glob(os.path.join(SHM_DIR, pattern)))
 
 
+# Every arena name kvpool has used: `kvpool-<tag>-<pid>`, then `kvpool-<tag>-<pid>-<random>`.
+_ARENA_NAME = re.compile(r"kvpool-[0-9a-f]{16}-(?P<pid>[0-9]{1,10})(-[0-9a-f]{16})?")
+
+
 def _check_name(name: str) -> str:
     # The name comes over the socket; it must not point outside /dev/shm.
     if not name.startswith(_PREFIX) or "/" in name or "\0" in name or name in (".", ".."):
@@ -76,6 +89,7 @@ class Arena:
     mm: mmap.mmap
     array: np.ndarray
     prefault: Prefaulter | None = None
+    lock_fd: int | None = None  # the creating server's: holds the arena's flock while it lives
 
     @property
     def path(self) -> str:
@@ -96,6 +110,9 @@ class Arena:
             self.prefault.close()
             self.prefault = None
         self.array = np.empty(0, dtype=np.uint8)
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)
+            self.lock_fd = None
 
 
 def arena_mode(allowed_gid: int | None) -> int:
@@ -118,6 +135,12 @@ def create(name: str, size: int, allowed_gid: int | None = None) -> Arena:
     path = _check_name(name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
+        # Held until this process ends: the arena is in use (`leftovers`). A server in another
+        # PID namespace could have taken it for a leftover in the instant before: then the name
+        # is gone, and this arena must not be used.
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.stat(path, follow_symlinks=False).st_ino != os.fstat(fd).st_ino:
+            raise FileNotFoundError(f"{path} was removed while it was being created; start again")
         if allowed_gid is not None:
             os.fchown(fd, -1, allowed_gid)
             os.fchmod(fd, arena_mode(allowed_gid))
@@ -137,10 +160,11 @@ def create(name: str, size: int, allowed_gid: int | None = None) -> Arena:
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         os.close(fd)
-        os.unlink(path)
+        unlink(name)
         raise
-    os.close(fd)  # the mapping keeps the memory; the name stays until unlink()
-    return Arena(name, size, mm, np.frombuffer(mm, dtype=np.uint8))
+    # The mapping keeps the memory and the name stays until unlink(); the descriptor stays open
+    # for its lock.
+    return Arena(name, size, mm, np.frombuffer(mm, dtype=np.uint8), lock_fd=fd)
 
 
 def attach(name: str, size: int, owner_uid: int, allowed_gid: int | None = None) -> Arena:
@@ -193,4 +217,80 @@ def remove_stale(socket_path: str, keep: str | None = None) -> list[str]:
                 removed.append(name)
         except OSError:
             continue
+    return removed
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """An arena of a dead server: ``size`` bytes long, ``resident`` of them held in memory."""
+
+    name: str
+    pid: int
+    size: int
+    resident: int
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process has that pid now: not provably dead
+    return True
+
+
+def _open_leftover(name: str) -> tuple[int, Leftover] | None:
+    """A locked descriptor of arena ``name`` and what it holds, if it is this user's and its
+    server is provably dead; None otherwise (the descriptor closed)."""
+    match = _ARENA_NAME.fullmatch(name)
+    if match is None:
+        return None
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise OSError("not ours")
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: its server lives
+        pid = int(match["pid"])
+        if _pid_alive(pid):
+            raise OSError("its creator's pid is alive")
+        return fd, Leftover(name, pid, st.st_size, st.st_blocks * 512)
+    except OSError:
+        os.close(fd)
+        return None
+
+
+def leftovers() -> list[Leftover]:
+    """This user's arenas in /dev/shm whose servers are provably dead: nobody holds the arena's
+    lock and its creator's pid is gone."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(SHM_DIR, _PREFIX + "*"))):
+        found = _open_leftover(os.path.basename(path))
+        if found is not None:
+            os.close(found[0])
+            out.append(found[1])
+    return out
+
+
+def remove_leftovers() -> list[Leftover]:
+    """Unlink `leftovers` (each checked again under its lock, and only if its name still
+    names the file that was checked); returns what was removed."""
+    removed = []
+    for path in sorted(glob.glob(os.path.join(SHM_DIR, _PREFIX + "*"))):
+        found = _open_leftover(os.path.basename(path))
+        if found is None:
+            continue
+        fd, leftover = found
+        try:
+            if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                os.unlink(path)
+                removed.append(leftover)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
     return removed
