@@ -38,11 +38,12 @@ import msgspec.inspect as mi
 from kvpool.errors import ConfigError
 from kvpool.paths import default_server_socket, validate_offload_path
 from kvpool.store import DiskTier, EngineConfig
+from kvpool.store.policy import DISK_POLICIES, MEMORY_POLICIES, DiskPolicy, MemoryPolicy
 
 Meta = msgspec.Meta
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
-SSD_POLICIES = ("none", "fifo", "lru")
+SSD_POLICIES = DISK_POLICIES
 KiB, MiB, GiB, TiB, PiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40, 1 << 50
 # Where `kvpool server` listens and `backend: server` connects unless told otherwise: in the
 # per-user runtime directory (kvpool.paths), which no other user can create entries in.
@@ -497,6 +498,10 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     eviction_high_watermark_ratio: Annotated[float, Meta(gt=0, le=1, description=(
         "evict once usage passes this fraction of the memory tier"))] = 0.9
     eviction_ratio: Annotated[float, Meta(gt=0, le=1, description="fraction of objects evicted per eviction")] = 0.1
+    eviction_policy: Annotated[MemoryPolicy, Meta(description=(
+        f"which objects the memory tier evicts first ({' or '.join(MEMORY_POLICIES)}): lru, the least "
+        "recently used; s3fifo, those used only once, so a scan of one-off prompts does not flush "
+        "the prefixes that are reused"))] = "lru"
     default_kv_lease_ttl_ms: Annotated[int, Meta(ge=1, le=int(DAY_S * 1000), extra={"kind": "ms"}, description=(
         "lease of a looked-up or read object, in milliseconds: it is not evicted meanwhile"))] = 11000
     offload_path: Annotated[str, Meta(extra={"kind": "dir"}, description=(
@@ -505,8 +510,9 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     offload_quota: Annotated[int, Meta(ge=MiB, le=PiB, extra={"kind": "size", "zero": "90% of the disk's free space"},
                                        description=(
         "SSD tier byte quota (0: 90% of the disk's free space at start)"))] = 0
-    offload_eviction_policy: Annotated[Literal["none", "fifo", "lru"], Meta(description=(
-        "when the SSD tier is full: none (writes fail), fifo or lru"))] = "lru"
+    offload_eviction_policy: Annotated[DiskPolicy, Meta(description=(
+        f"when the SSD tier is full ({', '.join(DISK_POLICIES)}): none, writes fail; else evict, "
+        "oldest written first (fifo), least recently read (lru) or written once (s3fifo)"))] = "lru"
 
     def engine_config(self, offload_subdir: str = "", **engine_kwargs: Any) -> EngineConfig:
         """The engine's config, with its SSD tier in `offload_path/offload_subdir` when enabled.
@@ -525,6 +531,7 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
             memory_size=self.memory_size,
             eviction_high_watermark_ratio=self.eviction_high_watermark_ratio,
             eviction_ratio=self.eviction_ratio,
+            eviction_policy=self.eviction_policy,
             default_kv_lease_ttl_ms=self.default_kv_lease_ttl_ms,
             disk=disk,
             **engine_kwargs,
@@ -614,12 +621,23 @@ def backend_schemas() -> dict[str, type[BackendSettings]]:
 
 
 BACKENDS: tuple[str, ...] = tuple(backend_schemas())
+# Pools on this host, which can have a distributed store behind them (`remote_backend`), and
+# the stores that can be that remote tier.
+HOST_BACKENDS: tuple[str, ...] = ("local", "server")
+REMOTE_BACKENDS: tuple[str, ...] = tuple(b for b in BACKENDS if b not in HOST_BACKENDS)
 
 
 class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     """The keys every backend shares."""
 
     backend: Annotated[str, Meta(description="where the pool lives: " + ", ".join(BACKENDS))] = "local"
+    remote_backend: Annotated[str, Meta(description=(
+        "a distributed store behind the host pool (`local`, `server`): one of " + ", ".join(REMOTE_BACKENDS) +
+        ", configured by its own keys; saves are written through to it in the background, a lookup that "
+        "misses the host pool asks it, and what it serves is copied into the host pool"))] | None = None
+    remote_queue_blocks: Annotated[int, Meta(ge=1, le=1 << 20, description=(
+        "saved blocks waiting to be written through to the remote tier; past it a save is not written "
+        "through (counted as dropped in `vllm:kvpool_remote_tier_blocks`)"))] = 8192
     # Not a TCP port despite its name (a component of an IPC socket name), hence the wide range;
     # still a whole number only, as a port would be.
     lookup_rpc_port: Annotated[int, Meta(ge=0, le=2**31 - 1, extra={"kind": "id"}, description=(
@@ -693,6 +711,8 @@ class KVPoolConfig(ConnectorSettings, frozen=True, kw_only=True):
     save_sync: bool = False
     # The chosen backend's own keys (its `BackendSettings` subclass).
     backend_settings: BackendSettings = msgspec.field(default_factory=LocalSettings)
+    # The remote tier's (`remote_backend`), when there is one.
+    remote_settings: BackendSettings | None = None
 
     @property
     def saves(self) -> bool:
@@ -805,13 +825,24 @@ def _parse_config(extra: Mapping[str, Any] | None, kv_role: str | None) -> tuple
     if not common.discard_partial_chunks:
         errors.append(ConfigError("discard_partial_chunks", extra["discard_partial_chunks"],
                                   "true: a partial block has no stable block hash, so only full blocks can be pooled"))
+    remote = common.remote_backend
+    if remote is not None and remote not in REMOTE_BACKENDS:
+        errors.append(ConfigError("remote_backend", remote, f"one of {', '.join(REMOTE_BACKENDS)}"))
+        remote = None
+    if remote is not None and backend not in HOST_BACKENDS:
+        errors.append(ConfigError("remote_backend", remote, f"unset with backend {backend}, or backend one of "
+                                  f"{', '.join(HOST_BACKENDS)} (the host pool a remote tier stands behind)"))
+        remote = None
     chosen: BackendSettings | None = None
+    remote_settings: BackendSettings | None = None
     for name, schema in schemas.items():
         mine = {k: v for k, v in extra.items() if k in fields(schema)}
-        if mine or name == backend:
+        if mine or name in (backend, remote):
             settings = _convert_each(schema, mine, errors)
             if name == backend:
                 chosen = settings
+            if name == remote:
+                remote_settings = settings
     local_ssd = [k for k in ("ssd_quota", "ssd_eviction_policy") if k in extra]
     if local_ssd and extra.get("ssd_offload_path") is None:
         errors.append(ConfigError(local_ssd[0], extra[local_ssd[0]],
@@ -820,8 +851,9 @@ def _parse_config(extra: Mapping[str, Any] | None, kv_role: str | None) -> tuple
         return None, errors
     assert chosen is not None and backend is not None
     shared = msgspec.structs.asdict(common)
-    shared.update(backend=backend, save_sync=role == "kv_producer" if common.save_sync is None else common.save_sync)
-    return KVPoolConfig(**shared, kv_role=role, backend_settings=chosen), errors
+    shared.update(backend=backend, remote_backend=remote,
+                  save_sync=role == "kv_producer" if common.save_sync is None else common.save_sync)
+    return KVPoolConfig(**shared, kv_role=role, backend_settings=chosen, remote_settings=remote_settings), errors
 
 
 # ---- `kvpool server`'s flags ---------------------------------------------------------------------

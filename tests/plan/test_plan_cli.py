@@ -91,5 +91,14 @@ def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         main(["plan", "--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--kv-bytes-per-token", "--memory", "--ssd", "--instances", "--sweep-instances", "--json", "--plot"):
+    for flag in ("--kv-bytes-per-token", "--memory", "--ssd", "--instances", "--sweep-instances", "--json", "--plot",
+                 "--eviction-policy"):
         assert flag in out
+
+
+def test_eviction_policy_reaches_the_pool(trace: Path, tmp_path: Path) -> None:
+    out_json = tmp_path / "plan.json"
+    assert main(["plan", str(trace), "--kv-bytes-per-token", "1KB", "--memory", "100%", "--eviction-policy",
+                 "s3fifo", "--ssd-policy", "s3fifo", "--ssd", "2MB", "--jobs", "1", "--json", str(out_json)]) == 0
+    pool = json.loads(out_json.read_text())["settings"]["pool"]
+    assert (pool["eviction_policy"], pool["ssd_policy"]) == ("s3fifo", "s3fifo")

@@ -206,3 +206,26 @@ def test_the_connectors_block_hash_log_is_a_trace(tmp_path):
         parse_lines(['{"timestamp": 0, "input_length": 32, "output_length": 1, "hash_ids": [1, 2], "block_size": 16}',
                      '{"timestamp": 1, "input_length": 32, "output_length": 1, "hash_ids": [1], "block_size": 32}'],
                     None)
+
+
+def _policy_pool(blocks: int, policy: str) -> PoolModel:
+    """As ``_lru_pool``, with the memory tier's eviction policy chosen."""
+    scaled = scale_memory(blocks * BLOCK_BYTES, BLOCK_BYTES, high_watermark=1.0, eviction_ratio=0.01,
+                          eviction_policy=policy)  # type: ignore[arg-type]
+    return PoolModel(scaled, BLOCK_BYTES)
+
+
+def test_memory_policy_is_the_engines_and_s3fifo_keeps_a_reused_prefix_through_a_scan() -> None:
+    # A 10-block pool: the prefix [1,2] is stored, then read back, then 30 one-off blocks pass
+    # (three pools' worth), then [1,2] comes again. lru: the scan pushed it out (2 hits, from the
+    # second request); s3fifo: it was read, so it moved to the main queue and the scan went
+    # through the small queue alone (4 hits).
+    requests = [[1, 2], [1, 2], *([100 + i] for i in range(30)), [1, 2]]
+    hits = {}
+    for policy in ("lru", "s3fifo"):
+        pool = _policy_pool(10, policy)
+        assert pool.engine.config.eviction_policy == policy
+        counts, _ = replay_pool(request_keys(_trace(*requests)), pool)
+        hits[policy] = counts.memory
+        pool.close()
+    assert hits == {"lru": 2, "s3fifo": 4}

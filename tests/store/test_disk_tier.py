@@ -307,7 +307,7 @@ def _disk_full_once(monkeypatch, disk: DiskTier, times: int = 1) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("policy", ["fifo", "lru"])
+@pytest.mark.parametrize("policy", ["fifo", "lru", "s3fifo"])  # nothing read: s3fifo evicts as fifo
 def test_a_full_disk_below_the_quota_evicts_and_lowers_the_quota(make_disk, monkeypatch, policy) -> None:
     disk = make_disk(quota_bytes=quota_for(10), policy=policy)
     for i in range(4):

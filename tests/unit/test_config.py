@@ -147,6 +147,7 @@ def full_extra(ssd: str) -> dict:
         "local_cpu_size": "4GB",
         "eviction_high_watermark_ratio": "0.8",
         "eviction_ratio": "0.25",
+        "eviction_policy": "s3fifo",
         "default_kv_lease_ttl_ms": "5000",
         "ssd_offload_path": ssd,
         "ssd_quota": "10GB",
@@ -157,6 +158,8 @@ def full_extra(ssd: str) -> dict:
         "redis_ttl_s": "3600",
         "redis_chunk_size": "32MB",
         "redis_timeout_s": "2.5",
+        "remote_backend": "redis",
+        "remote_queue_blocks": "100",
         **backend_files(ssd),
     }
 
@@ -205,16 +208,21 @@ def test_every_key_parses_from_strings(tmp_path):
             memory_size=4 * GiB,
             eviction_high_watermark_ratio=0.8,
             eviction_ratio=0.25,
+            eviction_policy="s3fifo",
             default_kv_lease_ttl_ms=5000,
             offload_path=ssd,
             offload_quota=10 * GiB,
             offload_eviction_policy="fifo",
         ),
+        remote_backend="redis",
+        remote_queue_blocks=100,
+        remote_settings=RedisSettings(
+            redis_url="redis://10.0.0.5:6380/2", redis_ttl_s=3600.0, redis_chunk_size=32 << 20, redis_timeout_s=2.5
+        ),
     )
     # The other backends' keys are checked, and each backend finds its own.
-    assert load_config({**extra, "backend": "redis"}).backend_settings == RedisSettings(
-        redis_url="redis://10.0.0.5:6380/2", redis_ttl_s=3600.0, redis_chunk_size=32 << 20, redis_timeout_s=2.5
-    )
+    del extra["remote_backend"]  # only a host pool has a remote tier
+    assert load_config({**extra, "backend": "redis"}).backend_settings == cfg.remote_settings
     server = load_config({**extra, "backend": "server"}).backend_settings
     assert (server.server_socket, server.allowed_gid) == ("/tmp/kvpool-test.sock", 1234)
     for key in ("mooncake_config_path", "yuanrong_config_path", "mmc_local_config_path"):
@@ -232,10 +240,11 @@ def test_native_json_types_parse_the_same(tmp_path):
         "copy_threads": 2,
         "lookup_timeout_s": 0.5, "transfer_timeout_s": 2, "breaker_failures": 4, "breaker_cooldown_s": 0.25,
         "local_cpu_size": 4 * GiB, "eviction_high_watermark_ratio": 0.8, "eviction_ratio": 0.25,
-        "default_kv_lease_ttl_ms": 5000, "ssd_offload_path": ssd, "ssd_quota": 10 * GiB,
+        "eviction_policy": "s3fifo", "default_kv_lease_ttl_ms": 5000, "ssd_offload_path": ssd, "ssd_quota": 10 * GiB,
         "ssd_eviction_policy": "fifo", "server_socket": "/tmp/kvpool-test.sock", "allowed_gid": 1234,
         "redis_url": "redis://10.0.0.5:6380/2", "redis_ttl_s": 3600, "redis_chunk_size": 32 << 20,
-        "redis_timeout_s": 2.5, "block_hash_log": ssd + ".hashes.jsonl", **backend_files(ssd),
+        "redis_timeout_s": 2.5, "block_hash_log": ssd + ".hashes.jsonl", "remote_backend": "redis",
+        "remote_queue_blocks": 100, **backend_files(ssd),
     }
     assert load_config(native, "kv_consumer") == load_config(full_extra(ssd), "kv_consumer")
 

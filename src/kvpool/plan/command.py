@@ -12,6 +12,7 @@ from kvpool.config import parse_size
 from kvpool.errors import ConfigError
 from kvpool.routing import POLICIES
 from kvpool.store import EngineConfig
+from kvpool.store.policy import MEMORY_POLICIES
 from kvpool.store.quota import POLICIES as SSD_POLICIES
 
 from kvpool.plan import report
@@ -49,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {defaults.eviction_high_watermark_ratio})")
     p.add_argument("--eviction-ratio", type=float, default=defaults.eviction_ratio,
                    help=f"memory tier eviction_ratio (default {defaults.eviction_ratio})")
+    p.add_argument("--eviction-policy", choices=MEMORY_POLICIES, default=defaults.eviction_policy,
+                   help=f"memory tier eviction_policy (the server's --eviction_policy; default "
+                        f"{defaults.eviction_policy})")
     p.add_argument("--object-overhead", default="0",
                    help="bytes the memory tier charges per block on top of its KV bytes (kvpool server: "
                         "1KB plus the key; local backend: 0; default 0)")
@@ -124,7 +128,7 @@ def build(args: argparse.Namespace) -> tuple[dict, list]:
             raise ConfigError("--memory", m, f"sizes of at least {EngineConfig.alignment} bytes, e.g. 4GB")
     ssds = _sizes("--ssd", args.ssd, working_set)
     spec = PoolSpec(block_bytes, args.ssd_policy, parse_size("--object-overhead", args.object_overhead),
-                    args.high_watermark, args.eviction_ratio)
+                    args.high_watermark, args.eviction_ratio, args.eviction_policy)
     cluster = None
     if args.instances:
         policies = tuple(p.strip() for p in args.policies.split(","))

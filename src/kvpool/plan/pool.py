@@ -1,12 +1,12 @@
 """One shared pool (memory tier + SSD tier) replayed without bytes, through the engine's own code.
 
 Memory is a real ``PoolEngine`` on a scaled arena (``scale.py``), driven only by its public
-calls: ``exists`` to look up, ``acquire`` + ``release`` to load a memory hit (which refreshes
-its LRU position, as a real read does), ``allocate`` + ``commit`` to store a block (nothing is
+calls: ``exists`` to look up, ``acquire`` + ``release`` to load a memory hit (a use for its
+eviction policy, ``lru`` or ``s3fifo`` as configured, as a real read is), ``allocate`` + ``commit`` to store a block (nothing is
 written into the arena; the engine never looks at the bytes). The SSD tier is the disk tier's
 own quota and eviction order (``store.quota.QuotaIndex``, which ``DiskTier`` runs on), fed as
 the engine feeds it with ``disk_write_through`` (the default): every stored block is written to
-SSD as well, an SSD read refreshes its ``lru`` position, and an SSD hit is promoted into memory
+SSD as well, an SSD read is a use for its policy (``touch``), and an SSD hit is promoted into memory
 (allocate + commit, possibly evicting colder blocks there; with write-through they are on SSD
 already). Files are not written: the SSD tier's decisions depend only on sizes and order.
 """

@@ -19,7 +19,10 @@ per block, ``kv_bytes_per_token * block_size`` bytes each):
   object boundary and is a whole number of objects long, except the one at the end, which
   also holds the ``C mod R`` bytes no object fits in; a range of ``R`` bytes is free exactly
   while ``m < n = C // R``. How many objects an eviction takes (``eviction_ratio`` of the
-  object count) and which (the LRU order, held objects skipped) do not depend on sizes;
+  object count) and which (the LRU order, held objects skipped) do not depend on sizes. Under
+  ``s3fifo`` they do in two more places: its small queue's share (10% of the capacity) and its
+  ghost's bound are compared in bytes, so the scaled engine's thresholds may fall one object
+  off the real one's (``n + j/k`` against ``C/R``): its hit rates are close, not exact;
 * so two engines whose objects differ in size make the same decisions when they have the
   same ``n`` and the same ``h``. ``scale_memory`` picks the smallest ``k`` (1, 2, 4, ...) and a
   scaled capacity ``n * k + j`` units (``0 <= j < k``, ``j/k`` near ``C/R - n``) for which both
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 
 from kvpool.errors import ConfigError
 from kvpool.store import EngineConfig
+from kvpool.store.policy import MemoryPolicy
 
 _MAX_UNITS = 1 << 12  # k; a match is found far below it for any ratio the config accepts
 ALIGNMENT = EngineConfig.alignment  # the engine's default, as every deployment runs it
@@ -73,7 +77,7 @@ def _first_over(object_bytes: int, capacity: int, ratio: float) -> int:
 
 def scale_memory(memory_bytes: int, block_bytes: int, *, object_overhead: int = 0,
                  high_watermark: float = 0.9, eviction_ratio: float = 0.1,
-                 alignment: int = ALIGNMENT) -> ScaledMemory:
+                 alignment: int = ALIGNMENT, eviction_policy: MemoryPolicy = "lru") -> ScaledMemory:
     """The scaled engine config for a real tier of ``memory_bytes`` holding ``block_bytes`` blocks
     (see the module docstring for why its decisions are the real tier's)."""
     if memory_bytes < alignment:
@@ -96,7 +100,7 @@ def scale_memory(memory_bytes: int, block_bytes: int, *, object_overhead: int = 
                 config = EngineConfig(
                     memory_size=scaled, alignment=alignment,
                     eviction_high_watermark_ratio=high_watermark, eviction_ratio=eviction_ratio,
-                    object_overhead_bytes=0, reap_interval_s=0, disk=None,
+                    eviction_policy=eviction_policy, object_overhead_bytes=0, reap_interval_s=0, disk=None,
                     client_pool_share=1.0, client_max_leases=0, client_max_hold_s=0.0, prefault=False,
                 )
                 return ScaledMemory(memory_bytes, r, n, h, k, config)

@@ -11,7 +11,7 @@ import multiprocessing
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvpool.store.quota import DiskPolicy
+from kvpool.store.policy import DiskPolicy, MemoryPolicy
 
 from kvpool.plan.cluster import ServiceModel, Traffic, Workload, replay_cluster, workload
 from kvpool.plan.pool import PoolModel
@@ -29,10 +29,12 @@ class PoolSpec:
     object_overhead: int = 0
     high_watermark: float = 0.9
     eviction_ratio: float = 0.1
+    eviction_policy: MemoryPolicy = "lru"
 
     def build(self, memory_bytes: int, ssd_bytes: int) -> PoolModel:
         scaled = scale_memory(memory_bytes, self.block_bytes, object_overhead=self.object_overhead,
-                              high_watermark=self.high_watermark, eviction_ratio=self.eviction_ratio)
+                              high_watermark=self.high_watermark, eviction_ratio=self.eviction_ratio,
+                              eviction_policy=self.eviction_policy)
         return PoolModel(scaled, self.block_bytes, ssd_bytes, self.ssd_policy)
 
 

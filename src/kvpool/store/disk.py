@@ -180,8 +180,9 @@ class DiskTier:
 
     ``policy``: ``none`` rejects a write that would pass the quota
     (NO_AVAILABLE_HANDLE); ``fifo`` evicts the oldest-written files; ``lru`` the
-    least recently read (recency is in-memory only: after a restart the order
-    starts from file modification times, i.e. write order). The quota and the
+    least recently read; ``s3fifo`` files written once before those read again
+    (``store/policy.py``). Recency is in-memory only: after a restart the order
+    starts from file modification times, i.e. write order. The quota and the
     eviction order are ``quota.QuotaIndex``'s, shared with ``kvpool plan``.
 
     One DiskTier per directory: two processes sharing a path would each keep
@@ -191,7 +192,7 @@ class DiskTier:
     def __init__(self, path: str, quota_bytes: int, policy: DiskPolicy = "none") -> None:
         validate_offload_path(path)
         if policy not in POLICIES:
-            raise ConfigError(key="ssd_eviction_policy", value=policy, expected="one of none, fifo, lru")
+            raise ConfigError(key="ssd_eviction_policy", value=policy, expected=f"one of {', '.join(POLICIES)}")
         if not isinstance(quota_bytes, int) or quota_bytes <= 0:
             raise ConfigError(
                 key="ssd_quota_bytes", value=quota_bytes, expected="a positive int of bytes"

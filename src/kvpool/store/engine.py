@@ -66,6 +66,7 @@ from kvpool.store.buffers import as_u8 as _as_u8
 from kvpool.store.buffers import checksum
 from kvpool.store.disk import DiskTier
 from kvpool.store.memcopy import CopyEngine
+from kvpool.store.policy import MEMORY_POLICIES, EvictionPolicy, MemoryPolicy, make_policy
 from kvpool.store.prefault import Prefaulter
 from kvpool.store.workers import DaemonWorkers
 
@@ -118,6 +119,8 @@ class EngineConfig:
     ``prefault``: with the engine's own arena (none passed in), map its pages on a background
     thread from the start to a look-ahead past the highest allocation (store/prefault.py), so
     writes into the pool do not take page faults; the planner, which writes no bytes, turns it off.
+    ``eviction_policy``: which evictable object goes first (``store/policy.py``): ``lru``, or
+    ``s3fifo``, which keeps objects used twice from being flushed by a scan of one-off ones.
     """
 
     memory_size: int
@@ -137,6 +140,7 @@ class EngineConfig:
     object_overhead_bytes: int = 0
     max_key_bytes: int = 4096
     prefault: bool = True
+    eviction_policy: MemoryPolicy = "lru"
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid field, its value and what is expected."""
@@ -178,6 +182,9 @@ class EngineConfig:
             raise ConfigError(
                 key="reap_interval_s", value=self.reap_interval_s, expected="seconds >= 0 (0 disables)"
             )
+        if self.eviction_policy not in MEMORY_POLICIES:
+            raise ConfigError(key="eviction_policy", value=self.eviction_policy,
+                              expected=f"one of {', '.join(sorted(MEMORY_POLICIES))}")
         if self.disk is not None and not isinstance(self.disk, DiskTier):
             raise ConfigError(key="disk", value=self.disk, expected="a DiskTier or None")
 
@@ -266,13 +273,13 @@ class _Object:
     near 150 bytes with its index entry: at millions of objects the metadata, not the values,
     runs out first.
 
-    ``prev``/``next`` link it into the engine's evictable list (committed objects that are
-    neither leased with pinning nor pinned by the disk writer, oldest use first); both are
-    None while it is held. ``_packed`` holds offset and size (48 bits each), the optional
-    64-bit checksum and the generation in one int (one int object instead of four);
-    ``_flags`` the disk writer's pins and ``on_disk``."""
+    ``prev``/``next``/``mark`` are the eviction policy's (``store/policy.py``): they list it
+    among the evictable objects (committed, neither leased with pinning nor pinned by the disk
+    writer); the links are None while it is held. ``_packed`` holds offset and size (48 bits
+    each), the optional 64-bit checksum and the generation in one int (one int object instead
+    of four); ``_flags`` the disk writer's pins and ``on_disk``."""
 
-    __slots__ = ("key", "_packed", "lease_state", "_flags", "prev", "next")
+    __slots__ = ("key", "_packed", "lease_state", "_flags", "prev", "next", "mark")
 
     def __init__(self, key: str, offset: int, size: int, generation: int) -> None:
         if not (0 <= offset <= _U48 and 0 <= size <= _U48):
@@ -284,6 +291,7 @@ class _Object:
         self._flags = 0
         self.prev: _Object | None = None
         self.next: _Object | None = None
+        self.mark = 0
 
     @property
     def offset(self) -> int:
@@ -441,6 +449,39 @@ def _private_arena(size: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
 
 
+class _RecordedUses:
+    """The engine's policy, recording each object's last use as ``lru`` defines it (an insert,
+    a touch, an unhold that lists it again) for ``_debug_check_evictable``. Only the tests put
+    it in place (``_debug_track_lru``): the engine's own calls pay nothing for it."""
+
+    def __init__(self, inner: EvictionPolicy) -> None:
+        self._inner = inner
+        self.last_use: dict[str, int] = {}
+        self._seq = itertools.count()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __iter__(self) -> Any:
+        return iter(self._inner)
+
+    def used(self, key: str) -> None:
+        self.last_use[key] = next(self._seq)
+
+    def insert(self, node: _Object) -> None:
+        self._inner.insert(node)
+        self.used(node.key)
+
+    def touch(self, node: _Object) -> None:
+        self._inner.touch(node)
+        self.used(node.key)
+
+    def unhold(self, node: _Object) -> None:
+        if node.prev is None:
+            self.used(node.key)
+        self._inner.unhold(node)
+
+
 class PoolEngine:
     """Mooncake-master-like object pool over one arena (see the module docstring for invariants).
 
@@ -489,16 +530,11 @@ class PoolEngine:
         self._lock = threading.Lock()
         self._unpinned = threading.Condition(self._lock)  # signalled when the disk writer unpins
         self._objects: dict[str, _Object] = {}
-        # The evictable list: committed objects nobody holds, least recently used first, linked
-        # through the objects themselves (a sentinel closes the ring). Eviction takes victims
-        # from its head and never meets a held object; its bytes are kept as a running total.
-        self._evictable = _Object("", 0, 0, 0)
-        self._evictable.prev = self._evictable.next = self._evictable
-        self._evictable_count = 0
-        self._evictable_bytes = 0
-        self._evict_steps = 0  # objects eviction looked at (a complexity probe, like lease_ops)
-        self._touches: dict[str, int] | None = None  # last use per key, kept only for invariant checks
-        self._touch_seq = itertools.count()
+        # The evictable objects (committed, nobody holds them), linked through the objects
+        # themselves in the policy's order: eviction takes its victims and never meets a held
+        # object; its count and bytes are running totals.
+        self._policy: EvictionPolicy = make_policy(config.eviction_policy, self._alloc.capacity,
+                                                   self._object_charge)
         # handle -> allocation, in creation order (so reap finds the timed-out ones at the front).
         self._pending: dict[int, _Pending] = {}
         self._pending_by_client: dict[str, dict[int, _Pending]] = {}
@@ -670,7 +706,8 @@ class PoolEngine:
     # ---- reads ------------------------------------------------------------------
 
     def acquire(self, client_id: str, key: str) -> Lease | ErrorCode:
-        """Grant a read lease on ``key`` (refreshes its LRU position).
+        """Grant a read lease on ``key`` (a use for the eviction policy: under ``lru`` it becomes
+        the most recently used).
 
         Falls back to the spill buffer and then the disk tier; a disk hit is
         checksum-verified and promoted into memory when it fits (possibly
@@ -1199,9 +1236,9 @@ class PoolEngine:
                 clients=len(self._clients),
                 leases=len(self._lease_index),
                 lease_ops=self._lease_ops,
-                evict_steps=self._evict_steps,
-                evictable_objects=self._evictable_count,
-                evictable_bytes=self._evictable_bytes,
+                evict_steps=self._policy.steps,
+                evictable_objects=self._policy.count,
+                evictable_bytes=self._policy.bytes,
             )
         disk = self._disk
         out.update(
@@ -1288,43 +1325,14 @@ class PoolEngine:
         if client_id:
             self._clients[client_id] = now
 
-    def _link_locked(self, obj: _Object) -> None:
-        """Append ``obj`` to the evictable list as its most recently used object."""
-        ring = self._evictable
-        tail = ring.prev
-        assert tail is not None
-        obj.prev, obj.next = tail, ring
-        tail.next = ring.prev = obj
-        self._evictable_count += 1
-        self._evictable_bytes += self._object_charge(obj)
-        if self._touches is not None:
-            self._touches[obj.key] = next(self._touch_seq)
-
-    def _unlink_locked(self, obj: _Object) -> None:
-        prev, nxt = obj.prev, obj.next
-        if prev is None or nxt is None:
-            return
-        prev.next, nxt.prev = nxt, prev
-        obj.prev = obj.next = None
-        self._evictable_count -= 1
-        self._evictable_bytes -= self._object_charge(obj)
-
     def _sync_held_locked(self, obj: _Object) -> None:
-        """Take ``obj`` out of the evictable list when it became held, put it back (as just used)
-        when it stopped being held; call after its pins or pinning leases changed."""
+        """Take ``obj`` out of the evictable objects when it became held, put it back when it
+        stopped being held (the policy counts that as a use); call after its pins or pinning
+        leases changed."""
         if obj.pins > 0 or obj.pinning > 0:
-            self._unlink_locked(obj)
+            self._policy.hold(obj)
         elif obj.prev is None and self._objects.get(obj.key) is obj:  # not dropped meanwhile
-            self._link_locked(obj)
-
-    def _used_locked(self, obj: _Object) -> None:
-        """A reader used ``obj``: it becomes the most recently used (a held object is placed when
-        it stops being held)."""
-        if obj.prev is not None:
-            self._unlink_locked(obj)
-            self._link_locked(obj)
-        elif self._touches is not None:
-            self._touches[obj.key] = next(self._touch_seq)
+            self._policy.unhold(obj)
 
     def _is_leased(self, obj: _Object, now: float) -> bool:
         # Exact once _prune_locked(now) ran: every lease left has expires_at >= now.
@@ -1532,7 +1540,7 @@ class PoolEngine:
         if isinstance(added, ErrorCode):
             return added
         lease_id, expires_at = added
-        self._used_locked(obj)
+        self._policy.touch(obj)
         return Lease(key, obj.offset, obj.size, obj.generation, expires_at, lease_id, checksum=obj.checksum)
 
     def _storable_key(self, key: object) -> bool:
@@ -1628,7 +1636,7 @@ class PoolEngine:
         return Allocation(pending.handle, key, offset, size), spills
 
     def _make_room_locked(self, size: int, now: float) -> list[tuple[str, _Spilled]]:
-        """Evict LRU objects so ``size`` fits; return spills to write to disk after unlocking.
+        """Evict the policy's victims so ``size`` fits; return spills to write to disk after unlocking.
 
         Past the high watermark, evict eviction_ratio of the objects (at least one)
         and keep going until the request fits; below it, evict only if
@@ -1642,20 +1650,17 @@ class PoolEngine:
         over = self._alloc.used + need > self._high_bytes
         if not over and self._alloc.largest_free() >= need:
             return []
-        # Held objects are not in the evictable list, so this total and the victims below cost
+        # Held objects are not listed by the policy, so this total and the victims below cost
         # nothing per held object, and nothing per object left in memory.
-        if self._alloc.used - self._evictable_bytes + need > self._alloc.capacity:
+        if self._alloc.used - self._policy.bytes + need > self._alloc.capacity:
             return []
         target = max(1, math.ceil(self.config.eviction_ratio * len(self._objects))) if over else 0
         spills: list[tuple[str, _Spilled]] = []
-        ring = self._evictable
         evicted = 0
-        while ring.next is not ring:
-            if evicted >= target and self._alloc.largest_free() >= need:
+        while evicted < target or self._alloc.largest_free() < need:
+            obj = self._policy.victim()
+            if obj is None:
                 break
-            obj = ring.next
-            assert obj is not None
-            self._evict_steps += 1
             spill = self._drop_locked(obj, spill=True)
             if spill is not None:
                 spills.append(spill)
@@ -1666,7 +1671,7 @@ class PoolEngine:
     def _drop_locked(self, obj: _Object, spill: bool = False) -> tuple[str, _Spilled] | None:
         """Remove ``obj`` from memory; when spilling and it is not on disk yet, keep a copy for the disk."""
         del self._objects[obj.key]  # first: dropping its leases below must not re-list it
-        self._unlink_locked(obj)
+        self._policy.remove(obj)
         for lease_id in list(obj.leases):  # expired ones not pruned yet; live ones are never dropped
             self._drop_lease_locked(lease_id)
         out = None
@@ -1681,7 +1686,7 @@ class PoolEngine:
         self._unfile_pending_locked(pending)
         obj = _Object(pending.key, pending.offset, pending.size, pending.generation)
         self._objects[obj.key] = obj
-        self._link_locked(obj)
+        self._policy.insert(obj)
         self._stats["puts"] += 1
         if self._disk is not None:
             # Checked: a file found at start-up may be torn, and an object marked on disk is
@@ -1898,35 +1903,34 @@ class PoolEngine:
 
     def _evictable_keys_locked(self) -> list[str]:
         keys = []
-        ring = self._evictable
-        obj = ring.next
-        while obj is not ring:
-            assert obj is not None and obj.next is not None and obj.next.prev is obj, "evictable list broken"
+        for obj in self._policy:
+            assert obj.next is not None and obj.next.prev is obj, "evictable list broken"
             keys.append(obj.key)
-            obj = obj.next
         return keys
 
     def _debug_track_lru(self) -> None:
         """Record every object's last use from now on, for ``_debug_check_evictable`` (tests)."""
         with self._lock:
-            self._touches = {}
+            if not isinstance(self._policy, _RecordedUses):
+                self._policy = _RecordedUses(self._policy)
             for key in self._evictable_keys_locked():  # their order so far is taken as given
-                self._touches[key] = next(self._touch_seq)
+                self._policy.used(key)
 
     def _debug_check_evictable(self) -> list[str]:
-        """Check that the evictable list is exactly the committed objects that are neither leased
-        with pinning nor pinned, least recently used first, and that its running totals agree
-        with it; return its keys (tests)."""
+        """Check that the policy lists exactly the committed objects that are neither leased
+        with pinning nor pinned, that its running totals agree with it, and (under ``lru``,
+        tracked) that they are least recently used first; return its keys in its order (tests)."""
         with self._lock:
             keys = self._evictable_keys_locked()
             unheld = {k for k, o in self._objects.items() if not o.pins and not o.pinning}
             assert set(keys) == unheld and len(keys) == len(unheld), (keys, unheld)
             for key, obj in self._objects.items():
                 assert (obj.prev is None) == (key not in unheld), key
-            assert self._evictable_count == len(keys)
-            assert self._evictable_bytes == sum(self._object_charge(self._objects[k]) for k in keys)
-            if self._touches is not None:
-                order = sorted(keys, key=lambda k: self._touches.get(k, -1))  # type: ignore[union-attr]
+            assert self._policy.count == len(keys)
+            assert self._policy.bytes == sum(self._object_charge(self._objects[k]) for k in keys)
+            if isinstance(self._policy, _RecordedUses) and self.config.eviction_policy == "lru":
+                last = self._policy.last_use
+                order = sorted(keys, key=lambda k: last.get(k, -1))
                 assert keys == order, ("not in LRU order", keys, order)
             for client, mine in self._pending_by_client.items():
                 assert all(self._pending[h] is p and p.client_id == client for h, p in mine.items())

@@ -4,39 +4,63 @@ Kept apart from the files so that two users share one implementation: ``DiskTier
 writes, reads and unlinks the files around these decisions) and ``kvpool plan`` (which replays
 a trace through the same decisions without writing anything).
 
-Policies (``POLICIES``): ``none`` refuses a write that would pass the quota; ``fifo`` evicts
-the oldest-written objects; ``lru`` the least recently read (``touch`` on every read).
+Policies (``store.policy.DISK_POLICIES``): ``none`` refuses a write that would pass the quota;
+``fifo`` evicts the oldest-written objects; ``lru`` the least recently read (``touch`` on every
+read); ``s3fifo`` keeps objects read again apart from those written once (``store/policy.py``).
 
 Invariants: ``used`` is the sum of the sizes of stored objects plus those being written
 (reserved, not settled) and never exceeds ``quota_bytes`` after a successful ``reserve``;
-objects being written are never evicted. Not thread-safe: callers hold their own lock.
+objects being written are never evicted (the policy lists only stored ones). Not thread-safe:
+callers hold their own lock.
 """
 
 from __future__ import annotations
 
-import collections
-from typing import Literal
-
 from kvpool.errors import ConfigError
+from kvpool.store.policy import DISK_POLICIES, DiskPolicy, EvictionPolicy, make_policy
 
-DiskPolicy = Literal["none", "fifo", "lru"]
-POLICIES: tuple[DiskPolicy, ...] = ("none", "fifo", "lru")
+POLICIES = DISK_POLICIES
+
+
+class _Entry:
+    """A stored object as the policy lists it; ``size`` is the caller's value, kept as given
+    (``DiskTier`` marks sizes found at start-up by their type)."""
+
+    __slots__ = ("key", "size", "prev", "next", "mark")
+
+    def __init__(self, key: str, size: int) -> None:
+        self.key = key
+        self.size = size
+        self.prev: _Entry | None = None
+        self.next: _Entry | None = None
+        self.mark = 0
+
+
+def _entry_size(entry: _Entry) -> int:
+    return entry.size
 
 
 class QuotaIndex:
     """Stored keys with their sizes, in eviction order (first = next victim), under a byte quota."""
 
     def __init__(self, quota_bytes: int, policy: DiskPolicy = "none") -> None:
-        if policy not in POLICIES:
-            raise ConfigError(key="ssd_eviction_policy", value=policy, expected="one of none, fifo, lru")
         if isinstance(quota_bytes, bool) or not isinstance(quota_bytes, int) or quota_bytes <= 0:
             raise ConfigError(key="ssd_quota_bytes", value=quota_bytes, expected="a positive int of bytes")
-        self.quota_bytes = quota_bytes
         self.policy: DiskPolicy = policy
-        self._index: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._order: EvictionPolicy = make_policy(policy, quota_bytes, _entry_size, key="ssd_eviction_policy",
+                                                  names=DISK_POLICIES)
+        self._index: dict[str, _Entry] = {}
         self._inflight: dict[str, int] = {}  # key -> reserved bytes while it is being written
         self._used = 0
         self.evictions = 0
+
+    @property
+    def quota_bytes(self) -> int:
+        return self._order.capacity
+
+    @quota_bytes.setter
+    def quota_bytes(self, value: int) -> None:
+        self._order.capacity = value  # s3fifo's queue shares follow a lowered (or regrown) quota
 
     def __contains__(self, key: str) -> bool:
         """Stored (settled); an object still being written is not readable yet."""
@@ -56,12 +80,13 @@ class QuotaIndex:
 
     def items(self) -> list[tuple[str, int]]:
         """(key, size) of the stored objects in eviction order (first = next victim)."""
-        return list(self._index.items())
+        return [(e.key, e.size) for e in self._order]
 
     def clear(self) -> None:
         """Forget every stored object (not the writes in flight)."""
-        for size in self._index.values():
-            self._used -= size
+        for entry in self._index.values():
+            self._order.remove(entry)
+            self._used -= entry.size
         self._index.clear()
 
     def has(self, key: str) -> bool:
@@ -70,11 +95,12 @@ class QuotaIndex:
 
     def size_of(self, key: str) -> int | None:
         """The stored size of ``key``; None when it is not stored (or still being written)."""
-        return self._index.get(key)
+        entry = self._index.get(key)
+        return None if entry is None else entry.size
 
     def keys(self) -> list[str]:
         """Stored keys in eviction order (first = next victim)."""
-        return list(self._index)
+        return [e.key for e in self._order]
 
     def reserve(self, key: str, size: int) -> tuple[bool, list[str]]:
         """Reserve ``size`` bytes for writing ``key`` (not yet stored: ``has`` is false).
@@ -84,7 +110,7 @@ class QuotaIndex:
         """
         victims: list[str] = []
         if self._used + size > self.quota_bytes:
-            if self.policy == "none":
+            if not self._order.makes_room:
                 return False, victims
             victims = self.evict(self._used + size - self.quota_bytes)
             if self._used + size > self.quota_bytes:
@@ -94,8 +120,8 @@ class QuotaIndex:
         return True, victims
 
     def settle(self, key: str) -> None:
-        """The reserved ``key`` was written: it is stored, newest in the eviction order."""
-        self._index[key] = self._inflight.pop(key)
+        """The reserved ``key`` was written: it is stored, the policy's newest."""
+        self._add(key, self._inflight.pop(key))
 
     def cancel(self, key: str) -> None:
         """The reserved ``key`` was not written: give its bytes back."""
@@ -106,36 +132,46 @@ class QuotaIndex:
     def resize(self, key: str, size: int) -> None:
         """Replace the stored ``key``'s size by an equal value (a caller's marks live in the
         value's type), keeping its place in the order and ``used``."""
-        if key in self._index and self._index[key] == size:
-            self._index[key] = size
+        entry = self._index.get(key)
+        if entry is not None and entry.size == size:
+            entry.size = size
 
     def touch(self, key: str) -> None:
-        """``key`` was read: under ``lru`` it becomes the last to be evicted."""
-        if self.policy == "lru" and key in self._index:
-            self._index.move_to_end(key)
+        """``key`` was read: the policy's use (``lru``: the last to be evicted; ``fifo``,
+        ``none``: nothing)."""
+        entry = self._index.get(key)
+        if entry is not None:
+            self._order.touch(entry)
 
     def load(self, key: str, size: int) -> None:
         """Add an object found already stored (a restart's scan), newest last."""
-        self._index[key] = size
+        self._add(key, size)
         self._used += size
+
+    def _add(self, key: str, size: int) -> None:
+        entry = self._index[key] = _Entry(key, size)
+        self._order.insert(entry)
 
     def discard(self, key: str) -> bool:
         """Forget a stored ``key``; whether it was stored."""
-        size = self._index.pop(key, None)
-        if size is None:
+        entry = self._index.pop(key, None)
+        if entry is None:
             return False
-        self._used -= size
+        self._order.remove(entry)
+        self._used -= entry.size
         return True
 
     def evict(self, need: int) -> list[str]:
-        """Evict from the front of the order until ``need`` bytes are freed (or nothing is left)."""
+        """Evict the policy's victims until ``need`` bytes are freed (or nothing is left)."""
         victims: list[str] = []
         freed = 0
-        index = self._index
-        while freed < need and index:
-            victim, size = index.popitem(last=False)
-            freed += size
-            self._used -= size
-            victims.append(victim)
+        while freed < need:
+            entry = self._order.victim()
+            if entry is None:
+                break
+            del self._index[entry.key]
+            freed += entry.size
+            self._used -= entry.size
+            victims.append(entry.key)
         self.evictions += len(victims)
         return victims
