@@ -50,6 +50,7 @@ test-models: $(STAMP)
 # PNGs from the JSON). benchmarks/device.py is not here: it is the check for an accelerator machine.
 bench: $(STAMP)
 	$(BIN)/python benchmarks/store.py
+	$(BIN)/python benchmarks/tiers.py
 	$(BIN)/python benchmarks/hitpath.py
 	$(BIN)/python benchmarks/hybrid.py
 	$(BIN)/python benchmarks/hybrid.py --spec qwen3-next-bench
@@ -61,7 +62,8 @@ bench: $(STAMP)
 
 # The same benchmarks as smoke runs (each under ten minutes here), writing NAME-quick.json/.png.
 bench-quick: $(STAMP)
-	$(BIN)/python benchmarks/store.py --quick
+	$(BIN)/python benchmarks/store.py
+	$(BIN)/python benchmarks/tiers.py --quick
 	$(BIN)/python benchmarks/hitpath.py --quick
 	$(BIN)/python benchmarks/hybrid.py --quick
 	$(BIN)/python benchmarks/ttft.py --quick

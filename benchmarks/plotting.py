@@ -17,7 +17,7 @@ from typing import Any
 # alone, memcpy) always grey-black, peers in their own colours.
 COLORS = {
     "kvpool": "tab:blue", "kvpool_serial": "tab:cyan", "kvpool_staged": "tab:purple", "kvpool_layerwise": "goldenrod",
-    "kvpool_server": "tab:brown",
+    "kvpool_server": "tab:brown", "kvpool_tiered": "darkred",
     "vllm": "black", "memcpy": "black", "shm": "tab:gray", "local": "tab:cyan", "server": "tab:blue",
     "mooncake": "tab:orange", "example": "tab:green", "example_unchunked": "tab:olive", "redis": "tab:red",
     "yuanrong": "tab:brown", "memcache": "tab:pink", "routed": "tab:purple", "prefix": "black",

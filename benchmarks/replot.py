@@ -29,7 +29,7 @@ if str(BENCH_DIR) not in sys.path:  # the benchmarks import `common`, `plotting`
 
 # The benchmarks that draw a plot: the one list (their scripts are benchmarks/NAME.py, their
 # results benchmarks/results/NAME[-variant].json).
-BENCHMARKS = ("store", "pd", "ttft", "hitpath", "hybrid", "chaos", "scale", "trace", "device")
+BENCHMARKS = ("store", "tiers", "pd", "ttft", "hitpath", "hybrid", "chaos", "scale", "trace", "device")
 
 
 def benchmark_of(json_path: Path) -> str | None:

@@ -48,6 +48,9 @@ the samples, because two starts of the same server also differ, by up to 16% her
   kvpool_server  KVPoolConnector, backend server: a `kvpool server` (4GB, fresh for every
             server start) as the host-wide pool several instances share; reads are checked
             against their writer's checksum
+  kvpool_tiered  the same `kvpool server` with Mooncake behind it (`remote_backend: mooncake`, a
+            local `mooncake_master` over TCP, fresh for every server start): saves are written
+            through to Mooncake in the background, hits come from the host pool
   example   vLLM's ExampleConnector (safetensors files on disk), prefix caching off. A server
             that crashes is recorded as `crashed` for that size and restarted for the next;
             sizes where it crashed are rerun without chunked prefill (`example_unchunked`)
@@ -94,8 +97,8 @@ from kvpool.testing.services import MooncakeMaster, ServiceError, mooncake_maste
 MAX_MODEL_LEN = 8448  # 8192 prompt tokens + 1 generated, rounded up to whole blocks
 SIZES = {"1K": 1024, "4K": 4096, "8K": 8192}
 WARM_UP_TOKENS = 4096  # at most: an unchunked server's warm-up need not be a whole 8K prefill
-CONFIG_ORDER = ("vllm", "kvpool", "kvpool_serial", "kvpool_staged", "kvpool_layerwise", "kvpool_server", "example",
-                "mooncake")
+CONFIG_ORDER = ("vllm", "kvpool", "kvpool_serial", "kvpool_staged", "kvpool_layerwise", "kvpool_server",
+                "kvpool_tiered", "example", "mooncake")
 PART_NEW_TOKENS = 1024  # `part`: the prompt from a cache, then this many new tokens
 # The targets: (name, text, ratio key in `ratios`, sizes it applies to, the bound).
 TARGETS = [
@@ -111,6 +114,10 @@ TARGETS = [
      "kvpool_cold/vllm_cold", ("1K", "4K", "8K"), 1.02),
     ("staged_vs_direct", "the staging path forced on CPU: its +1 hit within 1.3x of the direct path's",
      "staged_ext/kvpool_ext", ("1K", "4K", "8K"), 1.3),
+    ("tiered_cold_vs_vllm", "cold prefill with the host pool writing through to Mooncake <= 1.02x cold without "
+     "a connector at 1K, 4K, 8K", "tiered_cold/vllm_cold", ("1K", "4K", "8K"), 1.02),
+    ("tiered_ext_vs_prefix", "+1 hit from the host pool with Mooncake behind it <= 1.15x vLLM's prefix-cache +1 "
+     "hit at 4K and 8K", "tiered_ext/prefix_ext", ("4K", "8K"), 1.15),
 ]
 
 
@@ -224,6 +231,29 @@ def build_plans(workdir: Path, configs: list[str], mooncake: tuple[str | None, s
             "kv_connector": "KVPoolConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"backend": "server", "server_socket": str(sock), "lookup_rpc_port": rpc_port},
         }, setup=pool_setup)
+    if "kvpool_tiered" in configs and mooncake[0] is not None:
+        tiered_sock, tiered_cfg = workdir / "tiered.sock", workdir / "tiered-mooncake.json"
+        n_tiered = [0]
+
+        def tiered_setup() -> Callable[[], None]:
+            # A fresh host pool and master for every vLLM start.
+            n_tiered[0] += 1
+            master = MooncakeMaster(workdir / "logs" / f"tiered-master-{n_tiered[0]}")
+            master.write_config(tiered_cfg, global_segment_size="2GB", local_buffer_size="1GB")
+            pool = PoolServer(tiered_sock, memory_size="4GB",
+                              log_path=workdir / "logs" / f"tiered-pool-{n_tiered[0]}.log").start()
+
+            def stop() -> None:
+                pool.stop()
+                master.stop()
+            return stop
+
+        plans["kvpool_tiered"] = ServerPlan("kvpool_tiered", prefix_caching=False, kv_transfer_config={
+            "kv_connector": "KVPoolConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"backend": "server", "server_socket": str(tiered_sock),
+                                          "remote_backend": "mooncake", "mooncake_config_path": str(tiered_cfg),
+                                          "lookup_rpc_port": rpc_port},
+        }, setup=tiered_setup)
     if "example" in configs:
         plans["example"] = example_plan(workdir / "example-storage")
     if "mooncake" in configs and mooncake[0] is not None:
@@ -477,7 +507,8 @@ COLUMNS = [
     for kind in KINDS
     for col, cfg in (("vllm" if kind == "cold" else "prefix", "vllm"), ("kvpool", "kvpool"),
                      ("serial", "kvpool_serial"), ("staged", "kvpool_staged"),
-                     ("layerwise", "kvpool_layerwise"), ("server", "kvpool_server"), ("example", "example"),
+                     ("layerwise", "kvpool_layerwise"), ("server", "kvpool_server"), ("tiered", "kvpool_tiered"),
+                     ("example", "example"),
                      ("exampleu", "example_unchunked"),
                      ("mooncake", "mooncake"))
 ]
@@ -547,7 +578,9 @@ def summarize(results: dict[str, Any], sizes: list[str], memcpy_ms: dict[str, fl
                         "serial_ext/kvpool_ext": ratio("serial_ext", "kvpool_ext"),
                         "layerwise_ext/kvpool_ext": ratio("layerwise_ext", "kvpool_ext"),
                         "server_ext/prefix_ext": ratio("server_ext", "prefix_ext"),
-                        "server_ext/kvpool_ext": ratio("server_ext", "kvpool_ext")}
+                        "server_ext/kvpool_ext": ratio("server_ext", "kvpool_ext"),
+                        "tiered_cold/vllm_cold": ratio("tiered_cold", "vllm_cold"),
+                        "tiered_ext/prefix_ext": ratio("tiered_ext", "prefix_ext")}
         for kind in ("hit", "ext", "part"):
             for peer in ("prefix", "example", "exampleu", "mooncake"):
                 ratios[size][f"kvpool_{kind}/{peer}_{kind}"] = ratio(f"kvpool_{kind}", f"{peer}_{kind}")
@@ -594,11 +627,13 @@ def _fmt_ms(cell: dict[str, Any], with_cached: bool = False) -> str:
 
 def format_tables(summary: dict[str, Any], sizes: list[str], show_exampleu: bool) -> str:
     med, ratios = summary["medians"], summary["ratios"]
-    peers = (["kvpool", "serial", "staged", "layerwise", "server", "example"] + (["exampleu"] if show_exampleu else [])
+    peers = (["kvpool", "serial", "staged", "layerwise", "server", "tiered", "example"]
+             + (["exampleu"] if show_exampleu else [])
              + ["mooncake"])
     names = {"vllm": "vLLM, no connector", "prefix": "vLLM prefix cache", "kvpool": "kvpool",
              "serial": "kvpool 1 copy thread", "staged": "kvpool staged",
-             "layerwise": "kvpool layerwise", "server": "kvpool server", "example": "ExampleConnector", "exampleu": "Example, unchunked",
+             "layerwise": "kvpool layerwise", "server": "kvpool server", "tiered": "kvpool server + Mooncake",
+             "example": "ExampleConnector", "exampleu": "Example, unchunked",
              "mooncake": "MooncakeStore"}
     out = ["Cold: first time the server sees the prompt. Median TTFT, ms"]
     cols = ["vllm"] + peers
@@ -617,7 +652,8 @@ def format_tables(summary: dict[str, Any], sizes: list[str], show_exampleu: bool
             ("kvpool_ext/example_ext", "+1/Example"), ("kvpool_part/prefix_part", "part/prefix"),
             ("staged_ext/kvpool_ext", "staged/direct +1"), ("serial_ext/kvpool_ext", "1 thread/default +1"),
             ("layerwise_ext/kvpool_ext", "layerwise/default +1"), ("server_ext/prefix_ext", "server +1/prefix"),
-            ("server_ext/kvpool_ext", "server/local +1")]
+            ("server_ext/kvpool_ext", "server/local +1"), ("tiered_cold/vllm_cold", "tiered cold/vLLM cold"),
+            ("tiered_ext/prefix_ext", "tiered +1/prefix")]
     out += ["", "Ratios of medians, kvpool over the other (below 1: kvpool faster; hit = same prompt, "
             "+1 = prompt + 1 token, part = prompt + new tokens). memcpy: one single-threaded copy of "
             "the prompt's KV bytes, ms: " + ", ".join(f"{s} {summary['memcpy_ms'].get(s, 0):.2f}" for s in sizes)]
@@ -701,6 +737,7 @@ PLOT_SYSTEMS = [
     ("staged", "staged", "kvpool_staged", "kvpool, staged path (accelerator path on CPU)", "kvpool_staged"),
     ("layerwise", "layerwise", "kvpool_layerwise", "kvpool, layerwise", "kvpool_layerwise"),
     ("server", "server", "kvpool_server", "kvpool, backend server (host-wide pool)", "kvpool_server"),
+    ("tiered", "tiered", "kvpool_tiered", "kvpool, backend server with Mooncake behind it", "kvpool_tiered"),
     ("example", "example", "example", "ExampleConnector", "example"),
     ("exampleu", "exampleu", "example_unchunked", "ExampleConnector, no chunked prefill", "example_unchunked"),
     ("mooncake", "mooncake", "mooncake", "MooncakeStoreConnector", "mooncake"),
@@ -817,7 +854,7 @@ def main(argv: list[str] | None = None) -> int:
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
     model_dir = build_model(Path(tempfile.gettempdir()) / "kvpool-bench-model", SPECS["bench"])
 
-    mooncake = mooncake_probe() if "mooncake" in configs else (None, None, None)
+    mooncake = mooncake_probe() if {"mooncake", "kvpool_tiered"} & set(configs) else (None, None, None)
     env = environment(model_dir, mooncake[1], args)
     log(f"model: {env['model']['params'] / 1e6:.1f}M parameters ({model_dir}); vLLM {env['vllm']}; "
         f"{env['cpu_count']} CPUs; sizes {sizes} x {reps} prompts; configs {configs}; workdir {workdir}")

@@ -258,3 +258,10 @@ def test_doctor_does_not_import_vllm():
 @pytest.mark.parametrize("n", [0, 1])
 def test_human_sizes(n):
     assert doctor.human(GiB + n) == "1.0GB"
+
+
+def test_a_remote_tier_is_checked_as_its_own_backend(tmp_path):
+    r = run(tmp_path, {"backend": "local", "local_cpu_size": "64MB", "remote_backend": "redis",
+                       "redis_url": f"redis://127.0.0.1:{free_port()}/0"})
+    has(r, "ok", "remote tier: redis behind the local host pool")
+    has(r, "error", "Redis at redis://127.0.0.1")

@@ -12,21 +12,11 @@ import pytest
 from kvpool.backends import create_backend
 from kvpool.config import load_config
 from kvpool.errors import ErrorCode
-from kvpool.testing.services import RedisService, ServiceError
+from kvpool.testing.services import RedisService
 
 MiB = 1 << 20
 OK, NOT_FOUND, NO_HANDLE = ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND, ErrorCode.NO_AVAILABLE_HANDLE
 EXISTS = ErrorCode.OBJECT_ALREADY_EXISTS
-
-
-@pytest.fixture
-def redis_service(tmp_path):
-    try:
-        svc = RedisService(tmp_path / "redis")
-    except ServiceError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    yield svc
-    svc.stop()
 
 
 def backend(url: str, **extra):

@@ -80,10 +80,25 @@ def test_each_instance_is_checked_by_doctor_then_served_on_its_hosts_address(tmp
         kv = json.loads(flag_value(argv, "--kv-transfer-config"))
         assert kv == json.loads(args.kv_transfer_config)
         cfg = load_config(kv["kv_connector_extra_config"], kv["kv_role"])
-        assert cfg.backend == "mooncake"
+        assert (cfg.backend, cfg.remote_backend) == ("server", "mooncake")
         assert kv["kv_connector"] == "KVPoolConnector" and kv["kv_load_failure_policy"] == "recompute"
         # The master's lease, as doctor is told.
         assert str(args.default_kv_lease_ttl) == flag_value(master_argv(tmp_path), "--default_kv_lease_ttl")
+
+
+def test_each_instance_host_runs_its_host_pool_on_the_socket_its_instance_uses(tmp_path):
+    from kvpool.config import ServerClientSettings, parse_size
+    from kvpool.server.daemon import config_from_args
+
+    for host in STEPS["server"].hosts:
+        assert host in STEPS["instance"].hosts
+        (server,) = run_step("server", host, tmp_path)
+        assert server["prog"] == "kvpool"
+        args = parse_kvpool(server["argv"])
+        assert args.cmd == "server"
+        cfg = config_from_args(args)
+        assert cfg.memory_size == parse_size("HOST_POOL_SIZE", HOST_VARS["HOST_POOL_SIZE"])
+        assert cfg.socket_path == ServerClientSettings().server_socket  # the backend's default
 
 
 def test_the_proxy_fronts_exactly_the_instances_on_host_as_address(tmp_path):

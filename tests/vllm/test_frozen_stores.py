@@ -87,3 +87,40 @@ def test_frozen_mooncake_master(model_dir, reference, tmp_path):
             e.kill()  # a client of a store that was frozen: how it shuts down is not tested here
     finally:
         master.stop()
+
+
+def test_a_frozen_remote_tier_behind_the_host_pool(model_dir, reference, tmp_path):
+    """`server` with Mooncake behind it, the master frozen: cold requests answer as vLLM alone
+    (their lookups of blocks the host pool lacks pay the deadline once, then the breaker answers),
+    and what the host pool holds is still a hit, exact."""
+    doc = tokens(900, seed=71)
+    others = [tokens(300 + 40 * i, seed=72 + i) for i in range(FROZEN_ASKS)]
+    ref_cold, ref_hit = reference.generate([doc, doc])
+    ref_others = reference.generate(others)
+    master = MooncakeMaster(tmp_path / "master")
+    sock = str(tmp_path / "pool.sock")
+    try:
+        path = master.write_config(tmp_path / "mooncake.json", global_segment_size="256MB", local_buffer_size="64MB")
+        with PoolServer(sock, memory_size="256MB", log_path=tmp_path / "pool.log"):
+            e = Engine(model_dir, kv_transfer_config=kvpool_config(
+                backend="server", server_socket=sock, remote_backend="mooncake", mooncake_config_path=path, **GUARD))
+            try:
+                _same(e.generate([doc])[0], ref_cold)
+                since = e.mark()
+                master.pause()
+                try:
+                    for prompt, ref in zip(others, ref_others):
+                        _same(e.generate([prompt])[0], ref)
+                    hit = e.generate([doc])[0]  # the host pool still serves it
+                    assert hit["num_cached_tokens"] == whole(doc)
+                    _same(hit, ref_hit)
+                    c = e.counters(since)
+                    # The write-through thread is one more kvpool thread that may meet the freeze.
+                    assert 1 <= c["store_timeouts"] <= MAX_TIMEOUTS + 1, c
+                    assert c["store_calls_skipped"] >= FROZEN_ASKS, c
+                finally:
+                    master.resume()
+            finally:
+                e.kill()  # a client of a store that was frozen: how it shuts down is not tested here
+    finally:
+        master.stop()

@@ -16,7 +16,11 @@ front of both. Then, through the proxy:
    segment still holds nothing, so what it loaded came from the writer's, across hosts;
 4. the prompt goes to the writer again, a hit in its own prefix cache: the reader's pool hit
    and this answer took the same tokens from a cache and computed the same ones with the same
-   serving flags, so their top-5 logprobs must be equal bit for bit (README.md, exactness rule).
+   serving flags, so their top-5 logprobs must be equal bit for bit (README.md, exactness rule);
+5. the reader's vLLM prefix cache cleared, the prompt is a hit from the reader's own host pool:
+   Mooncake is not asked again (the reader's remote-tier hits do not move);
+6. the writer's host pool stopped and the reader's restarted empty, the prompt is still a hit on
+   the reader, from Mooncake (the writer's vLLM still holds its segment).
 
 Only token ids are compared with the reference engine: the OpenAI servers do not run its
 serving loop. Mooncake is run as configured on the page, which is the point: a wrong
@@ -40,6 +44,7 @@ import pytest
 from harness import BLOCK, tokens, whole
 from kvpool.testing.docsteps import assigned_variables, doc_steps, used_variables
 from kvpool.testing.launch import DEFAULT_ENV, IN_PROCESS_WORKER_ENV, ChildProcess, every_instance_in_rotation
+from kvpool.testing.launch import parse_metric
 from kvpool.testing.netns import VirtualHost, VirtualNetwork, unavailable_reason
 
 pytestmark = pytest.mark.vllm
@@ -49,12 +54,13 @@ DOC = ROOT / "docs" / "deploy.md"
 STEPS = doc_steps(DOC)
 # What the page's steps are, and on which hosts each runs: a step added, dropped or moved
 # fails here first, so the test never silently skips part of the walk-through.
-EXPECTED = {"hosts": (), "master": ("A",), "config": ("B", "C"), "instance": ("B", "C"), "proxy": ("A",),
-            "segments": ("A",), "keys": ("A",), "where": ("A",)}
-PORT = {"master": 50088, "instance": 8000, "proxy": 8000}
+EXPECTED = {"hosts": (), "master": ("A",), "config": ("B", "C"), "server": ("B", "C"), "instance": ("B", "C"),
+            "proxy": ("A",), "segments": ("A",), "keys": ("A",), "where": ("A",)}
+PORT = {"master": 50088, "server": 0, "instance": 8000, "proxy": 8000}
 MAX_TOKENS = 8
 PROMPT = tokens(300, seed=9301)  # 2 whole blocks, then 44 tokens every run computes
 SEGMENT_SIZE = "256MB"  # the page says 20GB: two of those do not fit this machine
+HOST_POOL_SIZE = "128MB"  # the page says 16GB
 
 
 class StepProcess(ChildProcess):
@@ -73,6 +79,25 @@ class StepProcess(ChildProcess):
     def _ready(self) -> bool:
         try:
             with socket.create_connection(self.address, timeout=0.5):
+                return True
+        except OSError:
+            return False
+
+
+class PoolStep(StepProcess):
+    """The page's host pool step: ready once its server answers on its socket (the host's
+    default one, in the runtime directory the test gives the host)."""
+
+    def __init__(self, step: str, host: VirtualHost, env: dict[str, str], port: int, log_dir: Path,
+                 startup_timeout_s: float) -> None:
+        super().__init__(step, host, env, port, log_dir, startup_timeout_s)
+        self.socket_path = os.path.join(env["XDG_RUNTIME_DIR"], "kvpool", "server.sock")
+
+    def _ready(self) -> bool:
+        try:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.settimeout(0.5)
+                s.connect(self.socket_path)
                 return True
         except OSError:
             return False
@@ -97,9 +122,11 @@ class Deployment:
         # this machine's file system, which real hosts do not).
         self.common = {"HOST_A": self.hosts["A"].address, "HOST_B": self.hosts["B"].address,
                        "HOST_C": self.hosts["C"].address, "MODEL": model_dir, "DTYPE": "float32",
-                       "SEGMENT_SIZE": SEGMENT_SIZE}
+                       "SEGMENT_SIZE": SEGMENT_SIZE, "HOST_POOL_SIZE": HOST_POOL_SIZE}
         self.running: list[ChildProcess] = []
         self.instances: dict[str, StepProcess] = {}  # by host address
+        self.pools: dict[str, StepProcess] = {}  # the host pools, by host address
+        self.writer = self.reader = ""  # the addresses the first test found
 
     def env(self, name: str, **extra: str) -> dict[str, str]:
         home = self.tmp / name
@@ -112,7 +139,8 @@ class Deployment:
                 "PATH": f"{bin_dir}:{os.environ['PATH']}", **extra}
 
     def start(self, step: str, host: str, timeout: float, **extra: str) -> StepProcess:
-        p = StepProcess(step, self.hosts[host], self.env(host, **extra), PORT[step], self.tmp, timeout)
+        kind = PoolStep if step == "server" else StepProcess
+        p = kind(step, self.hosts[host], self.env(host, **extra), PORT[step], self.tmp, timeout)
         p.start(wait=False)
         self.running.append(p)
         return p
@@ -156,9 +184,16 @@ def deployment(model_dir, tmp_path_factory):
             d.start("master", "A", timeout=30).wait_ready()
             for h in STEPS["config"].hosts:
                 d.run("config", h)
+            for h in STEPS["server"].hosts:
+                p = d.start("server", h, timeout=30)
+                p.wait_ready()
+                d.pools[d.hosts[h].address] = p
             # What this test is about is addresses, not vLLM's process layout: the model runs in
             # the engine core's process, which starts sooner (IN_PROCESS_WORKER_ENV).
-            instances = [d.start("instance", h, timeout=600, **IN_PROCESS_WORKER_ENV) for h in STEPS["instance"].hosts]
+            # VLLM_SERVER_DEV_MODE: vLLM's /reset_prefix_cache, so that the test can send a prompt
+            # to the pool again on an instance that has it in its own prefix cache.
+            instances = [d.start("instance", h, timeout=600, VLLM_SERVER_DEV_MODE="1", **IN_PROCESS_WORKER_ENV)
+                         for h in STEPS["instance"].hosts]
             d.instances = {p.address[0]: p for p in instances}
             proxy = d.start("proxy", "A", timeout=60)
             for p in (*instances, proxy):  # the start-ups overlap
@@ -172,7 +207,8 @@ def deployment(model_dir, tmp_path_factory):
 def test_the_page_defines_what_its_steps_use():
     assert {name: s.hosts for name, s in STEPS.items()} == EXPECTED
     defined = assigned_variables(STEPS["hosts"].script)
-    assert defined == {"HOST_A", "HOST_B", "HOST_C", "HOST_IP", "MODEL", "DTYPE", "KVPOOL_CONF", "SEGMENT_SIZE"}
+    assert defined == {"HOST_A", "HOST_B", "HOST_C", "HOST_IP", "MODEL", "DTYPE", "KVPOOL_CONF", "SEGMENT_SIZE",
+                       "HOST_POOL_SIZE"}
     for name, step in STEPS.items():
         # KEY: the key the "where" step asks about, one of the "keys" step's lines.
         missing = used_variables(step.script) - defined - assigned_variables(step.script) - {"KEY"}
@@ -198,7 +234,7 @@ def _ask(client: httpx.Client, model: str, prompt: list[int]) -> dict:
                                               "return_token_ids": True})
     assert r.status_code == 200, r.text
     body = r.json()
-    body["served_by"] = r.headers["x-kvpool-instance"]
+    body["served_by"] = r.headers.get("x-kvpool-instance", "")  # set by the proxy
     return body
 
 
@@ -247,8 +283,12 @@ def test_an_instance_on_one_host_hits_exactly_what_another_computed(deployment, 
         assert _cached(first) == 0, first["usage"]
         assert first["choices"][0]["token_ids"] == ref_cold["token_ids"]
 
-        # Every key the writer stored is in the writer's own segment (prefer_alloc_in_same_node).
-        keys = d.run("keys", "A").split()
+        d.writer = writer
+        # Every key the writer stored is in the writer's own segment (prefer_alloc_in_same_node),
+        # once its host pool wrote them through (in the background, just after the request).
+        deadline = time.monotonic() + 30
+        while len(keys := d.run("keys", "A").split()) < whole(PROMPT) // BLOCK and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert len(keys) >= whole(PROMPT) // BLOCK, keys
         for key in keys:
             where = d.master_json("where", KEY=key)
@@ -258,6 +298,7 @@ def test_an_instance_on_one_host_hits_exactly_what_another_computed(deployment, 
         second = _ask(client, d.model, PROMPT)
         reader = second["served_by"].rsplit(":", 1)[0]
         assert address.get(reader) in ("B", "C") and reader != writer, (first["served_by"], second["served_by"])
+        d.reader = reader
         assert _cached(second) == whole(PROMPT), second["usage"]
         assert second["choices"][0]["token_ids"] == ref_hit["token_ids"]
         # The reader stored nothing itself (its blocks were all in the pool), and every key was
@@ -282,3 +323,46 @@ def test_an_instance_on_one_host_hits_exactly_what_another_computed(deployment, 
         time.sleep(0.5)
     assert counters["load_blocks"] == counters["lookup_hit_blocks"] == whole(PROMPT) // BLOCK, counters
     assert counters["load_failed_blocks"] == 0 and counters["save_blocks"] == 0, counters
+
+
+def _remote_hits(d: Deployment, host: str, at_least: float = 0) -> float:
+    """The instance's `vllm:kvpool_remote_tier_blocks{result="hit"}`, once it reached `at_least`
+    (vLLM gathers the workers' counters at its next step's end)."""
+    deadline = time.monotonic() + 15
+    while True:
+        text = httpx.get(f"http://{host}:{PORT['instance']}/metrics", timeout=10, trust_env=False).text
+        hits = parse_metric(text, "vllm:kvpool_remote_tier_blocks_total", result="hit")
+        if hits >= at_least or time.monotonic() > deadline:
+            return hits
+
+
+def _ask_again(d: Deployment, host: str) -> dict:
+    """The prompt on `host`'s instance, with its vLLM prefix cache cleared first: a pool lookup."""
+    with httpx.Client(base_url=f"http://{host}:{PORT['instance']}", timeout=300, trust_env=False) as client:
+        r = client.post("/reset_prefix_cache")
+        assert r.status_code == 200, r.text
+        return _ask(client, d.model, PROMPT)
+
+
+def test_the_reader_hits_its_own_host_pool_then_mooncake_once_the_writers_pool_is_gone(deployment, reference):
+    d = deployment
+    assert d.writer and d.reader, "runs after test_an_instance_on_one_host_hits_exactly_what_another_computed"
+    ref_hit = reference.generate([PROMPT, PROMPT], max_tokens=MAX_TOKENS)[1]
+    blocks = whole(PROMPT) // BLOCK
+    through_mooncake = _remote_hits(d, d.reader, at_least=blocks)
+    assert through_mooncake == blocks  # the reader's first hit came through the remote tier
+
+    local = _ask_again(d, d.reader)
+    assert _cached(local) == whole(PROMPT), local["usage"]
+    assert local["choices"][0]["token_ids"] == ref_hit["token_ids"]
+    assert _remote_hits(d, d.reader) == blocks  # from its own host pool: Mooncake not asked
+
+    d.pools[d.writer].kill()  # the writer's host pool is gone; its vLLM (and segment) stays
+    d.pools[d.reader].stop(grace_s=20)  # the reader's restarts empty
+    fresh = d.start("server", {h.address: n for n, h in d.hosts.items()}[d.reader], timeout=30)
+    fresh.wait_ready()
+    d.pools[d.reader] = fresh
+    again = _ask_again(d, d.reader)
+    assert _cached(again) == whole(PROMPT), again["usage"]
+    assert again["choices"][0]["token_ids"] == ref_hit["token_ids"]
+    assert _remote_hits(d, d.reader, at_least=2 * blocks) == 2 * blocks  # from Mooncake again

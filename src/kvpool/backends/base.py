@@ -315,6 +315,10 @@ class Backend(abc.ABC):
         guard = self._state.guard
         return dict(guard.counters) if guard is not None else dict.fromkeys(GUARD_COUNTERS, 0)
 
+    def tier_stats(self) -> dict[str, int]:
+        """Counters of a remote tier behind this pool (`backends.tiered`); none without one."""
+        return {}
+
     def use_copy_threads(self, threads: int) -> None:
         """Copy a batch's values on this many threads where the adapter copies them itself
         (`copy_threads`; `local` and `server`, whose bytes kvpool's own code moves)."""

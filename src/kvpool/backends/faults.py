@@ -57,5 +57,8 @@ class FaultInjectingBackend(Backend):
         """The wrapped backend's deadline and breaker counters: the wrapper has no guard."""
         return self.inner.guard_stats()
 
+    def tier_stats(self) -> dict[str, int]:
+        return self.inner.tier_stats()
+
     def _close(self) -> None:
         self.inner.close()

@@ -45,7 +45,7 @@ import numpy as np
 
 from kvpool.backends.base import Backend, spans
 from kvpool.backends.net import default_local_hostname, parse_host_port, probe
-from kvpool.config import MooncakeSettings, parse_size, read_json_object
+from kvpool.config import MooncakeSettings, parse_bool, parse_size, read_json_object
 from kvpool.errors import ConfigError, ErrorCode
 from kvpool.errors import EXISTS, INTERNAL, INVALID, LEASE_EXPIRED, NOT_FOUND, NO_HANDLE, OK  # the codes as ints
 from kvpool.errors import RPC_FAIL, RPC_TIMEOUT
@@ -119,20 +119,6 @@ class MooncakeConfig:
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _bool_field(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
-        return value.strip().lower() in ("true", "1")
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    raise ConfigError(key, value, "true or false (in mooncake.json)")
-
-
 def load_mooncake_config(path: str | None = None, env: Mapping[str, str] | None = None) -> MooncakeConfig:
     """Read mooncake.json (`path`, else $MOONCAKE_CONFIG_PATH), apply the environment, validate.
 
@@ -182,8 +168,8 @@ def load_mooncake_config(path: str | None = None, env: Mapping[str, str] | None 
                           "0 (this client stores nothing itself) or at least 16MB: Mooncake refuses smaller segments")
     local_buffer = parse_size("local_buffer_size", raw.get("local_buffer_size", DEFAULT_LOCAL_BUFFER_SIZE))
 
-    fabric = _truthy(env.get("ASCEND_ENABLE_USE_FABRIC_MEM"))
-    enable_ssd = _bool_field("enable_ssd_offload", raw.get("enable_ssd_offload", False))
+    fabric = parse_bool("ASCEND_ENABLE_USE_FABRIC_MEM", env.get("ASCEND_ENABLE_USE_FABRIC_MEM") or "0")
+    enable_ssd = parse_bool("enable_ssd_offload", raw.get("enable_ssd_offload", False))
     ssd_path = raw.get("ssd_offload_path")
     if enable_ssd:
         if ssd_path is None:
@@ -227,8 +213,8 @@ def load_mooncake_config(path: str | None = None, env: Mapping[str, str] | None 
         device_name=raw.get("device_name", ""),
         global_segment_size=segment,
         local_buffer_size=local_buffer,
-        preferred_segment=_bool_field("preferred_segment", raw.get("preferred_segment", False)),
-        prefer_alloc_in_same_node=_bool_field("prefer_alloc_in_same_node", raw.get("prefer_alloc_in_same_node", True)),
+        preferred_segment=parse_bool("preferred_segment", raw.get("preferred_segment", False)),
+        prefer_alloc_in_same_node=parse_bool("prefer_alloc_in_same_node", raw.get("prefer_alloc_in_same_node", True)),
         enable_ssd_offload=enable_ssd,
         ssd_offload_path=ssd_path if enable_ssd else None,
         fabric_mem=fabric,

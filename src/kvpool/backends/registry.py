@@ -15,6 +15,7 @@ from typing import Any
 
 from kvpool.backends.base import Backend
 from kvpool.backends.guard import GuardSettings
+from kvpool.backends.tiered import TieredBackend
 from kvpool.store.memcopy import auto_threads
 from kvpool.config import (
     BackendSettings,
@@ -116,9 +117,23 @@ assert set(REGISTRY) == set(backend_schemas()), "every BackendSettings subclass 
 
 
 def create_backend(config: KVPoolConfig, client_name: str) -> Backend:
-    """Build the backend `config.backend` names, from its own settings."""
-    spec = REGISTRY[config.backend]
-    backend: Backend = _resolve(spec.factory)(config.backend_settings, client_name)
+    """Build the backend `config.backend` names, from its own settings; with `remote_backend`,
+    that host pool in front of the remote store (`backends.tiered`)."""
+    backend = _create(config, config.backend, config.backend_settings, client_name)
+    if config.remote_backend is None:
+        return backend
+    assert config.remote_settings is not None
+    try:
+        remote = _create(config, config.remote_backend, config.remote_settings, client_name)
+    except BaseException:
+        backend.close()
+        raise
+    return TieredBackend(backend, remote, config.remote_queue_blocks)
+
+
+def _create(config: KVPoolConfig, name: str, settings: BackendSettings, client_name: str) -> Backend:
+    spec = REGISTRY[name]
+    backend: Backend = _resolve(spec.factory)(settings, client_name)
     backend.use_copy_threads(config.copy_threads or auto_threads())
     if spec.capabilities.remote:
         backend.use_guard(GuardSettings(

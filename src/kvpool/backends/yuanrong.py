@@ -48,7 +48,7 @@ import numpy as np
 from kvpool.backends.base import Backend, gather, scatter, total_size
 from kvpool.backends.keynorm import normalize_yuanrong_key
 from kvpool.backends.net import parse_host_port, probe
-from kvpool.config import YuanrongSettings, read_json_object
+from kvpool.config import YuanrongSettings, parse_bool, read_json_object
 from kvpool.errors import BackendUnavailable, ConfigError, ErrorCode, KVPoolError
 from kvpool.errors import EXISTS, INTERNAL, INVALID, INVALID_KEY  # the codes as ints
 from kvpool.errors import NOT_FOUND, NO_HANDLE, OK, RPC_FAIL, RPC_TIMEOUT
@@ -99,14 +99,6 @@ def _int_field(key: str, value: Any, minimum: int = 0) -> int:
     return n
 
 
-def _bool(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, (int, str)) and str(value).strip().lower() in ("0", "1", "true", "false"):
-        return str(value).strip().lower() in ("1", "true")
-    raise ConfigError(key, value, "true or false (1 or 0)")
-
-
 def load_yuanrong_config(path: str | None = None, env: Mapping[str, str] | None = None) -> YuanrongConfig:
     """The datasystem client settings: YR_CONFIG_PATH's JSON (or `path`), then the environment."""
     env = os.environ if env is None else env
@@ -130,14 +122,14 @@ def load_yuanrong_config(path: str | None = None, env: Mapping[str, str] | None 
             "DS_WORKER_ADDR=127.0.0.1:31501, or worker_addr in the YR_CONFIG_PATH JSON)",
         )
     parse_host_port(addr_key, addr)
-    exclusive = _bool("enable_exclusive_connection", raw.get("enable_exclusive_connection", True))
+    exclusive = parse_bool("enable_exclusive_connection", raw.get("enable_exclusive_connection", True))
     if env.get("DS_ENABLE_EXCLUSIVE_CONNECTION") not in (None, ""):
-        exclusive = _bool("DS_ENABLE_EXCLUSIVE_CONNECTION", env["DS_ENABLE_EXCLUSIVE_CONNECTION"])
+        exclusive = parse_bool("DS_ENABLE_EXCLUSIVE_CONNECTION", env["DS_ENABLE_EXCLUSIVE_CONNECTION"])
         sources["enable_exclusive_connection"] = "DS_ENABLE_EXCLUSIVE_CONNECTION"
     h2d = raw.get("enable_remote_h2d", False)
     if env.get("DS_ENABLE_REMOTE_H2D") not in (None, ""):
         h2d = env["DS_ENABLE_REMOTE_H2D"]
-    if _bool("enable_remote_h2d", h2d):
+    if parse_bool("enable_remote_h2d", h2d):
         raise ConfigError("DS_ENABLE_REMOTE_H2D", h2d,
                           "0: kvpool's yuanrong backend copies host memory (KVClient); remote H2D is for NPU KV caches")
     for key in ("tenant_id", "key_prefix"):

@@ -21,6 +21,8 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import msgspec
+
 from kvpool.backends.net import parse_host_port, parse_tcp_url, probe
 from kvpool.backends.registry import doctor_check
 from kvpool.cli.inputs import loads, read_file
@@ -524,6 +526,10 @@ def diagnose(args: argparse.Namespace) -> Report:
                 report.ok(f"kv_connector_extra_config parses: backend {cfg.backend}, role {cfg.kv_role}", source)
             # The other checks run on what is valid (bad values at their defaults): one run finds all.
             doctor_check(cfg.backend)(cfg, args, report)
+            if cfg.remote_backend is not None and cfg.remote_settings is not None:
+                report.ok(f"remote tier: {cfg.remote_backend} behind the {cfg.backend} host pool", source)
+                remote = msgspec.structs.replace(cfg, backend=cfg.remote_backend, backend_settings=cfg.remote_settings)
+                doctor_check(cfg.remote_backend)(remote, args, report)
     check_hash_seed(args.prefix_caching_hash_algo, args.env, report)
     return report
 

@@ -37,6 +37,15 @@ TRANSFER_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 
 RESPONSE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
 
 
+# What happens to blocks at the remote tier (`backends.tiered`), one counter each.
+REMOTE_TIER_RESULTS = ("hit", "promoted", "written", "skipped", "dropped", "failed")
+
+
+def remote_tier_counter(result: str) -> str:
+    """The connector's stats counter (and the tiered backend's) of one remote-tier result."""
+    return f"remote_{result}_blocks"
+
+
 @dataclasses.dataclass(frozen=True)
 class Series:
     """One metric family.
@@ -151,8 +160,8 @@ SERVER: tuple[Series, ...] = (
             "to let go", "hold_limit_hits"),
     _server("kvpool_lease_bookkeeping_steps", "counter", "Steps of lease bookkeeping (adds, drops, expiry-heap "
             "pops): grows with requests, not with the pool's size", "lease_ops"),
-    _server("kvpool_eviction_steps", "counter", "Objects eviction looked at (one per victim: held objects are "
-            "never in its list)", "evict_steps"),
+    _server("kvpool_eviction_steps", "counter", "Objects eviction looked at: one per victim with lru (held objects "
+            "are never in its list); with s3fifo also each object it moved from one queue to another", "evict_steps"),
     Series("kvpool_request_duration_seconds", "histogram", "Time the server took to answer a request, by "
            "protocol operation (from the request read to the reply written)", "server", ("op",),
            {"op": SERVER_OPS}, buckets=TRANSFER_BUCKETS),
@@ -234,6 +243,11 @@ CONNECTOR: tuple[Series, ...] = (
            "(lookup_timeout_s / transfer_timeout_s): counted as misses", "connector"),
     Series("vllm:kvpool_store_calls_skipped", "counter", "Store calls answered without the store while its "
            "circuit breaker was open (breaker_failures / breaker_cooldown_s)", "connector"),
+    Series("vllm:kvpool_remote_tier_blocks", "counter", "With remote_backend: blocks served by the remote tier "
+           "(hit), copied from it into the host pool (promoted), and the write-through of saved blocks: "
+           "written, skipped (the remote store had them), dropped (the queue was full, or the host pool "
+           "evicted them first), failed", "connector", ("result",),
+           {"result": REMOTE_TIER_RESULTS}),
 )
 
 ALL: tuple[Series, ...] = SERVER + PROXY + CONNECTOR

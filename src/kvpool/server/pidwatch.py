@@ -20,6 +20,18 @@ from collections.abc import Callable
 logger = logging.getLogger(__name__)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists in this PID namespace (one of another user counts: its
+    pid is taken, so whatever had it before is not provably gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class PidWatch:
     """Calls ``on_exit(pid)`` (on its own thread) once each watched process has exited."""
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpool.errors import ConfigError
+from kvpool.server.pidwatch import pid_alive
 from kvpool.store.prefault import Prefaulter
 
 logger = logging.getLogger(__name__)
@@ -230,16 +231,6 @@ class Leftover:
     resident: int
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process has that pid now: not provably dead
-    return True
-
-
 def _open_leftover(name: str) -> tuple[int, Leftover] | None:
     """A locked descriptor of arena ``name`` and what it holds, if it is this user's and its
     server is provably dead; None otherwise (the descriptor closed)."""
@@ -256,7 +247,7 @@ def _open_leftover(name: str) -> tuple[int, Leftover] | None:
             raise OSError("not ours")
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: its server lives
         pid = int(match["pid"])
-        if _pid_alive(pid):
+        if pid_alive(pid):
             raise OSError("its creator's pid is alive")
         return fd, Leftover(name, pid, st.st_size, st.st_blocks * 512)
     except OSError:

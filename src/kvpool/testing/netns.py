@@ -34,6 +34,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvpool.server.pidwatch import pid_alive
+
 __all__ = ["NetnsError", "VirtualHost", "VirtualNetwork", "remove_stale", "unavailable_reason"]
 
 PREFIX = "kvn"
@@ -64,16 +66,6 @@ def unavailable_reason() -> str | None:
     if shutil.which("ip") is None:
         return "iproute2's ip is not installed: apt-get install -y iproute2"
     return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _namespaces() -> list[str]:
@@ -115,13 +107,13 @@ def remove_stale() -> list[str]:
     removed = []
     for ns in _namespaces():
         m = _NAME.match(ns)
-        if m and not _pid_alive(int(m["pid"], 16)):
+        if m and not pid_alive(int(m["pid"], 16)):
             _kill_namespace_processes(ns)
             _ip("netns", "del", ns, check=False)
             removed.append(ns)
     for link in _links():
         m = _NAME.match(link)
-        if m and not _pid_alive(int(m["pid"], 16)):
+        if m and not pid_alive(int(m["pid"], 16)):
             _ip("link", "del", link, check=False)
             removed.append(link)
     return removed

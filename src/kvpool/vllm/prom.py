@@ -39,6 +39,7 @@ _COUNTED: dict[str, tuple[str, tuple[str, ...]]] = {
     "layer_saves_sent": ("vllm:kvpool_layer_transfers", ("save",)),
     "store_timeouts": ("vllm:kvpool_store_timeouts", ()),
     "store_calls_skipped": ("vllm:kvpool_store_calls_skipped", ()),
+    **{catalog.remote_tier_counter(r): ("vllm:kvpool_remote_tier_blocks", (r,)) for r in catalog.REMOTE_TIER_RESULTS},
 }
 # Stats counters that are not series of their own: the histograms' _sum says the same.
 NOT_COUNTED = ("load_time_s", "save_time_s")

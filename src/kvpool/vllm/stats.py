@@ -19,6 +19,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvpool.metrics.catalog import REMOTE_TIER_RESULTS, remote_tier_counter
+
 COUNTERS = (
     "lookups", "lookup_hit_blocks",
     "lookups_skipped",  # scheduler side: misses answered without asking, the lookup channel backing off
@@ -34,6 +36,9 @@ COUNTERS = (
     # The backend's guard (stores outside the worker): calls that missed their deadline, calls
     # answered without the store while its circuit breaker was open.
     "store_timeouts", "store_calls_skipped",
+    # With remote_backend (`Backend.tier_stats`): blocks the remote tier served and promoted, and
+    # the write-through's outcomes.
+    *(remote_tier_counter(r) for r in REMOTE_TIER_RESULTS),
 )
 DURATIONS = ("load_seconds", "save_seconds")
 BY_CODE = ("load_failures", "save_failures")

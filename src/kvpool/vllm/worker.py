@@ -43,7 +43,7 @@ from kvpool.keys import KeyScheme, model_key_name, prefill_stage_schemes
 from kvpool.vllm.groups import PoolGroup, alignment_blocks, loads_by_request, longest_hit, pool_groups
 from kvpool.vllm.lookup import LookupServer
 from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
-from kvpool.vllm.stats import KVPoolStats
+from kvpool.vllm.stats import COUNTERS, KVPoolStats
 from kvpool.vllm.transfer import LOAD, SAVE, TransferThread
 
 if TYPE_CHECKING:
@@ -173,6 +173,7 @@ class PoolWorker:
         self._last_log = time.monotonic()
         self._reported_depth = 0  # transfer_queue_depth at the last report
         self._guard_seen: dict[str, int] = {}  # the backend's guard counters at the last get_stats
+        self._tier_seen: dict[str, int] = {}  # and its remote tier's
 
     # ---- set-up -------------------------------------------------------------------------
 
@@ -610,6 +611,9 @@ class PoolWorker:
             seen, self._guard_seen = self._guard_seen, guard
             self._count(store_timeouts=guard["timeouts"] - seen.get("timeouts", 0),
                         store_calls_skipped=guard["breaker_rejected"] - seen.get("breaker_rejected", 0))
+            tier = self.backend.tier_stats()
+            seen, self._tier_seen = self._tier_seen, tier
+            self._count(**{k: tier[k] - seen.get(k, 0) for k in tier if k in COUNTERS and tier[k] != seen.get(k, 0)})
         depth = self._transfer.depth() + (self._layer_loader.depth() if self._layer_loader is not None else 0)
         with self._lock:
             snap = self._stats.take()
