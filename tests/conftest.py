@@ -15,6 +15,19 @@ if importlib.util.find_spec("mooncake") is not None:
     import mooncake.store  # noqa: F401
 
 
+@pytest.fixture
+def redis_service(tmp_path):
+    """A real `redis-server` on a free 127.0.0.1 port, stopped after the test."""
+    from kvpool.testing.services import RedisService, ServiceError
+
+    try:
+        svc = RedisService(tmp_path / "redis")
+    except ServiceError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    yield svc
+    svc.stop()
+
+
 # Fixtures of tests/backends/ that start a store's own service (redis-server, mooncake_master,
 # a Yuanrong worker): their tests are `services` tests, outside `make test-fast`.
 SERVICE_FIXTURES = {"redis_service", "master", "worker"}

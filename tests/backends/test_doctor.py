@@ -81,14 +81,14 @@ def test_bad_key_is_named_with_its_fix(tmp_path):
     assert "a known kv_connector_extra_config key" in f.fix
 
 
-def test_six_independent_faults_are_all_reported_in_one_run(tmp_path, capsys):
+def test_seven_independent_faults_are_all_reported_in_one_run(tmp_path, capsys):
     ssd = os.path.realpath(tmp_path / "ssd")
     os.mkdir(ssd)
     cfg = tmp_path / "kv.json"
     cfg.write_text(json.dumps({
         "kv_connector": "KVPoolConnector", "kv_role": "kv_both",
         "kv_load_failure_policy": "retry",  # 1: not a policy vLLM knows
-        "kv_ip": "xx.xx.xx.xx",  # 2: the guide's placeholder, copied as is
+        "kv_ip": "xx.xx.xx.xx",  # 2: the guide's placeholder, copied as is; 7: a key vLLM 0.32 refuses
         "kv_connector_extra_config": {
             "backend": "local", "local_cpu_size": "64MB",
             "load_asynk": True,  # 3: misspelt
@@ -108,10 +108,11 @@ def test_six_independent_faults_are_all_reported_in_one_run(tmp_path, capsys):
     findings = json.loads(capsys.readouterr().out)  # stdout is the JSON alone: safe in a pipe
     errors = [f for f in findings if f["level"] == "error"]
     wanted = ["kv_load_failure_policy='retry'", "kv_ip='xx.xx.xx.xx' is a placeholder", "did you mean 'load_async'",
-              "transfer_timeout_s=0 is invalid", "exceeds the disk", "xxhash with PYTHONHASHSEED unset"]
+              "transfer_timeout_s=0 is invalid", "exceeds the disk", "xxhash with PYTHONHASHSEED unset",
+              "unknown key 'kv_ip'"]
     for needle in wanted:
         assert sum(needle in f["what"] + " " + f["fix"] for f in errors) == 1, (needle, errors)
-    assert len(errors) == 6, errors
+    assert len(errors) == 7, errors
     by_what = {needle: next(f for f in errors if needle in f["what"] + " " + f["fix"]) for needle in wanted}
     assert by_what["transfer_timeout_s=0 is invalid"]["source"] == f"file:{cfg}"
     assert by_what["xxhash with PYTHONHASHSEED unset"]["source"] == "argument:--prefix-caching-hash-algo"
@@ -265,3 +266,14 @@ def test_a_remote_tier_is_checked_as_its_own_backend(tmp_path):
                        "redis_url": f"redis://127.0.0.1:{free_port()}/0"})
     has(r, "ok", "remote tier: redis behind the local host pool")
     has(r, "error", "Redis at redis://127.0.0.1")
+
+
+def test_a_misspelt_top_level_key_is_an_error_with_the_key_it_meant(tmp_path):
+    r = run(tmp_path, {"backend": "local", "local_cpu_size": "64MB"}, top={"kv_conector": "KVPoolConnector"})
+    has(r, "error", "unknown key 'kv_conector'", "did you mean 'kv_connector'?")
+
+
+def test_a_bad_kv_role_is_reported_where_it_is_written(tmp_path):
+    r = run(tmp_path, {"backend": "local", "local_cpu_size": "64MB"}, top={"kv_role": "kv_bogus"})
+    f = has(r, "error", "kv_role='kv_bogus'", "kv_producer, kv_consumer, kv_both")
+    assert f.what.startswith("--kv-transfer-config:"), f

@@ -102,3 +102,13 @@ def test_eviction_policy_reaches_the_pool(trace: Path, tmp_path: Path) -> None:
                  "s3fifo", "--ssd-policy", "s3fifo", "--ssd", "2MB", "--jobs", "1", "--json", str(out_json)]) == 0
     pool = json.loads(out_json.read_text())["settings"]["pool"]
     assert (pool["eviction_policy"], pool["ssd_policy"]) == ("s3fifo", "s3fifo")
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_an_output_nowhere_to_write_is_refused_before_the_replay(trace: Path, tmp_path: Path, flag: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "missing" / "out.file"
+    assert main(["plan", str(trace), "--kv-bytes-per-token", "1KB", flag, str(target)]) == 2
+    captured = capsys.readouterr()
+    assert f"{flag}='{target}'" in captured.err and "directory that exists" in captured.err
+    assert "hit" not in captured.out  # no replay ran

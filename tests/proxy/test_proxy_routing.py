@@ -65,8 +65,10 @@ def test_mixed_mode_arguments_and_defaults():
     (["--instance-ports", "1"], "--instance-ports needs hosts"),
     (["--instance-hosts", "h", "--instance-ports", "1", "1"], "listed twice"),
     (["--instance-hosts", "h", "--instance-ports", "1", "--routing-policy", "random"], "one of round_robin"),
-    (["--prefiller-hosts", "h", "--prefiller-ports", "1", "--routing-policy", "prefix_aware"],
-     "PD mode always picks the least-loaded"),
+    (["--prefiller-hosts", "h", "--prefiller-ports", "1", "--decoder-hosts", "h", "--decoder-ports", "2",
+      "--routing-policy", "prefix_aware"], "PD mode always picks the least-loaded"),
+    ([], "instances to route to"),  # it would answer every request 503, for good
+    (["--prefiller-hosts", "h", "--prefiller-ports", "1"], "instances to route to"),
     (["--instance-hosts", "h", "--instance-ports", "1", "--routing-block-size", "0"], "--routing-block-size"),
     (["--instance-hosts", "h", "--instance-ports", "1", "--routing-block-chars", "0"], "--routing-block-chars"),
     (["--instance-hosts", "h", "--instance-ports", "1", "--routing-load-factor", "0.5"], "number >= 1"),

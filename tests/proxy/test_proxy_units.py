@@ -31,7 +31,7 @@ def test_spec_arguments_and_safe_defaults():
     assert cfg.host == "localhost" and cfg.port == 8000
     assert cfg.prefillers == (Endpoint("localhost", 8100),)
     assert cfg.decoders == (Endpoint("localhost", 8200),)
-    default = parse()
+    default = parse("--instance-hosts", "localhost", "--instance-ports", "8100")
     assert default.host == "127.0.0.1"  # never every interface unless asked
     assert default.max_retries == 3 and default.retry_delay > 0 and default.timeout > 0
 

@@ -55,3 +55,16 @@ def test_a_master_only_flag_on_the_host_server_says_what_to_use(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: kvpool server") and "--port: kvpool server serves this host over a Unix socket" in err
+
+
+def test_build_model_errors_are_one_line_from_the_subcommand(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["build-model", str(tmp_path / "m"), "--spec", "huge"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: kvpool build-model") and "invalid choice: 'huge'" in err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert cli.main(["build-model", str(blocker / "model")]) == 1  # its parent is a file
+    err = capsys.readouterr().err
+    assert err.startswith("kvpool build-model: cannot write the model to") and err.count("\n") == 1

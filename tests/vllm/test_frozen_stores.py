@@ -93,8 +93,8 @@ def test_a_frozen_remote_tier_behind_the_host_pool(model_dir, reference, tmp_pat
     """`server` with Mooncake behind it, the master frozen: cold requests answer as vLLM alone
     (their lookups of blocks the host pool lacks pay the deadline once, then the breaker answers),
     and what the host pool holds is still a hit, exact."""
-    doc = tokens(900, seed=71)
-    others = [tokens(300 + 40 * i, seed=72 + i) for i in range(FROZEN_ASKS)]
+    doc = tokens(900, seed=161)
+    others = [tokens(300 + 40 * i, seed=162 + i) for i in range(FROZEN_ASKS)]
     ref_cold, ref_hit = reference.generate([doc, doc])
     ref_others = reference.generate(others)
     master = MooncakeMaster(tmp_path / "master")

@@ -27,6 +27,7 @@ from kvpool.backends.net import parse_host_port, parse_tcp_url, probe
 from kvpool.backends.registry import doctor_check
 from kvpool.cli.inputs import loads, read_file
 from kvpool.config import KVPoolConfig, LocalSettings, RedisSettings, ServerClientSettings, check_config, int_arg
+from kvpool.config import unknown_key_error
 from kvpool.errors import ConfigError
 from kvpool.paths import check_socket_dir
 from kvpool.server import peers, shm
@@ -82,6 +83,21 @@ def read_transfer_config(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError("the kv-transfer-config must be a JSON object")
     return value
+
+
+# The keys of vLLM's --kv-transfer-config: the fields of its KVTransferConfig (vLLM 0.32; a test
+# keeps this equal to the installed vLLM's), which refuses any other.
+TRANSFER_CONFIG_KEYS = ("enable_permute_local_kv", "engine_id", "kv_buffer_device", "kv_connector",
+                        "kv_connector_extra_config", "kv_connector_module_path", "kv_load_failure_policy", "kv_port",
+                        "kv_role")
+
+
+def check_top_level_keys(cfg: Mapping[str, Any], source: str, report: Report) -> None:
+    """Keys vLLM's KVTransferConfig does not have: vLLM would not start."""
+    for key in cfg:
+        if key not in TRANSFER_CONFIG_KEYS:
+            exc = unknown_key_error(str(key), cfg[key], set(TRANSFER_CONFIG_KEYS), "--kv-transfer-config")
+            report.error(f"--kv-transfer-config: unknown key {exc.key!r}: vLLM refuses it", exc.expected, source)
 
 
 def find_kvpool_entry(cfg: Mapping[str, Any], report: Report) -> Mapping[str, Any] | None:
@@ -511,6 +527,7 @@ def diagnose(args: argparse.Namespace) -> Report:
         report.error(f"cannot read the kv-transfer-config: {exc}",
                      "pass the JSON object given to vLLM's --kv-transfer-config, or @path of a file holding it", source)
         return report
+    check_top_level_keys(raw, source, report)
     check_failure_policy(raw, report, source)
     check_placeholders(raw, "kv-transfer-config", source, report)
     entry = find_kvpool_entry(raw, report)
@@ -519,8 +536,9 @@ def diagnose(args: argparse.Namespace) -> Report:
         extra = entry.get("kv_connector_extra_config") or {}
         cfg, errors = check_config(extra, entry.get("kv_role", raw.get("kv_role")))
         for exc in errors:
-            report.error(f"kv_connector_extra_config: {exc.key}={exc.value!r} is invalid",
-                         f"{exc.expected} (see docs/configuration.md)", source)
+            where = "--kv-transfer-config" if exc.key == "kv_role" else "kv_connector_extra_config"  # its level
+            report.error(f"{where}: {exc.key}={exc.value!r} is invalid", f"{exc.expected} (see docs/configuration.md)",
+                         source)
         if cfg is not None:
             if not errors:
                 report.ok(f"kv_connector_extra_config parses: backend {cfg.backend}, role {cfg.kv_role}", source)

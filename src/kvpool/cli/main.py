@@ -33,15 +33,23 @@ def kvpool_version() -> str:
 
 
 def add_build_model_arguments(p: argparse.ArgumentParser) -> None:
+    from kvpool.testing.model import SPECS  # dataclasses only: torch loads when a model is built
+
     p.add_argument("out_dir", help="directory to write the model (config, tokenizer, safetensors) into")
-    p.add_argument("--spec", default="tiny",
-                   help="model: tiny (tests), bench (benchmarks), or a hybrid-attention family: gemma3, gpt-oss; default tiny")
+    p.add_argument("--spec", default="tiny", choices=sorted(SPECS), metavar="SPEC",
+                   help=f"model: tiny (tests), bench (benchmarks), or a family: {', '.join(sorted(SPECS))}; "
+                        "default tiny")
 
 
 def run_build_model(args: argparse.Namespace) -> int:
-    from kvpool.testing.model import main as build
+    from kvpool.testing.model import SPECS, build_model
 
-    build([args.out_dir, "--spec", args.spec])
+    try:
+        print(build_model(args.out_dir, SPECS[args.spec]))
+    except OSError as exc:
+        print(f"kvpool build-model: cannot write the model to {args.out_dir!r}: {exc.strerror or exc}; "
+              "give a directory you may create and write", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -151,8 +151,29 @@ def build(args: argparse.Namespace) -> tuple[dict, list]:
     return {"trace": trace, "settings": settings}, points
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Before the replay, which may take minutes: each output's directory is there and
+    writable, and matplotlib imports for --plot."""
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if not path:
+            continue
+        where = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(where) or not os.access(where, os.W_OK | os.X_OK):
+            raise ConfigError(flag, path, f"a file in a directory that exists and that you may write ({where} "
+                                          "is not)")
+        if os.path.isdir(path):
+            raise ConfigError(flag, path, "a file path, not a directory")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ConfigError("--plot", args.plot, "matplotlib installed (pip install matplotlib, or "
+                                                   "'kvpool[bench]'), or no --plot") from None
+
+
 def run(args: argparse.Namespace) -> int:
     try:
+        _check_outputs(args)
         built, points = build(args)
     except ConfigError as exc:
         print(f"kvpool plan: {exc}", file=sys.stderr)
@@ -162,8 +183,12 @@ def run(args: argparse.Namespace) -> int:
           f"{trace.unique_blocks} unique blocks of {settings['block_bytes']} bytes "
           f"(working set {report.size_text(settings['working_set_bytes'])})")
     print(report.table(points))
-    if args.json:
-        report.write_json(args.json, report.document(trace, args.trace, settings, points))
-    if args.plot:
-        report.plot(args.plot, points, os.path.basename(args.trace))
+    try:
+        if args.json:
+            report.write_json(args.json, report.document(trace, args.trace, settings, points))
+        if args.plot:
+            report.plot(args.plot, points, os.path.basename(args.trace))
+    except OSError as exc:  # the directory went away during the replay, a full disk, ...
+        print(f"kvpool plan: cannot write {exc.filename or 'the output'}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     return 0

@@ -335,6 +335,14 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
                           f"{len(prefillers)} prefiller(s) and {len(decoders)} decoder(s)",
                           "PD-mixed instances or prefill/decode instances, not both: give --instance-* alone "
                           "(mixed), or --prefiller-* with --decoder-* (PD disaggregation), and run one proxy each")
+    admin_token = admin_token_from(os.environ if env is None else env)
+    if admin_token is None and not instances and not (prefillers and decoders):
+        # Such a proxy would start and answer every request 503: nothing could ever be added.
+        raise ConfigError("--instance-hosts/--prefiller-hosts/--decoder-hosts",
+                          f"{len(prefillers)} prefiller(s), {len(decoders)} decoder(s), 0 instances",
+                          "instances to route to: --instance-hosts with --instance-ports (PD-mixed), or "
+                          "--prefiller-* and --decoder-* (PD disaggregation); or KVPOOL_PROXY_ADMIN_TOKEN set, "
+                          "to add them at runtime through the admin routes")
     from kvpool.routing import POLICIES
 
     policy = args.routing_policy
@@ -374,5 +382,5 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         max_connections=args.max_connections,
         max_client_connections=args.max_client_connections,
         forward_authorization=ForwardAuth(args.forward_authorization),
-        admin_token=admin_token_from(os.environ if env is None else env),
+        admin_token=admin_token,
     )

@@ -225,13 +225,13 @@ def build_model(out_dir: str | os.PathLike, spec: ModelSpec = ModelSpec()) -> Pa
     if _built_spec(marker) == dataclasses.asdict(spec):
         return out
     _family(spec)  # an unknown family fails here, before the slow steps
+    out.mkdir(parents=True, exist_ok=True)  # and a directory that cannot be made
     steps = _Steps(4, f"building model in {out}")
     try:
         with steps.step("importing torch and transformers"):  # seconds of their own on a cold start
             import torch  # noqa: F401
             import transformers  # noqa: F401
 
-        out.mkdir(parents=True, exist_ok=True)
         with steps.step("training the tokenizer"):
             build_tokenizer(out, spec.vocab_size)
         with steps.step("random weights"):
