@@ -26,6 +26,10 @@ BODY = {"model": "test-model", "prompt": "the secret prompt", "max_tokens": 4}
 
 
 def _parse(argv: list[str], env: dict[str, str]):
+    """The proxy's config from `argv`; where it names no role at all, one PD-mixed instance
+    (a proxy with nothing to route to does not start)."""
+    if not any(a.endswith("-hosts") for a in argv) and ADMIN_TOKEN_ENV not in env:
+        argv = [*argv, "--instance-hosts", "localhost", "--instance-ports", "8100"]
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     return config_from_args(parser.parse_args(argv), env=env)
@@ -113,7 +117,8 @@ def test_the_right_token_opens_the_admin_routes(make_peer, start_proxy):
 
 
 def test_the_token_comes_from_the_environment_and_a_weak_one_is_refused():
-    argv = ["--decoder-hosts", "localhost", "--decoder-ports", "8200"]
+    argv = ["--prefiller-hosts", "localhost", "--prefiller-ports", "8100", "--decoder-hosts", "localhost",
+            "--decoder-ports", "8200"]
     assert _parse(argv, {}).admin_token is None
     assert _parse(argv, {ADMIN_TOKEN_ENV: ""}).admin_token is None
     cfg = _parse(argv, {ADMIN_TOKEN_ENV: ADMIN_TOKEN})
@@ -154,7 +159,8 @@ def test_bad_hosts_ports_and_entries_are_refused_by_the_admin_api_and_the_comman
 
 def test_good_hosts_are_accepted():
     cfg = _parse(["--prefiller-hosts", "localhost", "node-1.cluster.local", "10.0.0.7", "[::1]", "fe80::2",
-                  "--prefiller-ports", "8100", "8101", "8102", "8103", "8104"], {})
+                  "--prefiller-ports", "8100", "8101", "8102", "8103", "8104", "--decoder-hosts", "localhost",
+                  "--decoder-ports", "8200"], {})
     assert [e.key for e in cfg.prefillers] == ["localhost:8100", "node-1.cluster.local:8101", "10.0.0.7:8102",
                                                "[::1]:8103", "[fe80::2]:8104"]
     for port in ("0", "65536", "+1", " 1", "1e3"):
