@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from kvpool.backends import diagnosis
 from kvpool.cli import doctor
 from kvpool.cli import main as cli_main
 from kvpool.testing.services import RedisService, free_port
@@ -119,9 +120,9 @@ def test_seven_independent_faults_are_all_reported_in_one_run(tmp_path, capsys):
 
 
 def test_placeholders_and_a_transport_without_its_device(tmp_path):
-    assert doctor.placeholder("xx.xx.xx.xx:50088") and doctor.placeholder("<master ip>:50088")
-    assert doctor.placeholder("${MASTER_HOST}") and not doctor.placeholder("192.168.1.10:50088")
-    assert not doctor.placeholder("/tmp/kvpool-0/server.sock") and not doctor.placeholder("P2PHANDSHAKE")
+    assert diagnosis.placeholder("xx.xx.xx.xx:50088") and diagnosis.placeholder("<master ip>:50088")
+    assert diagnosis.placeholder("${MASTER_HOST}") and not diagnosis.placeholder("192.168.1.10:50088")
+    assert not diagnosis.placeholder("/tmp/kvpool-0/server.sock") and not diagnosis.placeholder("P2PHANDSHAKE")
     path = mooncake_json(tmp_path, local_hostname="xx.xx.xx.xx", protocol="ascend")
     r = run(tmp_path, {"backend": "mooncake", "mooncake_config_path": path})
     f = has(r, "error", "local_hostname='xx.xx.xx.xx' is a placeholder")
@@ -258,7 +259,7 @@ def test_doctor_does_not_import_vllm():
 
 @pytest.mark.parametrize("n", [0, 1])
 def test_human_sizes(n):
-    assert doctor.human(GiB + n) == "1.0GB"
+    assert diagnosis.human(GiB + n) == "1.0GB"
 
 
 def test_a_remote_tier_is_checked_as_its_own_backend(tmp_path):

@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from kvpool.cli.doctor import Report, check_leftover_arenas
+from kvpool.backends.diagnosis import Report
+from kvpool.backends.pool_server import check_leftover_arenas
 from kvpool.server import shm
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 
 from kvpool.backends.base import Backend, gather, total_size
-from kvpool.config import LocalSettings
+from kvpool.backends.diagnosis import Report, check_lease, check_ssd_quota, human, mem_available
+from kvpool.config import KVPoolConfig, LocalSettings
 from kvpool.errors import ErrorCode
 from kvpool.store import PoolEngine
 
@@ -47,3 +50,26 @@ class LocalBackend(Backend):
 
     def _close(self) -> None:
         self.engine.close()
+
+
+# ---- `kvpool doctor` ---------------------------------------------------------------------------
+
+
+def doctor(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) -> None:
+    """`kvpool doctor` for `backend: local`: its memory and SSD tier against this host."""
+    local = cfg.backend_settings
+    assert isinstance(local, LocalSettings)
+    avail = mem_available()
+    per_host = local.memory_size * args.ranks_per_host
+    if avail is not None and per_host > avail:
+        report.warn(f"local_cpu_size={human(local.memory_size)} x {args.ranks_per_host} worker(s) exceeds the "
+                    f"memory available on this host ({human(avail)})", "lower local_cpu_size")
+    if local.offload_path:
+        quota = local.offload_quota
+        if quota:
+            check_ssd_quota(local.offload_path, quota, "ssd_quota", args.ranks_per_host, report,
+                            "lower ssd_quota (per worker), or use 0 for 90% of the free space")
+        else:
+            report.ok(f"ssd_quota 0: each worker takes 90% of the free space of {local.offload_path} when it "
+                      "starts (several workers on one disk would overcommit it: set ssd_quota)")
+    check_lease(local.default_kv_lease_ttl_ms, "default_kv_lease_ttl_ms", args.env, report)

@@ -13,6 +13,7 @@ host-memory copy directions (H2G to put, G2H to get) of the batch calls.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import os
@@ -22,8 +23,9 @@ from typing import Any
 import numpy as np
 
 from kvpool.backends.base import Backend, spans
+from kvpool.backends.diagnosis import Report, check_answers, read_store_config
 from kvpool.backends.net import parse_tcp_url, probe
-from kvpool.config import MemcacheSettings, parse_size
+from kvpool.config import KVPoolConfig, MemcacheSettings, parse_size
 from kvpool.errors import BackendUnavailable, ConfigError, ErrorCode
 from kvpool.errors import EXISTS, INTERNAL, INVALID, NOT_FOUND, OK, RPC_FAIL, RPC_TIMEOUT  # the codes as ints
 
@@ -243,3 +245,22 @@ class MemcacheBackend(Backend):
         store, self.store = self.store, None
         if store is not None:
             store.close()
+
+
+# ---- `kvpool doctor` ---------------------------------------------------------------------------
+
+
+def doctor(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) -> None:
+    """`kvpool doctor` for `backend: memcache`: mmc-local.conf, the MetaService, the NPU driver."""
+    mmc = read_store_config(report, "MemCache", load_memcache_config,
+                           getattr(cfg.backend_settings, "mmc_local_config_path", None), args.env)
+    if mmc is None:
+        return
+    check_answers(report, "MemCache MetaService", mmc.meta_service_url,
+                  parse_tcp_url("ock.mmc.meta_service_url", mmc.meta_service_url), args.timeout,
+                  "start it: MMC_META_CONFIG_PATH=/path/mmc-meta.conf python -c \"from memcache_hybrid import "
+                  "MetaService; MetaService.main()\"")
+    if not any(os.path.exists(p) for p in ("/usr/local/Ascend/driver/version.info", "/etc/ascend_install.info")):
+        report.error("no Ascend NPU driver on this host: MemCache's local service (memfabric hybm_init) needs it for "
+                     "every protocol, host_tcp and host_shm included",
+                     "run on an Ascend host, or use backend mooncake, yuanrong or redis")

@@ -34,7 +34,9 @@ Mooncake facts this adapter works around (measured with mooncake-transfer-engine
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -44,8 +46,10 @@ from typing import Any
 import numpy as np
 
 from kvpool.backends.base import Backend, spans
+from kvpool.backends.diagnosis import TB, Report, check_answers, check_lease, check_placeholders
+from kvpool.backends.diagnosis import check_ssd_quota, check_transport, env_int, human, mem_available, read_store_config
 from kvpool.backends.net import default_local_hostname, parse_host_port, probe
-from kvpool.config import MooncakeSettings, parse_bool, parse_size, read_json_object
+from kvpool.config import KVPoolConfig, MooncakeSettings, parse_bool, parse_size, read_json_object
 from kvpool.errors import ConfigError, ErrorCode
 from kvpool.errors import EXISTS, INTERNAL, INVALID, LEASE_EXPIRED, NOT_FOUND, NO_HANDLE, OK  # the codes as ints
 from kvpool.errors import RPC_FAIL, RPC_TIMEOUT
@@ -443,3 +447,74 @@ def _name(rc: int) -> str:
         return ErrorCode(rc).name
     except ValueError:
         return {-703: "REPLICA_IS_NOT_READY", -705: "OBJECT_ALREADY_EXISTS", -800: "TRANSFER_FAIL"}.get(rc, "UNKNOWN")
+
+
+# ---- `kvpool doctor` ---------------------------------------------------------------------------
+
+
+# mooncake_master's own default for --default_kv_lease_ttl
+MASTER_DEFAULT_LEASE_MS = 10000
+
+
+def doctor(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) -> None:
+    """`kvpool doctor` for `backend: mooncake`: mooncake.json, the master, leases, SSD offload, memory."""
+    env = args.env
+    mc = read_store_config(report, "Mooncake", load_mooncake_config,
+                           getattr(cfg.backend_settings, "mooncake_config_path", None), env)
+    if mc is None:
+        return
+    mc_source = f"file:{mc.path}" if mc.path else "env:MOONCAKE_*"
+    report.ok(f"mooncake.json {mc.path or '(none: environment only)'}: protocol {mc.protocol}, master "
+              f"{mc.master_server_address}, segment {human(mc.global_segment_size)}", mc_source)
+    if mc.path:
+        try:
+            with open(mc.path) as f:
+                check_placeholders(json.load(f), "mooncake.json", mc_source, report)
+        except (OSError, ValueError):
+            pass  # the loader has read it; a race is not this check's business
+    check_transport(mc.protocol, mc_source, report)
+    if mc.ignored_fields:
+        report.warn(f"mooncake.json fields kvpool does not use: {', '.join(mc.ignored_fields)}",
+                    "remove them, or ignore this if another tool reads the same file")
+    host, port = parse_host_port("master_server_address", mc.master_server_address)
+    check_answers(report, "mooncake_master", mc.master_server_address, (host, port), args.timeout,
+                  f"start it: mooncake_master --rpc_address {host} --port {port} --eviction_high_watermark_ratio 0.9 "
+                  "--eviction_ratio 0.1 --default_kv_lease_ttl 11000 (or fix master_server_address / MOONCAKE_MASTER)")
+    lease = args.default_kv_lease_ttl or MASTER_DEFAULT_LEASE_MS
+    check_lease(lease, "--default_kv_lease_ttl of mooncake_master" if args.default_kv_lease_ttl
+                else "mooncake_master's default; pass --default-kv-lease-ttl with the master's value", env, report)
+    trusted_ms = int(MASTER_LEASE_TTL_S * 1000)
+    if lease < trusted_ms:
+        # kvpool calls a read a hit when its copy ended within this long of the lease's grant: a
+        # shorter lease lets the master evict and reuse the replica while a copy may still read it.
+        report.error(f"default_kv_lease_ttl={lease} ms is shorter than the {trusted_ms} ms for which kvpool trusts "
+                     "a Mooncake read: a replica could be evicted and reused while a load still copies it",
+                     f"start mooncake_master with --default_kv_lease_ttl {trusted_ms} or more (the spec uses 11000)")
+    offload_buffer = DEFAULT_OFFLOAD_BUFFER
+    if env.get("MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES"):
+        offload_buffer = int(env["MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES"])  # digits: checked by the loader
+    if mc.enable_ssd_offload and mc.ssd_offload_path:
+        limit = env_int(env, "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES", report)
+        check_ssd_quota(mc.ssd_offload_path, limit if limit is not None else 2 * TB,
+                        "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES" + ("" if limit is not None else " (unset: 2TB)"),
+                        args.ranks_per_host, report,
+                        "export MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES=<disk size / ranks per host>")
+        bucket = env_int(env, "MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE", report)
+        if bucket:
+            check_ssd_quota(mc.ssd_offload_path, bucket, "MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE", args.ranks_per_host,
+                            report, "export MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE=<disk size / ranks per host>")
+        policy = env.get("MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY", "none")
+        if policy not in ("none", "fifo", "lru"):
+            report.error(f"MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY={policy!r} is not none, fifo or lru",
+                         "export MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY=lru")
+        elif policy == "none":
+            report.warn("MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY is none: once the SSD quota is full, offload writes fail",
+                        "export MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY=lru")
+    else:
+        offload_buffer = 0
+    avail = mem_available()
+    need = args.ranks_per_host * (mc.global_segment_size + mc.local_buffer_size + offload_buffer)
+    if avail is not None and need > avail:
+        report.warn(f"Mooncake needs {args.ranks_per_host} rank(s) x (segment + local buffer + SSD buffer) = "
+                    f"{human(need)} of host memory; {human(avail)} is available",
+                    "lower global_segment_size (or MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES)")

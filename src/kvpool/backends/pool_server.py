@@ -8,11 +8,17 @@ failure codes (vLLM recomputes) until a server is back on the socket.
 
 from __future__ import annotations
 
+import argparse
+import socket
+
 import numpy as np
 
 from kvpool.backends.base import Backend
-from kvpool.config import ServerClientSettings
-from kvpool.errors import KVPoolError
+from kvpool.backends.diagnosis import Report, human
+from kvpool.config import KVPoolConfig, ServerClientSettings
+from kvpool.errors import ConfigError, KVPoolError
+from kvpool.paths import check_socket_dir
+from kvpool.server import peers, shm
 from kvpool.server.client import PoolClient
 
 
@@ -53,3 +59,44 @@ class ServerBackend(Backend):
 
     def _close(self) -> None:
         self.client.close()
+
+
+# ---- `kvpool doctor` ---------------------------------------------------------------------------
+
+
+def doctor(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) -> None:
+    """`kvpool doctor` for `backend: server`: the socket is trusted and answers; dead servers' arenas."""
+    assert isinstance(cfg.backend_settings, ServerClientSettings)
+    path = cfg.backend_settings.server_socket
+    allowed_gid = cfg.backend_settings.allowed_gid
+    try:
+        check_socket_dir(path, "server_socket", allowed_gid)
+    except ConfigError as exc:
+        report.error(f"the workers would not trust {path}: {exc.expected}", "see docs/security.md")
+        return
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(args.timeout)
+            s.connect(path)
+            server = peers.peer_of(s)
+            trusted = peers.trusted(s, server, allowed_gid)
+        if trusted:
+            report.ok(f"kvpool server answers on {path}")
+        else:
+            report.error(f"the process on {path} ({server.describe()}) is not {peers.domain(allowed_gid)}: the "
+                         "workers will refuse it", "run kvpool server as this user, or set allowed_gid on both "
+                         "(docs/security.md)")
+    except OSError as exc:
+        report.error(f"no kvpool server answers on {path} ({exc.strerror or exc})",
+                     f"start it first: kvpool server --socket {path} --memory-size 8GB (see docs/server.md)")
+    check_leftover_arenas(report)
+
+
+def check_leftover_arenas(report: Report) -> None:
+    """Arenas of this user's dead servers still in /dev/shm (`shm.leftovers`)."""
+    dead = shm.leftovers()
+    if dead:
+        names = ", ".join(f"{d.name} ({human(d.resident)})" for d in dead)
+        report.warn(f"{len(dead)} arena(s) of dead kvpool servers hold {human(sum(d.resident for d in dead))} of "
+                    f"memory in {shm.SHM_DIR}: {names}",
+                    f"the next kvpool server to start removes them; or remove them now: rm {shm.SHM_DIR}/NAME")

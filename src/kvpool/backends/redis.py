@@ -32,6 +32,7 @@ growing while it stays down) the next call tries again (redis-py reconnects by i
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import struct
@@ -41,8 +42,9 @@ from typing import Any
 import numpy as np
 
 from kvpool.backends.base import Backend, gather, scatter, total_size
+from kvpool.backends.diagnosis import Report
 from kvpool.store.buffers import checksum, key_seed
-from kvpool.config import RedisSettings
+from kvpool.config import KVPoolConfig, RedisSettings
 from kvpool.errors import ConfigError, ErrorCode
 from kvpool.errors import CHECKSUM_MISMATCH, EXISTS, INTERNAL, INVALID, NOT_FOUND, NO_HANDLE, OK  # the codes as ints
 from kvpool.errors import RPC_FAIL, RPC_TIMEOUT
@@ -386,3 +388,39 @@ class RedisBackend(Backend):
             self.r.close()
         except Exception:  # noqa: BLE001 - closing a dead connection is not an error
             pass
+
+
+# ---- `kvpool doctor` ---------------------------------------------------------------------------
+
+
+def doctor(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) -> None:
+    """`kvpool doctor` for `backend: redis`: it answers, and its memory limit and eviction policy."""
+    try:
+        import redis
+    except ImportError:
+        report.error("the redis client library is not installed", "pip install 'kvpool[redis]'")
+        return
+    settings = cfg.backend_settings
+    assert isinstance(settings, RedisSettings)
+    r = redis.Redis.from_url(settings.redis_url, socket_timeout=args.timeout, socket_connect_timeout=args.timeout)
+    try:
+        r.ping()
+        info = r.info("memory")
+    except redis.RedisError as exc:
+        report.error(f"Redis at {settings.redis_url} does not answer ({exc})",
+                     "start it (redis-server --port ... --maxmemory 8gb --maxmemory-policy allkeys-lru) or fix redis_url")
+        return
+    finally:
+        r.close()
+    report.ok(f"Redis answers at {settings.redis_url}")
+    maxmemory, policy = int(info.get("maxmemory", 0) or 0), info.get("maxmemory_policy", "?")
+    if not maxmemory:
+        report.warn("Redis has no maxmemory: the pool grows until the host runs out of memory",
+                    "set maxmemory (e.g. CONFIG SET maxmemory 8gb) with maxmemory-policy allkeys-lru")
+    if policy not in ("allkeys-lru", "allkeys-lfu", "volatile-lru", "volatile-lfu", "allkeys-random", "volatile-ttl",
+                      "volatile-random"):
+        report.warn(f"Redis maxmemory-policy is {policy}: once full, every save fails (NO_AVAILABLE_HANDLE)",
+                    "CONFIG SET maxmemory-policy allkeys-lru")
+    elif policy.startswith("volatile") and not settings.redis_ttl_s:
+        report.warn(f"Redis maxmemory-policy {policy} evicts only keys with a TTL, and redis_ttl_s is 0",
+                    "use allkeys-lru, or set redis_ttl_s")

@@ -78,36 +78,36 @@ def _resolve(target: str) -> Any:
 
 REGISTRY: dict[str, BackendSpec] = {spec.name: spec for spec in (
     BackendSpec(
-        LocalSettings, "kvpool.backends.local:LocalBackend", "kvpool.cli.doctor:check_local",
+        LocalSettings, "kvpool.backends.local:LocalBackend", "kvpool.backends.local:doctor",
         Capabilities(leases=True, exact_lru=True, evicts_on_refused_put=False, shared_across_processes=False,
                      remote=False),
         "the pool engine inside the vLLM worker: memory tier + optional SSD tier",
     ),
     BackendSpec(
         ServerClientSettings, "kvpool.backends.pool_server:ServerBackend.from_settings",
-        "kvpool.cli.doctor:check_server",
+        "kvpool.backends.pool_server:doctor",
         Capabilities(leases=True, exact_lru=True, evicts_on_refused_put=False, shared_across_processes=True),
         "`kvpool server`: one pool per host in shared memory, every instance maps it",
     ),
     BackendSpec(
-        MooncakeSettings, "kvpool.backends.mooncake:MooncakeBackend.from_settings", "kvpool.cli.doctor:check_mooncake",
+        MooncakeSettings, "kvpool.backends.mooncake:MooncakeBackend.from_settings", "kvpool.backends.mooncake:doctor",
         Capabilities(leases=True, exact_lru=True, evicts_on_refused_put=True, shared_across_processes=True,
                      put_reports_existing=False),
         "Mooncake Store (mooncake_master + per-process segments), over TCP here",
     ),
     BackendSpec(
-        YuanrongSettings, "kvpool.backends.yuanrong:YuanrongBackend.from_settings", "kvpool.cli.doctor:check_yuanrong",
+        YuanrongSettings, "kvpool.backends.yuanrong:YuanrongBackend.from_settings", "kvpool.backends.yuanrong:doctor",
         Capabilities(leases=False, exact_lru=False, evicts_on_refused_put=True, shared_across_processes=True),
         "openYuanrong datasystem (a worker per host, KVClient)",
     ),
     BackendSpec(
-        MemcacheSettings, "kvpool.backends.memcache:MemcacheBackend.from_settings", "kvpool.cli.doctor:check_memcache",
+        MemcacheSettings, "kvpool.backends.memcache:MemcacheBackend.from_settings", "kvpool.backends.memcache:doctor",
         Capabilities(leases=True, exact_lru=False, evicts_on_refused_put=True, shared_across_processes=True,
                      put_reports_existing=False),
         "Memcache (memcache-hybrid); its local service needs the Ascend driver",
     ),
     BackendSpec(
-        RedisSettings, "kvpool.backends.redis:RedisBackend", "kvpool.cli.doctor:check_redis",
+        RedisSettings, "kvpool.backends.redis:RedisBackend", "kvpool.backends.redis:doctor",
         Capabilities(leases=False, exact_lru=False, evicts_on_refused_put=False, shared_across_processes=True),
         "Redis or Valkey (maxmemory-policy evicts)",
     ),

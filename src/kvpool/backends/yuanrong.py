@@ -35,6 +35,7 @@ What the datasystem does differently from the pool engine (measured with 0.8.1):
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import os
@@ -46,9 +47,10 @@ from typing import Any
 import numpy as np
 
 from kvpool.backends.base import Backend, gather, scatter, total_size
+from kvpool.backends.diagnosis import Report, check_answers, read_store_config
 from kvpool.backends.keynorm import normalize_yuanrong_key
 from kvpool.backends.net import parse_host_port, probe
-from kvpool.config import YuanrongSettings, parse_bool, read_json_object
+from kvpool.config import KVPoolConfig, YuanrongSettings, parse_bool, read_json_object
 from kvpool.errors import BackendUnavailable, ConfigError, ErrorCode, KVPoolError
 from kvpool.errors import EXISTS, INTERNAL, INVALID, INVALID_KEY  # the codes as ints
 from kvpool.errors import NOT_FOUND, NO_HANDLE, OK, RPC_FAIL, RPC_TIMEOUT
@@ -371,3 +373,30 @@ class YuanrongBackend(Backend):
     def _close(self) -> None:
         client, self.client = self.client, None
         del client  # the SDK disconnects when the client object goes (fast while the worker lives)
+
+
+# ---- `kvpool doctor` ---------------------------------------------------------------------------
+
+
+def doctor(cfg: KVPoolConfig, args: argparse.Namespace, report: Report) -> None:
+    """`kvpool doctor` for `backend: yuanrong`: its settings, the worker, the client's log directory."""
+    yr = read_store_config(report, "Yuanrong", load_yuanrong_config,
+                           getattr(cfg.backend_settings, "yuanrong_config_path", None), args.env)
+    if yr is None:
+        return
+    check_answers(report, "datasystem worker", yr.worker_addr, parse_host_port("worker_addr", yr.worker_addr),
+                  args.timeout, f"start it: dscli start -w --worker_address {yr.worker_addr} --etcd_address "
+                  "<etcd host:port> --shared_memory_size_mb 40960 --arena_per_tenant 1 (or --metastore_address ... "
+                  "--start_metastore_service true without etcd); DS_WORKER_ADDR must equal --worker_address")
+    if not yr.enable_exclusive_connection:
+        report.warn("DS_ENABLE_EXCLUSIVE_CONNECTION is off: on CPU each datasystem call then costs ~1.5 ms",
+                    "export DS_ENABLE_EXCLUSIVE_CONNECTION=1 (at most 128 such clients per worker)")
+    if yr.ignored_fields:
+        report.warn(f"YR_CONFIG_PATH fields kvpool does not use: {', '.join(yr.ignored_fields)}",
+                    "they concern the NPU data path of vLLM-Ascend; remove them or ignore this")
+    if yr.client_log_dir:
+        d = yr.client_log_dir
+        parent = d if os.path.isdir(d) else os.path.dirname(d.rstrip("/")) or "/"
+        if not os.access(parent, os.W_OK):
+            report.error(f"DATASYSTEM_CLIENT_LOG_DIR={d} cannot be created or written",
+                         f"mkdir -p {d} and give it to the serving user")
