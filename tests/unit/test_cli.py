@@ -68,3 +68,10 @@ def test_build_model_errors_are_one_line_from_the_subcommand(capsys, tmp_path):
     assert cli.main(["build-model", str(blocker / "model")]) == 1  # its parent is a file
     err = capsys.readouterr().err
     assert err.startswith("kvpool build-model: cannot write the model to") and err.count("\n") == 1
+
+
+def test_stats_takes_both_spellings_of_its_flags():
+    parser = subparsers(cli.build_parser())["stats"]
+    for dash, under in (("--metrics-url", "--metrics_url"), ("--mooncake-metrics-url", "--mooncake_metrics_url"),
+                        ("--redis-url", "--redis_url")):
+        assert vars(parser.parse_args([dash, "u"])) == vars(parser.parse_args([under, "u"]))

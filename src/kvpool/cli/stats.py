@@ -310,10 +310,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help=f"ask the kvpool server on this Unix socket (default {DEFAULT_SERVER_SOCKET})")
     src.add_argument("--metrics-url", "--metrics_url", default=None, metavar="URL",
                      help="ask a kvpool server's metrics endpoint instead, e.g. http://127.0.0.1:9003")
-    src.add_argument("--mooncake-metrics-url", default=None, metavar="URL",
+    # Both spellings of every multi-word flag, as `kvpool server` and mooncake_master take them.
+    src.add_argument("--mooncake-metrics-url", "--mooncake_metrics_url", default=None, metavar="URL",
                      help="summarise a Mooncake master from its metrics endpoint (its --metrics_port), "
                           "e.g. http://127.0.0.1:9003")
-    src.add_argument("--redis-url", default=None, metavar="URL",
+    src.add_argument("--redis-url", "--redis_url", default=None, metavar="URL",
                      help="summarise a Redis server from INFO, e.g. redis://127.0.0.1:6379/0")
     parser.add_argument("--json", action="store_true",
                         help="print JSON (for scripts); with --watch one object per line")
