@@ -53,6 +53,15 @@ class LayoutInfo:
         return hashlib.sha256(blob).hexdigest()[:12]
 
 
+def valid_key(key: object, max_bytes: int | None = None) -> bool:
+    """The one rule for a pool key, wherever one is checked (every backend, the server's client,
+    the engine): a non-empty str, of at most `max_bytes` UTF-8 bytes where a bound is given."""
+    if not isinstance(key, str) or not key:
+        return False
+    # A str has at most 4 UTF-8 bytes per character: encode only keys that could be too long.
+    return max_bytes is None or len(key) * 4 <= max_bytes or len(key.encode("utf-8", "surrogatepass")) <= max_bytes
+
+
 def model_key_name(model: str) -> str:
     """A short, key-safe name for the model: its real path for local models, else its name."""
     if os.path.isdir(model):

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from kvpool.errors import ErrorCode, KVPoolError
+from kvpool.keys import valid_key
 from kvpool.backends import seal
 from kvpool.backends.guard import GUARD_COUNTERS, Guard, GuardSettings, Timeout
 from kvpool.errors import CHECKSUM_MISMATCH, EXISTS, INTERNAL, INVALID, INVALID_KEY, NOT_FOUND, OK  # the codes as ints
@@ -166,10 +167,6 @@ class _State:
         self.guard: Guard | None = None  # set by `use_guard` for stores outside this process
 
 
-def _valid_key(key: object) -> bool:
-    return isinstance(key, str) and bool(key)
-
-
 class Backend(abc.ABC):
     """A pooled key -> bytes store reachable from a vLLM worker process.
 
@@ -202,14 +199,14 @@ class Backend(abc.ABC):
             return found
         first: dict[str, int] = {}
         for i, key in enumerate(keys):
-            if _valid_key(key) and key not in first:
+            if valid_key(key) and key not in first:
                 first[key] = i
         todo = list(first)
         if todo:
             hits = self._call("exists", self._exists, self._stored_names(todo), lease)
             if hits is not None:
                 by_key = {k: bool(h) for k, h in zip(todo, hits)}
-                found = [by_key.get(k, False) if _valid_key(k) else False for k in keys]
+                found = [by_key.get(k, False) if valid_key(k) else False for k in keys]
         return found
 
     def batch_put(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
@@ -226,7 +223,7 @@ class Backend(abc.ABC):
         todo: list[int] = []
         views: dict[int, list[np.ndarray]] = {}
         for i, (key, bufs) in enumerate(zip(keys, values)):
-            if not _valid_key(key):
+            if not valid_key(key):
                 codes[i] = INVALID_KEY
                 continue
             if key in first:
@@ -253,7 +250,7 @@ class Backend(abc.ABC):
                 codes[i] = code
         primary: list[int] = []  # one index per distinct key (and each invalid one): what is counted
         for i, key in enumerate(keys):
-            j = first.get(key) if _valid_key(key) else None
+            j = first.get(key) if valid_key(key) else None
             if j is not None and j != i:
                 codes[i] = codes[j]
             else:
@@ -271,7 +268,7 @@ class Backend(abc.ABC):
         rounds: list[list[int]] = []
         seen: dict[str, int] = {}
         for i, (key, bufs) in enumerate(zip(keys, values)):
-            if not _valid_key(key):
+            if not valid_key(key):
                 codes[i] = INVALID_KEY
                 continue
             try:

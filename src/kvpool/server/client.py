@@ -43,6 +43,7 @@ import numpy as np
 from kvpool.config import DEFAULT_SERVER_SOCKET
 from kvpool.errors import CHECKSUM_MISMATCH, INTERNAL, INVALID, INVALID_KEY, OK, RPC_FAIL, RPC_TIMEOUT
 from kvpool.errors import BackendUnavailable, ConfigError, ErrorCode
+from kvpool.keys import valid_key
 from kvpool.paths import check_socket_dir
 from kvpool.server import peers
 from kvpool.server import protocol as P
@@ -99,10 +100,6 @@ _MAX_HELD = 1 << 16
 
 
 
-def _valid_key(key: object) -> bool:
-    return isinstance(key, str) and 0 < len(key) <= P.MAX_KEY_BYTES
-
-
 def _prepare(keys: Sequence[str], values: Sequence[Sequence[Any]], writable: bool
              ) -> tuple[list[int], list[tuple[int, str, list[np.ndarray], int]]]:
     """Per-key codes (RPC_FAIL until a reply says otherwise; INVALID_KEY / INVALID_PARAMS for
@@ -112,7 +109,7 @@ def _prepare(keys: Sequence[str], values: Sequence[Sequence[Any]], writable: boo
     codes = [RPC_FAIL] * len(keys)
     todo = []
     for i, (key, bufs) in enumerate(zip(keys, values)):
-        if not _valid_key(key):
+        if not valid_key(key, P.MAX_KEY_BYTES):
             codes[i] = INVALID_KEY
             continue
         try:
@@ -285,7 +282,7 @@ class PoolClient:
         without acquiring (``requests`` counts a Lookup instead of an Exists).
         """
         found = [False] * len(keys)
-        todo = [(i, k) for i, k in enumerate(keys) if _valid_key(k)]
+        todo = [(i, k) for i, k in enumerate(keys) if valid_key(k, P.MAX_KEY_BYTES)]
         for batch in _chunks(todo):
             try:
                 if lease:
@@ -378,9 +375,9 @@ class PoolClient:
 
     def remove(self, keys: Sequence[str]) -> list[int]:
         codes = [RPC_FAIL] * len(keys)
-        todo = [(i, k) for i, k in enumerate(keys) if _valid_key(k)]
+        todo = [(i, k) for i, k in enumerate(keys) if valid_key(k, P.MAX_KEY_BYTES)]
         for i, k in enumerate(keys):
-            if not _valid_key(k):
+            if not valid_key(k, P.MAX_KEY_BYTES):
                 codes[i] = int(ErrorCode.INVALID_KEY)
         for batch in _chunks(todo):
             try:

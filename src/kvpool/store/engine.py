@@ -61,6 +61,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvpool.errors import ConfigError, ErrorCode, StoreError
+from kvpool.keys import valid_key
 from kvpool.store.allocator import OffsetAllocator
 from kvpool.store.buffers import as_u8 as _as_u8
 from kvpool.store.buffers import checksum
@@ -1544,11 +1545,7 @@ class PoolEngine:
         return Lease(key, obj.offset, obj.size, obj.generation, expires_at, lease_id, checksum=obj.checksum)
 
     def _storable_key(self, key: object) -> bool:
-        if not isinstance(key, str) or not key:
-            return False
-        limit = self.config.max_key_bytes
-        # A str has at most 4 UTF-8 bytes per character: encode only keys that could be too long.
-        return len(key) * 4 <= limit or len(key.encode("utf-8", "surrogatepass")) <= limit
+        return valid_key(key, self.config.max_key_bytes)
 
     def _meta_charge(self, key: str) -> int:
         """Budget bytes for an object's metadata: its key and index entries live in the heap."""
