@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
-from kvpool.errors import ErrorCode, KVPoolError
-from kvpool.keys import valid_key
 from kvpool.backends import seal
 from kvpool.backends.guard import GUARD_COUNTERS, Guard, GuardSettings, Timeout
+from kvpool.errors import ErrorCode, KVPoolError
 from kvpool.errors import CHECKSUM_MISMATCH, EXISTS, INTERNAL, INVALID, INVALID_KEY, NOT_FOUND, OK  # the codes as ints
 from kvpool.errors import RPC_FAIL, RPC_TIMEOUT
+from kvpool.keys import valid_key
 from kvpool.store.buffers import as_u8, gather, scatter, spans, total_size
 from kvpool.store.memcopy import CopyEngine
 
