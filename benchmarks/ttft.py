@@ -202,6 +202,18 @@ def example_plan(storage: Path, name: str = "example", max_num_batched_tokens: i
     }, setup=setup, max_num_batched_tokens=max_num_batched_tokens, skip_ext=skip_ext)
 
 
+def _fresh_pool(sock: Path, log: Path) -> Callable[[], None]:
+    """A fresh `kvpool server` (nothing an earlier vLLM start stored remains); its stop."""
+    return PoolServer(sock, memory_size="4GB", log_path=log).start().stop
+
+
+def _fresh_master(workdir: Path, cfg_path: Path) -> Callable[[], None]:
+    """A fresh `mooncake_master` and its mooncake.json at `cfg_path`; its stop."""
+    master = MooncakeMaster(workdir)
+    master.write_config(cfg_path, global_segment_size="2GB", local_buffer_size="1GB")
+    return master.stop
+
+
 def build_plans(workdir: Path, configs: list[str], mooncake: tuple[str | None, str | None, str | None]) -> dict[str, ServerPlan]:
     plans: dict[str, ServerPlan] = {}
     rpc_port = 40000 + os.getpid() % 20000
@@ -223,9 +235,8 @@ def build_plans(workdir: Path, configs: list[str], mooncake: tuple[str | None, s
         n_pools = [0]
 
         def pool_setup() -> Callable[[], None]:
-            # A fresh pool for every vLLM start, as for Mooncake: nothing an earlier one stored remains.
             n_pools[0] += 1
-            return PoolServer(sock, memory_size="4GB", log_path=workdir / "logs" / f"pool-{n_pools[0]}.log").start().stop
+            return _fresh_pool(sock, workdir / "logs" / f"pool-{n_pools[0]}.log")
 
         plans["kvpool_server"] = ServerPlan("kvpool_server", prefix_caching=False, kv_transfer_config={
             "kv_connector": "KVPoolConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -236,17 +247,10 @@ def build_plans(workdir: Path, configs: list[str], mooncake: tuple[str | None, s
         n_tiered = [0]
 
         def tiered_setup() -> Callable[[], None]:
-            # A fresh host pool and master for every vLLM start.
             n_tiered[0] += 1
-            master = MooncakeMaster(workdir / "logs" / f"tiered-master-{n_tiered[0]}")
-            master.write_config(tiered_cfg, global_segment_size="2GB", local_buffer_size="1GB")
-            pool = PoolServer(tiered_sock, memory_size="4GB",
-                              log_path=workdir / "logs" / f"tiered-pool-{n_tiered[0]}.log").start()
-
-            def stop() -> None:
-                pool.stop()
-                master.stop()
-            return stop
+            stop_master = _fresh_master(workdir / "logs" / f"tiered-master-{n_tiered[0]}", tiered_cfg)
+            stop_pool = _fresh_pool(tiered_sock, workdir / "logs" / f"tiered-pool-{n_tiered[0]}.log")
+            return lambda: (stop_pool(), stop_master())
 
         plans["kvpool_tiered"] = ServerPlan("kvpool_tiered", prefix_caching=False, kv_transfer_config={
             "kv_connector": "KVPoolConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -261,11 +265,8 @@ def build_plans(workdir: Path, configs: list[str], mooncake: tuple[str | None, s
         n_starts = [0]
 
         def mooncake_setup() -> Callable[[], None]:
-            # A fresh master for every server start: nothing stored by an earlier server remains.
             n_starts[0] += 1
-            master = MooncakeMaster(workdir / "logs" / f"mooncake_master-{n_starts[0]}")
-            master.write_config(cfg_path, global_segment_size="2GB", local_buffer_size="1GB")
-            return master.stop
+            return _fresh_master(workdir / "logs" / f"mooncake_master-{n_starts[0]}", cfg_path)
 
         plans["mooncake"] = ServerPlan("mooncake", prefix_caching=False, kv_transfer_config={
             "kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",

@@ -258,30 +258,30 @@ def _open_leftover(name: str) -> tuple[int, Leftover] | None:
 def leftovers() -> list[Leftover]:
     """This user's arenas in /dev/shm whose servers are provably dead: nobody holds the arena's
     lock and its creator's pid is gone."""
-    out = []
-    for path in sorted(glob.glob(os.path.join(SHM_DIR, _PREFIX + "*"))):
-        found = _open_leftover(os.path.basename(path))
-        if found is not None:
-            os.close(found[0])
-            out.append(found[1])
-    return out
+    return _scan(remove=False)
 
 
 def remove_leftovers() -> list[Leftover]:
-    """Unlink `leftovers` (each checked again under its lock, and only if its name still
-    names the file that was checked); returns what was removed."""
-    removed = []
+    """Unlink `leftovers` (each while holding its lock, and only if its name still names the
+    file that was checked); returns what was removed."""
+    return _scan(remove=True)
+
+
+def _scan(remove: bool) -> list[Leftover]:
+    found = []
     for path in sorted(glob.glob(os.path.join(SHM_DIR, _PREFIX + "*"))):
-        found = _open_leftover(os.path.basename(path))
-        if found is None:
+        opened = _open_leftover(os.path.basename(path))
+        if opened is None:
             continue
-        fd, leftover = found
+        fd, leftover = opened
         try:
-            if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+            if remove:
+                if os.stat(path, follow_symlinks=False).st_ino != os.fstat(fd).st_ino:
+                    continue
                 os.unlink(path)
-                removed.append(leftover)
+            found.append(leftover)
         except OSError:
             pass
         finally:
             os.close(fd)
-    return removed
+    return found

@@ -172,8 +172,7 @@ class PoolWorker:
         self._log_stats = KVPoolStats()
         self._last_log = time.monotonic()
         self._reported_depth = 0  # transfer_queue_depth at the last report
-        self._guard_seen: dict[str, int] = {}  # the backend's guard counters at the last get_stats
-        self._tier_seen: dict[str, int] = {}  # and its remote tier's
+        self._backend_seen: dict[str, int] = {}  # the backend's counter totals at the last get_stats
 
     # ---- set-up -------------------------------------------------------------------------
 
@@ -608,12 +607,11 @@ class PoolWorker:
     def get_stats(self) -> KVPoolStats | None:
         if self.backend is not None:
             guard = self.backend.guard_stats()
-            seen, self._guard_seen = self._guard_seen, guard
-            self._count(store_timeouts=guard["timeouts"] - seen.get("timeouts", 0),
-                        store_calls_skipped=guard["breaker_rejected"] - seen.get("breaker_rejected", 0))
-            tier = self.backend.tier_stats()
-            seen, self._tier_seen = self._tier_seen, tier
-            self._count(**{k: tier[k] - seen.get(k, 0) for k in tier if k in COUNTERS and tier[k] != seen.get(k, 0)})
+            # The backend's running totals, under the names this worker counts them by.
+            totals = {"store_timeouts": guard["timeouts"], "store_calls_skipped": guard["breaker_rejected"],
+                      **{k: v for k, v in self.backend.tier_stats().items() if k in COUNTERS}}
+            seen, self._backend_seen = self._backend_seen, totals
+            self._count(**{k: v - seen.get(k, 0) for k, v in totals.items() if v != seen.get(k, 0)})
         depth = self._transfer.depth() + (self._layer_loader.depth() if self._layer_loader is not None else 0)
         with self._lock:
             snap = self._stats.take()
