@@ -274,7 +274,7 @@ def test_quota_accounting_stays_exact_and_reads_never_lie(ops, sizes, share, max
             if hold_s:
                 # Renewals stop pinning at the hold limit; the last pin lapses one TTL later (plus
                 # the tick that may have passed since the last prune).
-                for hold in engine._holds.values():
+                for hold in engine._leases.holds():
                     assert not hold.count or clock.now - hold.since <= hold_s + 1.0 + 0.4
             snap = engine._debug_snapshot()
             arena = np.frombuffer(engine.arena, dtype=np.uint8)

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from kvpool.store import prefault
-from kvpool.store.engine import EngineConfig, PoolEngine
+from kvpool.store.engine import PoolEngine
+from kvpool.store.engine_config import EngineConfig
 from kvpool.store.prefault import Prefaulter
 
 PAGE = mmap.PAGESIZE

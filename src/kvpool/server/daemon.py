@@ -60,7 +60,8 @@ from kvpool.server import peers
 from kvpool.server import protocol as P
 from kvpool.server import shm
 from kvpool.server.pidwatch import PidWatch
-from kvpool.store.engine import Allocation, Lease, LookupLease, PoolEngine
+from kvpool.store.engine import PoolEngine
+from kvpool.store.records import Allocation, Lease, LookupLease
 from kvpool.server.metrics import MetricsServer, ServerMetrics
 
 logger = logging.getLogger("kvpool.server")

@@ -8,7 +8,9 @@ installed; without it the copies are numpy's.
 
 from kvpool.store.allocator import OffsetAllocator
 from kvpool.store.disk import DiskPolicy, DiskTier
-from kvpool.store.engine import Allocation, EngineConfig, Lease, LookupLease, PoolEngine, ReapReport
+from kvpool.store.engine import PoolEngine
+from kvpool.store.engine_config import EngineConfig
+from kvpool.store.records import Allocation, Lease, LookupLease, ReapReport
 
 __all__ = [
     "Allocation",

@@ -28,9 +28,10 @@ sequences):
   lone client reads as before, and an object someone else needs room for can
   be evicted under it (its read then reports LEASE_EXPIRED, never wrong bytes).
 
-Lease bookkeeping is O(log n) per lease: an expiry heap prunes expired leases,
-and per-client and per-(owner, object) indexes make dropping a client's leases
-and checking its quota independent of how many leases other clients hold.
+The engine keeps the index, the arena's allocations and the orchestration of the
+memory and disk tiers; leases and the fair-share accounting are `store/leases.py`
+(O(log n) per lease), the records they file `store/records.py`, eviction order
+`store/policy.py`, and its settings `store/engine_config.py`.
 
 Concurrency: one ``threading.Lock`` guards all metadata. Bulk byte copies, hashes
 and disk I/O happen outside it; leases/pins/pending allocations are what keep the
@@ -46,7 +47,6 @@ memory hit; the disk tier never calls back into the engine.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import itertools
 import logging
 import math
@@ -55,8 +55,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -65,10 +64,21 @@ from kvpool.keys import valid_key
 from kvpool.store.allocator import OffsetAllocator
 from kvpool.store.buffers import as_u8 as _as_u8
 from kvpool.store.buffers import checksum
-from kvpool.store.disk import DiskTier
+from kvpool.store.engine_config import EngineConfig
+from kvpool.store.leases import LeaseBook
 from kvpool.store.memcopy import CopyEngine
-from kvpool.store.policy import MEMORY_POLICIES, EvictionPolicy, MemoryPolicy, make_policy
+from kvpool.store.policy import EvictionPolicy, make_policy
 from kvpool.store.prefault import Prefaulter
+from kvpool.store.records import (
+    Allocation,
+    Lease,
+    LookupLease,
+    ObjectView,
+    PendingPut,
+    PoolObject,
+    ReapReport,
+    Spilled,
+)
 from kvpool.store.workers import DaemonWorkers
 
 logger = logging.getLogger(__name__)
@@ -97,325 +107,12 @@ _STAT_NAMES = (
 )
 
 
-@dataclass
-class EngineConfig:
-    """Engine settings; names follow the spec's mooncake_master flags.
-
-    ``disk_write_through``: every committed object is also queued for the disk
-    tier, so eviction is a cheap drop and a restart finds everything; without it
-    the disk tier only receives objects at eviction (spill) time.
-    ``reap_interval_s``: how often a background thread calls ``reap``; 0 turns
-    the thread off (tests with an injected clock call ``reap`` themselves).
-
-    Fair sharing between clients (``kvpool server`` sets these; the defaults
-    turn them off for the single-client ``local`` backend), per owner:
-    ``client_pool_share`` caps the bytes of pinned (leased) objects plus
-    uncommitted allocations as a fraction of the capacity (1.0: no cap; leases
-    past it are granted without pinning, allocations refused);
-    ``client_max_leases`` caps the number of leases plus allocations (0: none);
-    ``client_max_hold_s`` caps how long one object may stay continuously leased
-    (0: no cap). ``object_overhead_bytes`` is charged to the memory budget per
-    object on top of its key's UTF-8 bytes, so metadata is not free;
-    ``max_key_bytes`` bounds a stored key.
-    ``prefault``: with the engine's own arena (none passed in), map its pages on a background
-    thread from the start to a look-ahead past the highest allocation (store/prefault.py), so
-    writes into the pool do not take page faults; the planner, which writes no bytes, turns it off.
-    ``eviction_policy``: which evictable object goes first (``store/policy.py``): ``lru``, or
-    ``s3fifo``, which keeps objects used twice from being flushed by a scan of one-off ones.
-    """
-
-    memory_size: int
-    eviction_high_watermark_ratio: float = 0.9
-    eviction_ratio: float = 0.1
-    default_kv_lease_ttl_ms: int = 5000
-    client_ttl_s: float = 10.0
-    put_timeout_s: float = 30.0
-    disk: DiskTier | None = None
-    disk_write_through: bool = True
-    alignment: int = 64
-    reap_interval_s: float = 1.0
-    disk_queue_size: int = 1024
-    client_pool_share: float = 1.0
-    client_max_leases: int = 0
-    client_max_hold_s: float = 0.0
-    object_overhead_bytes: int = 0
-    max_key_bytes: int = 4096
-    prefault: bool = True
-    eviction_policy: MemoryPolicy = "lru"
-
-    def validate(self) -> None:
-        """Raise ConfigError naming the first invalid field, its value and what is expected."""
-
-        def positive(name: str, value: object, kind: type | tuple[type, ...], expected: str) -> None:
-            if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:  # type: ignore[operator]
-                raise ConfigError(key=name, value=value, expected=expected)
-
-        positive("memory_size", self.memory_size, int, "a positive int of bytes, e.g. 4294967296 (4 GiB)")
-        positive("alignment", self.alignment, int, "a positive int of bytes, e.g. 64")
-        if self.memory_size < self.alignment:
-            raise ConfigError(
-                key="memory_size",
-                value=self.memory_size,
-                expected=f"at least alignment={self.alignment} bytes (e.g. 4GB)",
-            )
-        for name in ("eviction_high_watermark_ratio", "eviction_ratio"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-                raise ConfigError(key=name, value=value, expected="a ratio in (0, 1], e.g. 0.9 / 0.1")
-        positive("default_kv_lease_ttl", self.default_kv_lease_ttl_ms, int,
-                 "a positive int of milliseconds, e.g. 5000")
-        positive("client_ttl", self.client_ttl_s, (int, float), "positive seconds, e.g. 10")
-        positive("put_timeout_s", self.put_timeout_s, (int, float), "positive seconds, e.g. 30")
-        positive("disk_queue_size", self.disk_queue_size, int, "a positive int, e.g. 1024")
-        positive("max_key_bytes", self.max_key_bytes, int, "a positive int of bytes, e.g. 4096")
-        share = self.client_pool_share
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
-            raise ConfigError(key="client_pool_share", value=share, expected="a ratio in (0, 1], e.g. 0.5")
-        for name in ("client_max_leases", "object_overhead_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(key=name, value=value, expected="an int >= 0 (0: off)")
-        hold = self.client_max_hold_s
-        if isinstance(hold, bool) or not isinstance(hold, (int, float)) or hold < 0:
-            raise ConfigError(key="client_max_hold_s", value=hold, expected="seconds >= 0 (0: no cap)")
-        if isinstance(self.reap_interval_s, bool) or not isinstance(self.reap_interval_s, (int, float)) \
-                or self.reap_interval_s < 0:
-            raise ConfigError(
-                key="reap_interval_s", value=self.reap_interval_s, expected="seconds >= 0 (0 disables)"
-            )
-        if self.eviction_policy not in MEMORY_POLICIES:
-            raise ConfigError(key="eviction_policy", value=self.eviction_policy,
-                              expected=f"one of {', '.join(sorted(MEMORY_POLICIES))}")
-        if self.disk is not None and not isinstance(self.disk, DiskTier):
-            raise ConfigError(key="disk", value=self.disk, expected="a DiskTier or None")
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """A reserved, not yet visible range: write ``size`` bytes at ``offset`` then ``commit(handle)``."""
-
-    handle: int
-    key: str
-    offset: int
-    size: int
-
-
-@dataclass(frozen=True)
-class Lease:
-    """A read lease on ``key``: its bytes at ``arena[offset:offset+size]`` stay put until ``expires_at``.
-
-    When an object was found only on disk and could not be promoted into memory
-    (no room even after eviction, or a put of the same key is pending), the
-    engine returns the bytes themselves in ``data`` with ``offset == -1`` and
-    ``generation == 0``: the reader still gets its hit, and nothing in the arena
-    had to be disturbed for it. Such a lease refers to no arena object, so no
-    eviction, removal or later commit of the key can invalidate it before
-    ``expires_at``.
-    """
-
-    key: str
-    offset: int
-    size: int
-    generation: int
-    expires_at: float
-    lease_id: int = 0
-    data: bytes | None = None
-    # The value's checksum (`buffers.checksum`) as its writer committed it, or as the engine
-    # computed it when it copied the bytes in itself; None if the writer sent none.
-    checksum: int | None = None
-
-
-class LookupLease(NamedTuple):
-    """A hit's lookup lease as `lookup_leases` hands it out: what a reader copies under, then
-    has checked by id (`check_lookup_leases`). A tuple: lookups are many and must stay cheap."""
-
-    lease_id: int
-    offset: int
-    size: int
-    checksum: int | None
-
-
-@dataclass(frozen=True)
-class ReapReport:
-    """What one ``reap`` call dropped."""
-
-    clients: int
-    leases: int
-    allocations: int
-
-
-class _Leases:
-    """An object's lease tables, made on its first lease (most objects are never leased, and
-    two empty dicts per object would cost more than the rest of its metadata)."""
-
-    __slots__ = ("table", "lookup", "pinning")
-
-    def __init__(self) -> None:
-        # lease id -> (client id, expires_at); lookup leases have ids too (`lookup_leases`
-        # hands them out).
-        self.table: dict[int, tuple[str, float]] = {}
-        # client id -> its lookup lease id in ``table``. A repeated lookup extends that lease
-        # instead of adding one: a hot prefix looked up many times per TTL would otherwise pile
-        # up thousands of never-released leases per object, each scanned by later lookups.
-        self.lookup: dict[str, int] = {}
-        self.pinning = 0  # leases in ``table`` that keep it from eviction (the rest only verify)
-
-
-_NO_LEASES: dict[int, tuple[str, float]] = {}  # read-only stand-in for an object never leased
-
-
-_U64 = (1 << 64) - 1
-_U48 = (1 << 48) - 1
-_SIZE_AT, _SUM_AT, _HAS_SUM_AT, _GEN_AT = 48, 96, 160, 161
-
-
-class _Object:
-    """A committed object. ``__slots__``, a lazily made lease table and packed fields keep it
-    near 150 bytes with its index entry: at millions of objects the metadata, not the values,
-    runs out first.
-
-    ``prev``/``next``/``mark`` are the eviction policy's (``store/policy.py``): they list it
-    among the evictable objects (committed, neither leased with pinning nor pinned by the disk
-    writer); the links are None while it is held. ``_packed`` holds offset and size (48 bits
-    each), the optional 64-bit checksum and the generation in one int (one int object instead
-    of four); ``_flags`` the disk writer's pins and ``on_disk``."""
-
-    __slots__ = ("key", "_packed", "lease_state", "_flags", "prev", "next", "mark")
-
-    def __init__(self, key: str, offset: int, size: int, generation: int) -> None:
-        if not (0 <= offset <= _U48 and 0 <= size <= _U48):
-            raise StoreError(ErrorCode.INVALID_PARAMS,
-                             f"key={key!r}: offset {offset} / size {size} past 2**48 bytes; use a smaller pool")
-        self.key = key
-        self._packed = (generation << _GEN_AT) | (size << _SIZE_AT) | offset
-        self.lease_state: _Leases | None = None
-        self._flags = 0
-        self.prev: _Object | None = None
-        self.next: _Object | None = None
-        self.mark = 0
-
-    @property
-    def offset(self) -> int:
-        return self._packed & _U48
-
-    @property
-    def size(self) -> int:
-        return (self._packed >> _SIZE_AT) & _U48
-
-    @property
-    def generation(self) -> int:
-        return self._packed >> _GEN_AT
-
-    @property
-    def checksum(self) -> int | None:
-        """The writer's checksum; kept in the server's memory, out of every client's reach."""
-        packed = self._packed
-        return (packed >> _SUM_AT) & _U64 if (packed >> _HAS_SUM_AT) & 1 else None
-
-    @checksum.setter
-    def checksum(self, value: int | None) -> None:
-        packed = self._packed & ~(((1 << 65) - 1) << _SUM_AT)
-        self._packed = packed if value is None else packed | (((value & _U64) | (1 << 64)) << _SUM_AT)
-
-    @property
-    def pins(self) -> int:
-        """The disk writer's internal leases; they never expire."""
-        return self._flags >> 1
-
-    @pins.setter
-    def pins(self, value: int) -> None:
-        self._flags = (value << 1) | (self._flags & 1)
-
-    @property
-    def on_disk(self) -> bool:
-        return bool(self._flags & 1)
-
-    @on_disk.setter
-    def on_disk(self, value: bool) -> None:
-        self._flags = (self._flags & ~1) | int(value)
-
-    @property
-    def leases(self) -> dict[int, tuple[str, float]]:
-        state = self.lease_state
-        return state.table if state is not None else _NO_LEASES
-
-    @property
-    def pinning(self) -> int:
-        state = self.lease_state
-        return state.pinning if state is not None else 0
-
-
-@dataclass(frozen=True)
-class ObjectView:
-    """A copy of one object's metadata (``_debug_snapshot``, for tests)."""
-
-    key: str
-    offset: int
-    size: int
-    generation: int
-    leases: dict[int, tuple[str, float]]
-    pins: int
-    on_disk: bool
-    pinning: int
-    lookup_leases: dict[str, int]
-    checksum: int | None
 
 
 def _copy_in(data: bytes, dest: np.ndarray) -> int:
     """Copy ``data`` into ``dest`` (a promotion's arena range); their checksum."""
     dest[:] = np.frombuffer(data, dtype=np.uint8)
     return checksum([data])
-
-
-class _Spilled(NamedTuple):
-    """An evicted object's bytes on their way to the disk tier, with the checksum its writer
-    gave (None: none). The copy is made under the engine lock, before the range is reused; the
-    hash is checked outside it (``_spilled_intact``), before the bytes are written or read."""
-
-    data: bytes
-    checksum: int | None
-
-
-@dataclass(slots=True)
-class _Pending:
-    handle: int
-    key: str
-    offset: int
-    size: int
-    client_id: str
-    created_at: float
-    generation: int
-    charge: int = 0  # bytes counted against its owner's share (0 for internal promotions)
-    owner: str = ""
-    # The engine's own copy of a disk-tier object into the arena, running unlocked in this
-    # process: no abort or timeout may free its range while that copy is still writing it.
-    promotion: bool = False
-    # A promotion that a client's put of the same key overtook: the put's copy is the one to
-    # publish (the disk's may yet read as corrupt), so this range is given back, not committed.
-    superseded: bool = False
-    # The promotion this client put overtook (``superseded``): if the put is given up, that
-    # promotion publishes its copy after all.
-    overtook: int = -1
-
-
-@dataclass(slots=True)
-class _Hold:
-    """One owner's leases on one object: counted once against its share however many there are."""
-
-    count: int
-    charge: int
-    since: float  # when this continuous hold began (for client_max_hold_s)
-    cooldown_until: float = 0.0  # after hitting the hold limit: no new lease before this
-
-
-@dataclass(slots=True)
-class _Owner:
-    """What one owner (client process) holds, for the fair-sharing quotas."""
-
-    charge: int = 0  # bytes: leased objects (once each) + uncommitted allocations
-    holds: int = 0  # leases + uncommitted allocations
-
-
 
 
 _SERIAL = CopyEngine(1)  # copies on the calling thread
@@ -469,15 +166,15 @@ class _RecordedUses:
     def used(self, key: str) -> None:
         self.last_use[key] = next(self._seq)
 
-    def insert(self, node: _Object) -> None:
+    def insert(self, node: PoolObject) -> None:
         self._inner.insert(node)
         self.used(node.key)
 
-    def touch(self, node: _Object) -> None:
+    def touch(self, node: PoolObject) -> None:
         self._inner.touch(node)
         self.used(node.key)
 
-    def unhold(self, node: _Object) -> None:
+    def unhold(self, node: PoolObject) -> None:
         if node.prev is None:
             self.used(node.key)
         self._inner.unhold(node)
@@ -525,43 +222,28 @@ class PoolEngine:
         # No per-range table in the allocator: the engine knows every range's size (see free).
         self._alloc = OffsetAllocator(config.memory_size, config.alignment, track_live=False)
         self._high_bytes = config.eviction_high_watermark_ratio * self._alloc.capacity
-        self._ttl_s = config.default_kv_lease_ttl_ms / 1000.0
         self._disk = config.disk
 
         self._lock = threading.Lock()
         self._unpinned = threading.Condition(self._lock)  # signalled when the disk writer unpins
-        self._objects: dict[str, _Object] = {}
+        self._objects: dict[str, PoolObject] = {}
         # The evictable objects (committed, nobody holds them), linked through the objects
         # themselves in the policy's order: eviction takes its victims and never meets a held
         # object; its count and bytes are running totals.
         self._policy: EvictionPolicy = make_policy(config.eviction_policy, self._alloc.capacity,
                                                    self._object_charge)
         # handle -> allocation, in creation order (so reap finds the timed-out ones at the front).
-        self._pending: dict[int, _Pending] = {}
-        self._pending_by_client: dict[str, dict[int, _Pending]] = {}
+        self._pending: dict[int, PendingPut] = {}
+        self._pending_by_client: dict[str, dict[int, PendingPut]] = {}
         self._pending_keys: dict[str, int] = {}
         # Evicted objects on their way to disk; readers are served from here meanwhile.
-        self._spill: dict[str, _Spilled] = {}
+        self._spill: dict[str, Spilled] = {}
         self._clients: dict[str, float] = {}
         self._handles = itertools.count(1)
         self._generations = itertools.count(1)
-        self._lease_ids = itertools.count(1)
-        # lease id -> (object, client id, owner, whether it pins the object): O(1) release and
-        # per-client drops, whatever else the object is leased by.
-        self._lease_index: dict[int, tuple[_Object, str, str, bool]] = {}
-        # (expires_at, lease id); entries of released or extended leases are skipped lazily.
-        self._expiry: list[tuple[float, int]] = []
-        self._client_lease_ids: dict[str, set[int]] = {}
-        self._owner_of: dict[str, str] = {}
-        self._owners: dict[str, _Owner] = {}
-        self._holds: dict[tuple[str, str], _Hold] = {}  # (owner, key) -> hold
-        self._cooling: set[tuple[str, str]] = set()  # holds with count 0 kept for their cooldown
-        self._warned_hold: set[str] = set()
-        self._share_bytes = int(config.client_pool_share * self._alloc.capacity)
-        self._quotas_on = (config.client_pool_share < 1 or config.client_max_leases > 0
-                           or config.client_max_hold_s > 0)
-        self._lease_ops = 0  # lease-structure steps (adds, heap pops, drops), a complexity probe
         self._stats = dict.fromkeys(_STAT_NAMES, 0)
+        self._leases = LeaseBook(config, self._alloc.capacity, self._object_charge, self._sync_held_locked,
+                                 self._stats)
         self._closed = False
         self._readers: DaemonWorkers | None = None  # made at the first batch read from disk
         self._disk_writes = 0  # files the write-through has finished (either way): close's progress mark
@@ -614,7 +296,7 @@ class PoolEngine:
         now = self._clock()
         with self._lock:
             self._touch_client(client_id, now)
-            self._prune_locked(now)
+            self._leases.prune(now)
             result, spills = self._allocate_locked(client_id, key, size, now)
         self._write_spills(spills)
         return result
@@ -626,11 +308,11 @@ class PoolEngine:
         if len(keys) != len(sizes):
             return [ErrorCode.INVALID_PARAMS] * len(keys)
         out: list[Allocation | ErrorCode] = []
-        spills: list[tuple[str, _Spilled]] = []
+        spills: list[tuple[str, Spilled]] = []
         now = self._clock()
         with self._lock:
             self._touch_client(client_id, now)
-            self._prune_locked(now)
+            self._leases.prune(now)
             for key, size in zip(keys, sizes):
                 if not self._storable_key(key):
                     out.append(ErrorCode.INVALID_KEY)
@@ -698,7 +380,7 @@ class PoolEngine:
         """Give back an allocation without publishing it (OBJECT_NOT_FOUND if the handle is unknown)."""
         return self.batch_abort([handle])[0]
 
-    def _callers_pending_locked(self, handle: int) -> _Pending | None:
+    def _callers_pending_locked(self, handle: int) -> PendingPut | None:
         """The pending allocation behind a caller's handle; None for an unknown handle and for
         the engine's own promotions (handles are sequential, so one can be guessed)."""
         pending = self._pending.get(handle)
@@ -724,7 +406,7 @@ class PoolEngine:
         now = self._clock()
         with self._lock:
             self._touch_client(client_id, now)
-            self._prune_locked(now)
+            self._leases.prune(now)
             lease = self._lease_locked(client_id, key, now)
             if isinstance(lease, ErrorCode):
                 return lease
@@ -750,7 +432,7 @@ class PoolEngine:
         now = self._clock()
         with self._lock:
             self._touch_client(client_id, now)
-            self._prune_locked(now)
+            self._leases.prune(now)
             for i, key in enumerate(keys):
                 if not isinstance(key, str) or not key:
                     out[i] = ErrorCode.INVALID_KEY
@@ -790,7 +472,7 @@ class PoolEngine:
                 if rc is not ErrorCode.OK:
                     self._stats["lease_expired"] += 1
                 codes.append(rc)
-                self._release_locked(lease)
+                self._leases.release(lease)
         return codes
 
     def check_reported(self, lease: Lease) -> bool:
@@ -831,7 +513,7 @@ class PoolEngine:
         if not lease.lease_id:
             return
         with self._lock:
-            self._release_locked(lease)
+            self._leases.release(lease)
 
     def validate(self, lease: Lease) -> ErrorCode:
         """After copying out, tell whether the copied bytes were stable (OK) or not (LEASE_EXPIRED).
@@ -861,13 +543,13 @@ class PoolEngine:
             if client_id:
                 self._touch_client(client_id, now)
             if lease:
-                self._prune_locked(now)
+                self._leases.prune(now)
             for key in keys:
                 obj = self._objects.get(key)
                 if obj is not None:
                     found.append(True)
                     if lease:
-                        self._lookup_lease_locked(obj, client_id or "", now)
+                        self._leases.lookup_lease(obj, client_id or "", now)
                 else:
                     found.append(
                         key in self._spill or (self._disk is not None and self._disk.contains(key))
@@ -890,14 +572,14 @@ class PoolEngine:
         out: list[LookupLease | bool] = []
         with self._lock:
             self._touch_client(client_id, now)
-            self._prune_locked(now)
+            self._leases.prune(now)
             for key in keys:
                 obj = self._objects.get(key) if isinstance(key, str) and key else None
                 if obj is None:
                     out.append(isinstance(key, str) and bool(key) and (
                         key in self._spill or (self._disk is not None and self._disk.contains(key))))
                     continue
-                held = self._lookup_lease_locked(obj, client_id, now)
+                held = self._leases.lookup_lease(obj, client_id, now)
                 if held is None:
                     out.append(True)
                     continue
@@ -917,7 +599,7 @@ class PoolEngine:
         reported: list[Lease] = []
         with self._lock:
             for lease_id in lease_ids:
-                entry = self._lease_index.get(lease_id)
+                entry = self._leases.index.get(lease_id)
                 obj = entry[0] if entry is not None and entry[1] == client_id else None
                 state = obj.lease_state if obj is not None else None
                 if obj is None or state is None or state.lookup.get(client_id) != lease_id:
@@ -1041,7 +723,7 @@ class PoolEngine:
         refused: set[int] = set()
         with self._lock:
             self._touch_client(client_id, now)
-            self._prune_locked(now)
+            self._leases.prune(now)
             for i in wanted:
                 lease = self._lease_locked(client_id, keys[i], now)
                 if isinstance(lease, ErrorCode):
@@ -1087,7 +769,7 @@ class PoolEngine:
         finally:
             with self._lock:
                 for lease in leases.values():
-                    self._release_locked(lease)
+                    self._leases.release(lease)
         return codes
 
     def batch_exists(
@@ -1109,12 +791,12 @@ class PoolEngine:
         found = False
         deadline = time.monotonic() + REMOVE_PIN_WAIT_S
         with self._lock:
-            self._prune_locked(now)
+            self._leases.prune(now)
             while True:
                 obj = self._objects.get(key)
                 if obj is None:
                     break
-                if self._is_leased(obj, now):
+                if obj.pinning > 0:  # exact: leases expired before now were pruned
                     return ErrorCode.OBJECT_HAS_LEASE
                 if obj.pins:
                     left = deadline - time.monotonic()
@@ -1155,16 +837,16 @@ class PoolEngine:
                 del self._clients[client]
                 logger.warning("client %r silent for > client_ttl_s=%ss; dropping its leases and puts",
                                client, cfg.client_ttl_s)
-            dropped_leases = self._prune_locked(now)
+            dropped_leases = self._leases.prune(now)
             for client in dead:
-                dropped_leases += self._drop_client_leases_locked(client)
+                dropped_leases += self._leases.drop_client(client)
                 # Its binding stays: a stalled process's connection may talk again, and what it
                 # then holds must count against its process, not as a quota of its own.
                 # forget_client, on the connection's close, unbinds it.
             # Allocations are filed in creation order, so the timed-out ones are a prefix (an
             # allocation made a moment out of order is caught by the next reap); the dead
             # clients' come from the per-client index: neither walks every pending allocation.
-            victims: dict[int, tuple[_Pending, bool]] = {}
+            victims: dict[int, tuple[PendingPut, bool]] = {}
             for pending in self._pending.values():
                 if now - pending.created_at <= cfg.put_timeout_s:
                     break
@@ -1195,12 +877,12 @@ class PoolEngine:
         """
         with self._lock:
             known = self._clients.pop(client_id, None) is not None
-            dropped_leases = self._drop_client_leases_locked(client_id)
+            dropped_leases = self._leases.drop_client(client_id)
             mine = list(self._pending_by_client.get(client_id, {}).values())
             for pending in mine:
                 self._reclaim_locked(pending)
             reclaimed = len(mine)
-            self._owner_of.pop(client_id, None)
+            self._leases.unbind(client_id)
             self._stats["reclaimed_allocations"] += reclaimed
         return ReapReport(clients=int(known), leases=dropped_leases, allocations=reclaimed)
 
@@ -1214,14 +896,13 @@ class PoolEngine:
         client with several connections shares one quota. Unbound clients are their own owner. The
         binding outlives a reap (the client may talk again) and ends with :meth:`forget_client`."""
         with self._lock:
-            self._owner_of[client_id] = owner
+            self._leases.bind(client_id, owner)
 
     def holding(self, owner: str) -> tuple[int, int]:
         """(bytes, count) that ``owner`` holds in leased objects and uncommitted allocations."""
         with self._lock:
-            self._prune_locked(self._clock())
-            usage = self._owners.get(owner)
-            return (usage.charge, usage.holds) if usage else (0, 0)
+            self._leases.prune(self._clock())
+            return self._leases.holding(owner)
 
     def stats(self) -> dict[str, int | float]:
         """Counters and gauges for /stats and /metrics."""
@@ -1235,8 +916,8 @@ class PoolEngine:
                 pending_allocations=len(self._pending),
                 spilling=len(self._spill),
                 clients=len(self._clients),
-                leases=len(self._lease_index),
-                lease_ops=self._lease_ops,
+                leases=len(self._leases.index),
+                lease_ops=self._leases.ops,
                 evict_steps=self._policy.steps,
                 evictable_objects=self._policy.count,
                 evictable_bytes=self._policy.bytes,
@@ -1326,7 +1007,7 @@ class PoolEngine:
         if client_id:
             self._clients[client_id] = now
 
-    def _sync_held_locked(self, obj: _Object) -> None:
+    def _sync_held_locked(self, obj: PoolObject) -> None:
         """Take ``obj`` out of the evictable objects when it became held, put it back when it
         stopped being held (the policy counts that as a use); call after its pins or pinning
         leases changed."""
@@ -1335,184 +1016,8 @@ class PoolEngine:
         elif obj.prev is None and self._objects.get(obj.key) is obj:  # not dropped meanwhile
             self._policy.unhold(obj)
 
-    def _is_leased(self, obj: _Object, now: float) -> bool:
-        # Exact once _prune_locked(now) ran: every lease left has expires_at >= now.
-        return obj.pinning > 0
-
-    def _owner(self, client_id: str) -> str:
-        """Whom a client's holdings count against; "" (no accounting) when quotas are off or for
-        the engine's own internal calls."""
-        if not self._quotas_on:
-            return ""
-        return self._owner_of.get(client_id, client_id)
-
-    def _prune_locked(self, now: float) -> int:
-        """Drop leases that expired before ``now``; O(log n) per expired lease. Returns how many."""
-        heap = self._expiry
-        dropped = 0
-        while heap and heap[0][0] < now:
-            _, lease_id = heapq.heappop(heap)
-            self._lease_ops += 1
-            entry = self._lease_index.get(lease_id)
-            if entry is None:
-                continue  # released, or dropped with its client or object
-            expires_at = entry[0].leases[lease_id][1]
-            if expires_at >= now:  # an extended lookup lease: one entry per lease, re-filed
-                heapq.heappush(heap, (expires_at, lease_id))
-                continue
-            self._drop_lease_locked(lease_id)
-            dropped += 1
-        if len(heap) > 2 * len(self._lease_index) + 1024:
-            # Released leases leave their entries behind; rebuild so the heap stays O(live leases).
-            self._expiry = [(e[0].leases[lid][1], lid) for lid, e in self._lease_index.items()]
-            heapq.heapify(self._expiry)
-            self._lease_ops += len(self._expiry)
-        if self._cooling:
-            for hold_key in [h for h in self._cooling if self._holds[h].cooldown_until < now]:
-                self._cooling.discard(hold_key)
-                del self._holds[hold_key]
-        return dropped
-
-    def _drop_lease_locked(self, lease_id: int) -> None:
-        entry = self._lease_index.pop(lease_id, None)
-        if entry is None:
-            return
-        obj, client_id, owner, pins = entry
-        self._lease_ops += 1
-        state = obj.lease_state
-        assert state is not None
-        del state.table[lease_id]
-        if state.lookup.get(client_id) == lease_id:
-            del state.lookup[client_id]
-        if not state.table:
-            obj.lease_state = None
-        if pins:
-            state.pinning -= 1
-            if not state.pinning:
-                self._sync_held_locked(obj)
-        ids = self._client_lease_ids.get(client_id)
-        if ids is not None:
-            ids.discard(lease_id)
-            if not ids:
-                del self._client_lease_ids[client_id]
-        if not owner:
-            return
-        usage = self._owners[owner]
-        usage.holds -= 1
-        if pins:
-            hold = self._holds[(owner, obj.key)]
-            hold.count -= 1
-            if hold.count == 0:
-                usage.charge -= hold.charge
-                if hold.cooldown_until:
-                    self._cooling.add((owner, obj.key))
-                else:
-                    del self._holds[(owner, obj.key)]
-        if not usage.holds and not usage.charge:
-            del self._owners[owner]
-            self._warned_hold.discard(owner)
-
-    def _drop_client_leases_locked(self, client_id: str) -> int:
-        ids = self._client_lease_ids.get(client_id)
-        if not ids:
-            return 0
-        mine = list(ids)
-        for lease_id in mine:
-            self._drop_lease_locked(lease_id)
-        return len(mine)
-
-    def _may_pin_locked(self, owner: str, obj: _Object, now: float) -> bool:
-        """Whether one more lease of ``owner`` on ``obj`` may pin it: within its pool share, and
-        not past client_max_hold_s of continuous pinning (nor in the cooldown after that)."""
-        hold = self._holds.get((owner, obj.key))
-        if hold is not None and hold.cooldown_until >= now:
-            return False
-        cfg = self.config
-        if hold is not None and hold.count:
-            if cfg.client_max_hold_s and now - hold.since >= cfg.client_max_hold_s:
-                # Its pins lapse within one TTL (no renewal); after that the object stays
-                # unpinned by this owner for another TTL, so eviction can reach it.
-                hold.cooldown_until = now + 2 * self._ttl_s
-                self._stats["hold_limit_hits"] += 1
-                if owner not in self._warned_hold:  # once per owner: an attacker may hold many keys
-                    self._warned_hold.add(owner)
-                    logger.warning("client %r pinned key=%r for %.1fs (client_max_hold_s=%s); its leases on it "
-                                   "(and any other past the limit) stop pinning for %.1fs", owner, obj.key,
-                                   now - hold.since, cfg.client_max_hold_s, 2 * self._ttl_s)
-                return False
-            return True  # the object is charged once, however many leases pin it
-        usage = self._owners.get(owner)
-        return (usage.charge if usage else 0) + self._object_charge(obj) <= self._share_bytes
-
-    def _object_charge(self, obj: _Object) -> int:
+    def _object_charge(self, obj: PoolObject) -> int:
         return self._alloc.reserved_size(obj.size + self._meta_charge(obj.key))
-
-    def _add_lease_locked(self, obj: _Object, client_id: str, now: float,
-                          lookup: bool = False) -> tuple[int, float] | ErrorCode:
-        """A new lease; NO_AVAILABLE_HANDLE when the owner holds client_max_leases already. A
-        lookup lease that could not pin would protect nothing, so it is not made (also
-        NO_AVAILABLE_HANDLE)."""
-        owner = self._owner(client_id)
-        pins = True
-        if owner:
-            usage = self._owners.get(owner)
-            if self.config.client_max_leases and usage is not None and usage.holds >= self.config.client_max_leases:
-                self._stats["quota_refusals"] += 1
-                return ErrorCode.NO_AVAILABLE_HANDLE
-            pins = self._may_pin_locked(owner, obj, now)
-            if not pins:
-                self._stats["unpinned_leases"] += 1
-                if lookup:
-                    return ErrorCode.NO_AVAILABLE_HANDLE
-        lease_id = next(self._lease_ids)
-        expires_at = now + self._ttl_s
-        state = obj.lease_state
-        if state is None:
-            state = obj.lease_state = _Leases()
-        state.table[lease_id] = (client_id, expires_at)
-        if pins:
-            state.pinning += 1
-            if state.pinning == 1:
-                self._sync_held_locked(obj)
-        self._lease_index[lease_id] = (obj, client_id, owner, pins)
-        self._client_lease_ids.setdefault(client_id, set()).add(lease_id)
-        heapq.heappush(self._expiry, (expires_at, lease_id))
-        self._lease_ops += 1
-        if owner:
-            usage = self._owners.setdefault(owner, _Owner())
-            usage.holds += 1
-            if pins:
-                hold = self._holds.get((owner, obj.key))
-                if hold is None:
-                    hold = self._holds[(owner, obj.key)] = _Hold(0, 0, now)
-                if hold.count == 0:  # a new continuous hold: charge the object once
-                    self._cooling.discard((owner, obj.key))
-                    hold.charge = self._object_charge(obj)
-                    hold.since = now
-                    hold.cooldown_until = 0.0
-                    usage.charge += hold.charge
-                hold.count += 1
-        return lease_id, expires_at
-
-    def _lookup_lease_locked(self, obj: _Object, client_id: str, now: float) -> tuple[int, float] | None:
-        """The client's lookup lease on ``obj``, extended or made: (lease id, expires_at), or
-        None when the quotas refused it (a lookup lease that cannot pin protects nothing)."""
-        state = obj.lease_state
-        lease_id = state.lookup.get(client_id) if state is not None else None
-        if state is not None and lease_id is not None and lease_id in state.table:
-            # Moving the expiry later is safe for a lease already handed out: a reader's copy is
-            # checked against the table's expiry (`check_lookup_leases`), which only grew. The heap entry is re-filed
-            # when it comes up.
-            owner = self._owner(client_id)
-            if not owner or self._may_pin_locked(owner, obj, now):
-                state.table[lease_id] = (client_id, now + self._ttl_s)
-            return lease_id, state.table[lease_id][1]
-        added = self._add_lease_locked(obj, client_id, now, lookup=True)
-        if isinstance(added, ErrorCode):
-            return None
-        assert obj.lease_state is not None
-        obj.lease_state.lookup[client_id] = added[0]
-        return added
 
     def _validate_locked(self, lease: Lease, now: float) -> ErrorCode:
         if now > lease.expires_at:
@@ -1525,19 +1030,12 @@ class PoolEngine:
             return ErrorCode.LEASE_EXPIRED
         return ErrorCode.OK
 
-    def _release_locked(self, lease: Lease) -> None:
-        if not lease.lease_id:
-            return
-        entry = self._lease_index.get(lease.lease_id)
-        if entry is not None and entry[0].generation == lease.generation:
-            self._drop_lease_locked(lease.lease_id)
-
     def _lease_locked(self, client_id: str, key: str, now: float) -> Lease | ErrorCode | None:
         """A lease on the in-memory object ``key``; None when not in memory, an ErrorCode when refused."""
         obj = self._objects.get(key)
         if obj is None:
             return None
-        added = self._add_lease_locked(obj, client_id, now)
+        added = self._leases.add(obj, client_id, now)
         if isinstance(added, ErrorCode):
             return added
         lease_id, expires_at = added
@@ -1552,7 +1050,7 @@ class PoolEngine:
         overhead = self.config.object_overhead_bytes
         return overhead + len(key.encode("utf-8", "surrogatepass")) if overhead else 0
 
-    def _unfile_pending_locked(self, pending: _Pending) -> None:
+    def _unfile_pending_locked(self, pending: PendingPut) -> None:
         del self._pending[pending.handle]
         if self._pending_keys.get(pending.key) == pending.handle:  # else a put superseded it
             del self._pending_keys[pending.key]
@@ -1561,7 +1059,7 @@ class PoolEngine:
         if not mine:
             del self._pending_by_client[pending.client_id]
 
-    def _reclaim_locked(self, pending: _Pending) -> None:
+    def _reclaim_locked(self, pending: PendingPut) -> None:
         """Free an uncommitted allocation (aborted, timed out, or its client gone)."""
         self._unfile_pending_locked(pending)
         promotion = self._pending.get(pending.overtook)
@@ -1571,20 +1069,15 @@ class PoolEngine:
         self._alloc.free(pending.offset, pending.size + self._meta_charge(pending.key))
         self._uncharge_pending_locked(pending)
 
-    def _uncharge_pending_locked(self, pending: _Pending) -> None:
+    def _uncharge_pending_locked(self, pending: PendingPut) -> None:
         if not pending.owner:
             return
         owner, pending.owner = pending.owner, ""
-        usage = self._owners[owner]
-        usage.charge -= pending.charge
-        usage.holds -= 1
-        if not usage.holds and not usage.charge:
-            del self._owners[owner]
-            self._warned_hold.discard(owner)
+        self._leases.uncharge_allocation(owner, pending.charge)
 
     def _allocate_locked(
         self, client_id: str, key: str, size: int, now: float
-    ) -> tuple[Allocation | ErrorCode, list[tuple[str, _Spilled]]]:
+    ) -> tuple[Allocation | ErrorCode, list[tuple[str, Spilled]]]:
         if key in self._objects:
             return ErrorCode.OBJECT_ALREADY_EXISTS, []
         overtaken = self._pending.get(self._pending_keys.get(key, -1))
@@ -1595,17 +1088,11 @@ class PoolEngine:
             # bytes would then be lost to a caller that was told they were stored.
             return ErrorCode.OBJECT_ALREADY_EXISTS, []
         total = size + self._meta_charge(key)
-        owner = self._owner(client_id)
+        owner = self._leases.owner(client_id)
         charge = self._alloc.reserved_size(total)
-        if owner:
-            usage = self._owners.get(owner)
-            cfg = self.config
-            if (usage is not None and cfg.client_max_leases and usage.holds >= cfg.client_max_leases) or \
-                    (usage.charge if usage else 0) + charge > self._share_bytes:
-                self._stats["quota_refusals"] += 1
-                logger.debug("allocate(key=%r, size=%d): client %r is at its share of the pool", key, size,
-                             client_id)
-                return ErrorCode.NO_AVAILABLE_HANDLE, []
+        if owner and not self._leases.may_allocate(owner, charge):
+            logger.debug("allocate(key=%r, size=%d): client %r is at its share of the pool", key, size, client_id)
+            return ErrorCode.NO_AVAILABLE_HANDLE, []
         spills = self._make_room_locked(total, now)
         offset = self._alloc.allocate(total)
         if offset is not None and self._prefault is not None:
@@ -1618,12 +1105,10 @@ class PoolEngine:
                 key, size, self._alloc.used, self._alloc.capacity, self._alloc.largest_free(),
             )
             return ErrorCode.NO_AVAILABLE_HANDLE, spills
-        pending = _Pending(next(self._handles), key, offset, size, client_id, now, next(self._generations))
+        pending = PendingPut(next(self._handles), key, offset, size, client_id, now, next(self._generations))
         if owner:
             pending.owner, pending.charge = owner, charge
-            usage = self._owners.setdefault(owner, _Owner())
-            usage.charge += charge
-            usage.holds += 1
+            self._leases.charge_allocation(owner, charge)
         self._pending[pending.handle] = pending
         self._pending_keys[key] = pending.handle
         if overtaken is not None:
@@ -1632,7 +1117,7 @@ class PoolEngine:
         self._pending_by_client.setdefault(client_id, {})[pending.handle] = pending
         return Allocation(pending.handle, key, offset, size), spills
 
-    def _make_room_locked(self, size: int, now: float) -> list[tuple[str, _Spilled]]:
+    def _make_room_locked(self, size: int, now: float) -> list[tuple[str, Spilled]]:
         """Evict the policy's victims so ``size`` fits; return spills to write to disk after unlocking.
 
         Past the high watermark, evict eviction_ratio of the objects (at least one)
@@ -1652,7 +1137,7 @@ class PoolEngine:
         if self._alloc.used - self._policy.bytes + need > self._alloc.capacity:
             return []
         target = max(1, math.ceil(self.config.eviction_ratio * len(self._objects))) if over else 0
-        spills: list[tuple[str, _Spilled]] = []
+        spills: list[tuple[str, Spilled]] = []
         evicted = 0
         while evicted < target or self._alloc.largest_free() < need:
             obj = self._policy.victim()
@@ -1665,23 +1150,22 @@ class PoolEngine:
             evicted += 1
         return spills
 
-    def _drop_locked(self, obj: _Object, spill: bool = False) -> tuple[str, _Spilled] | None:
+    def _drop_locked(self, obj: PoolObject, spill: bool = False) -> tuple[str, Spilled] | None:
         """Remove ``obj`` from memory; when spilling and it is not on disk yet, keep a copy for the disk."""
         del self._objects[obj.key]  # first: dropping its leases below must not re-list it
         self._policy.remove(obj)
-        for lease_id in list(obj.leases):  # expired ones not pruned yet; live ones are never dropped
-            self._drop_lease_locked(lease_id)
+        self._leases.drop_object(obj)  # expired leases not pruned yet; live ones are never dropped
         out = None
         if spill and self._disk is not None and not obj.on_disk:
-            entry = _Spilled(self._arena[obj.offset : obj.offset + obj.size].tobytes(), obj.checksum)
+            entry = Spilled(self._arena[obj.offset : obj.offset + obj.size].tobytes(), obj.checksum)
             self._spill[obj.key] = entry
             out = (obj.key, entry)
         self._alloc.free(obj.offset, obj.size + self._meta_charge(obj.key))
         return out
 
-    def _commit_locked(self, pending: _Pending) -> _Object:
+    def _commit_locked(self, pending: PendingPut) -> PoolObject:
         self._unfile_pending_locked(pending)
-        obj = _Object(pending.key, pending.offset, pending.size, pending.generation)
+        obj = PoolObject(pending.key, pending.offset, pending.size, pending.generation)
         self._objects[obj.key] = obj
         self._policy.insert(obj)
         self._stats["puts"] += 1
@@ -1715,10 +1199,10 @@ class PoolEngine:
         the file dropped), never makes wrong bytes pass the check.
         """
         now = self._clock()
-        spills: list[tuple[str, _Spilled]] = []
-        pending: _Pending | None = None
+        spills: list[tuple[str, Spilled]] = []
+        pending: PendingPut | None = None
         with self._lock:
-            self._prune_locked(now)
+            self._leases.prune(now)
             lease = self._lease_locked(client_id, key, now)  # another reader may have promoted it
             if isinstance(lease, ErrorCode):
                 return lease
@@ -1737,7 +1221,7 @@ class PoolEngine:
         try:
             if pending is None:
                 data = read()
-                lease = Lease(key, -1, len(data), 0, now + self._ttl_s, 0, data)
+                lease = Lease(key, -1, len(data), 0, now + self._leases.ttl_s, 0, data)
             else:
                 digest = fill(self._arena[pending.offset : pending.offset + size])
         except BaseException as exc:
@@ -1771,13 +1255,13 @@ class PoolEngine:
                 if checksum([data]) != digest:
                     self._write_spills(spills)
                     return promoted if isinstance(promoted, ErrorCode) else ErrorCode.OBJECT_NOT_FOUND
-                lease = Lease(key, -1, size, 0, now + self._ttl_s, 0, data)
+                lease = Lease(key, -1, size, 0, now + self._leases.ttl_s, 0, data)
         with self._lock:
             self._stats["disk_hits"] += 1
         self._write_spills(spills)
         return lease
 
-    def _write_spills(self, spills: list[tuple[str, _Spilled]]) -> None:
+    def _write_spills(self, spills: list[tuple[str, Spilled]]) -> None:
         """Write evicted objects to the disk tier (call unlocked: this is disk I/O)."""
         if not spills or self._disk is None:
             return
@@ -1798,7 +1282,7 @@ class PoolEngine:
                 if self._spill.get(key) is entry:
                     del self._spill[key]
 
-    def _spilled_intact(self, key: str, entry: _Spilled) -> bool:
+    def _spilled_intact(self, key: str, entry: Spilled) -> bool:
         """Whether a spilled copy matches its writer's checksum (call unlocked). One that does
         not was overwritten in the shared arena before its eviction: it is dropped, counted in
         ``corrupt_objects`` once (by whichever check takes it out), and never written or read."""
@@ -1868,35 +1352,7 @@ class PoolEngine:
         """Per owner (charge, holds) recomputed from the leases and allocations themselves, after
         checking that every index agrees with the objects' own lease tables (tests)."""
         with self._lock:
-            owners: dict[str, list[int]] = {}
-            seen_holds: dict[tuple[str, str], int] = {}
-            for key, obj in self._objects.items():
-                pinning = 0
-                for lease_id, (client, _) in obj.leases.items():
-                    o, c, owner, pins = self._lease_index[lease_id]
-                    assert o is obj and c == client and lease_id in self._client_lease_ids[c]
-                    pinning += pins
-                    if owner:
-                        owners.setdefault(owner, [0, 0])[1] += 1
-                        if pins:
-                            seen_holds[(owner, key)] = seen_holds.get((owner, key), 0) + 1
-                assert pinning == obj.pinning, (key, pinning, obj.pinning)
-            assert sum(len(o.leases) for o in self._objects.values()) == len(self._lease_index)
-            for (owner, key), count in seen_holds.items():
-                hold = self._holds[(owner, key)]
-                assert hold.count == count
-                owners[owner][0] += hold.charge
-            for (owner, key), hold in self._holds.items():
-                assert hold.count == seen_holds.get((owner, key), 0)
-                assert hold.count or (owner, key) in self._cooling
-            for pending in self._pending.values():
-                if pending.owner:
-                    usage = owners.setdefault(pending.owner, [0, 0])
-                    usage[0] += pending.charge
-                    usage[1] += 1
-            mine = {o: (u.charge, u.holds) for o, u in self._owners.items()}
-            assert mine == {o: (c, h) for o, (c, h) in owners.items()}, (mine, owners)
-            return mine
+            return self._leases.check(self._objects, self._pending.values())
 
     def _evictable_keys_locked(self) -> list[str]:
         keys = []
