@@ -302,6 +302,8 @@ def render(source: Source, s: dict[str, Any], rates: Rates | None = None) -> Non
         console.print(ct)
 
 
+# The longest --watch interval: a day (a longer sleep overflows the platform's time_t).
+MAX_WATCH_S = 86400.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -337,8 +339,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             render(source, stats)
         return 0
-    if not args.watch > 0 or args.count < 0:
-        print("kvpool stats: --watch takes a positive number of seconds and --count N >= 0", file=sys.stderr)
+    if not 0 < args.watch <= MAX_WATCH_S or args.count < 0:  # NaN fails the first
+        print(f"kvpool stats: --watch={args.watch} --count={args.count} is invalid: --watch takes seconds in "
+              f"(0, {MAX_WATCH_S}] and --count N >= 0", file=sys.stderr)
         return 2
     try:
         return _watch(source, args.watch, args.count, args.json)
