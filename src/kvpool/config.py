@@ -652,6 +652,10 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
         "a kv_producer looks up and loads pooled prefixes (false: it only saves)"))] = True
     save_sync: Annotated[bool, Meta(description=(
         "finish a step's saves before the step returns (default: on for kv_producer)"))] | None = None
+    save_decode_cache: Annotated[bool, Meta(description=(
+        "also save the blocks a request fills while decoding, so that a conversation's next turn "
+        "(whose prompt holds this answer) hits them; a request may ask for it, or refuse it, in its "
+        "kv_transfer_params"))] = False
     prefill_pp_size: Annotated[int, Meta(ge=1, le=MAX_PP_SIZE, description=(
         "PP size of the prefill nodes a decode node puts for"))] | None = None
     prefill_pp_layer_partition: Annotated[tuple[Annotated[int, Meta(ge=1, le=MAX_LAYERS)], ...], Meta(
@@ -694,6 +698,10 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
         "append one line per finished request (arrival, lengths, the prompt's block hashes; no "
         "tokens) to this file, in the trace format `kvpool plan` reads (default: off)"))] | None = None
 
+
+# The key under a request's `kv_transfer_params` that holds kvpool's per-request switches
+# (`kvpool.vllm.control`); the PD proxy passes it on to both legs.
+REQUEST_PARAMS_KEY = "kvpool"
 
 # Accepted for compatibility with the reference connector's configs: old name -> key.
 ALIASES = {"mooncake_rpc_port": "lookup_rpc_port", "default_kv_lease_ttl": "default_kv_lease_ttl_ms"}

@@ -37,6 +37,20 @@ def test_prefill_gets_one_token_then_decode_gets_the_original_request(make_peer,
     assert resp.headers["x-kvpool-decoder"] == f"127.0.0.1:{d.port}"
 
 
+def test_the_clients_kvpool_switches_reach_both_legs_and_nothing_else_of_its_params(make_peer, start_proxy):
+    kv = {"do_remote_prefill": True, "remote_engine_id": "p0"}
+    p = make_peer("P", kv_transfer_params=kv)
+    d = make_peer("D")
+    proxy = start_proxy([p], [d])
+    switches = {"skip_save": True, "save_decode": False}
+    body = {**COMPLETION, "kv_transfer_params": {"kvpool": switches, "remote_engine_id": "forged"}}
+    assert proxy.post("/v1/completions", body).status_code == 200
+    (pre,), (dec,) = p.completions(), d.completions()
+    assert pre.body["kv_transfer_params"]["kvpool"] == switches and pre.body["kv_transfer_params"]["do_remote_decode"]
+    assert pre.body["kv_transfer_params"]["remote_engine_id"] is None  # not the client's
+    assert dec.body["kv_transfer_params"] == {**kv, "kvpool": switches}  # the prefill's say, and the switches
+
+
 def test_chat_max_completion_tokens_and_usage_with_the_prefills_cached_tokens(make_peer, start_proxy):
     p = make_peer("P", cached_tokens=32)
     d = make_peer("D", cached_tokens=96)

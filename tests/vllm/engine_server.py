@@ -107,7 +107,10 @@ def run_engine(spec: dict) -> None:
             out.write(json.dumps({"results": [], "reset": bool(llm.reset_prefix_cache())}) + "\n")
             out.flush()
             continue
-        sp = SamplingParams(max_tokens=cmd.get("max_tokens", 4), temperature=0.0, logprobs=5, ignore_eos=True)
+        # A request's own kv_transfer_params reach the connector as an API request's do.
+        extra = {"kv_transfer_params": cmd["kv_transfer_params"]} if cmd.get("kv_transfer_params") else None
+        sp = SamplingParams(max_tokens=cmd.get("max_tokens", 4), temperature=0.0, logprobs=5, ignore_eos=True,
+                            extra_args=extra)
         results = []
         for ids in cmd["prompts"]:
             try:

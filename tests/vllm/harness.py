@@ -261,10 +261,13 @@ class Engine:
         self.proc.stdin.flush()
         return json.loads(self._wait_line(lambda l: l.startswith('{"results"'), timeout))
 
-    def generate(self, prompts: list[list[int]], max_tokens: int = 4, timeout: float = 300) -> list[dict]:
+    def generate(self, prompts: list[list[int]], max_tokens: int = 4, timeout: float = 300,
+                 kv_transfer_params: dict | None = None) -> list[dict]:
         """Greedy generation, one prompt after the other; per prompt: token_ids, top-5 logprobs,
-        num_cached_tokens, finish_reason, error (None unless the request failed)."""
-        return self._call({"prompts": prompts, "max_tokens": max_tokens}, timeout)["results"]
+        num_cached_tokens, finish_reason, error (None unless the request failed).
+        `kv_transfer_params` go with every request, as an API request's would."""
+        return self._call({"prompts": prompts, "max_tokens": max_tokens, "kv_transfer_params": kv_transfer_params},
+                          timeout)["results"]
 
     def reset_prefix_cache(self, timeout: float = 60) -> None:
         """Empty vLLM's own prefix cache (not the pool)."""

@@ -43,7 +43,7 @@ MODES = {
 def pooled(request, model_dir):
     """vLLM with kvpool and no prefix cache: round 2 can only hit through the pool.
 
-    Yields the mode, both rounds' results and kvpool's counters of each round.
+    Yields the mode, both rounds' results, kvpool's counters of each round, and the engine.
     """
     with Engine(model_dir, kv_transfer_config=kvpool_config(**MODES[request.param])) as e:
         rounds, counters = [], []
@@ -51,7 +51,7 @@ def pooled(request, model_dir):
             since = e.mark()
             rounds.append(e.generate(PROMPTS))
             counters.append(e.counters(since))
-        yield request.param, rounds, counters
+        yield request.param, rounds, counters, e
 
 
 def _same(a: dict, b: dict) -> None:
@@ -61,14 +61,14 @@ def _same(a: dict, b: dict) -> None:
 
 
 def test_cold_request_equals_vllm_alone(ref_rounds, pooled):
-    _, rounds, _ = pooled
+    _, rounds, _, _ = pooled
     for ref, got in zip(ref_rounds[0], rounds[0]):
         _same(ref, got)
         assert got["num_cached_tokens"] == 0
 
 
 def test_second_round_hits_all_whole_blocks(pooled):
-    _, rounds, _ = pooled
+    _, rounds, _, _ = pooled
     hits = [r["num_cached_tokens"] for r in rounds[1]]
     assert hits == [
         (len(LONG) // BLOCK) * BLOCK,  # 896: every whole block
@@ -78,14 +78,14 @@ def test_second_round_hits_all_whole_blocks(pooled):
 
 
 def test_pool_hit_equals_prefix_cache_hit(ref_rounds, pooled):
-    _, rounds, _ = pooled
+    _, rounds, _, _ = pooled
     for i in (0, 2):  # the unaligned prompts: vLLM's prefix cache hits the same 896/2048 tokens
         assert ref_rounds[1][i]["num_cached_tokens"] == rounds[1][i]["num_cached_tokens"]
         _same(ref_rounds[1][i], rounds[1][i])
 
 
 def test_full_hit_output_equals_cold(ref_rounds, pooled):
-    _, rounds, _ = pooled
+    _, rounds, _, _ = pooled
     # All 6 blocks come from the pool and only the last token is recomputed. vLLM's prefix
     # cache never hits all 6 (it keeps whole blocks under the last token: 5), so there is no
     # run with the same split to compare logprobs with: token ids only.
@@ -93,7 +93,7 @@ def test_full_hit_output_equals_cold(ref_rounds, pooled):
 
 
 def test_counters(pooled):
-    _, _, (first, second) = pooled
+    _, _, (first, second), _ = pooled
     blocks = sum(len(p) // BLOCK for p in PROMPTS)  # 7 + 6 + 16
     # Round 1 saves every whole prompt block (chunked prefill: over several steps), loads nothing.
     assert (first["save_blocks"], first["lookup_hit_blocks"], first["load_blocks"]) == (blocks, 0, 0)
@@ -105,9 +105,33 @@ def test_counters(pooled):
 def test_layerwise_hooks_run_on_real_vllm(pooled):
     """vLLM's CPU attention calls the connector's per-layer hooks: every layer of a loading
     step was waited for inside the forward pass, and saves left from save_kv_layer."""
-    mode, _, (first, second) = pooled
+    mode, _, (first, second), _ = pooled
     if mode != "staged-layerwise":
         assert first.get("layer_saves_sent", 0) == second.get("layer_loads_waited", 0) == 0
         return
     assert first["layer_saves_sent"] > 0
     assert second["layer_loads_waited"] > 0
+
+
+# A conversation: turn 1 is a prompt under one block and an answer that fills two blocks with it;
+# turn 2 sends both back with a question. Only decode-cache saving pools the answer's blocks.
+TURN1 = tokens(100, seed=4)
+ANSWER_TOKENS = 160
+QUESTION = tokens(40, seed=5)
+
+
+@pytest.fixture(scope="module")
+def ref_conversation(reference):
+    first = reference.generate([TURN1], max_tokens=ANSWER_TOKENS)[0]
+    return first, reference.generate([TURN1 + first["token_ids"] + QUESTION])[0]
+
+
+def test_a_request_that_asks_for_it_saves_its_answer_and_the_next_turn_hits_it(ref_conversation, pooled):
+    mode, _, _, engine = pooled
+    ref_first, ref_second = ref_conversation
+    first = engine.generate([TURN1], max_tokens=ANSWER_TOKENS, kv_transfer_params={"kvpool": {"save_decode": True}})[0]
+    _same(ref_first, first)
+    second = engine.generate([TURN1 + first["token_ids"] + QUESTION])[0]
+    # vLLM's own prefix cache kept the answer's blocks too: the same split, the same numbers.
+    assert second["num_cached_tokens"] == ref_second["num_cached_tokens"] == 2 * BLOCK, mode
+    _same(ref_second, second)

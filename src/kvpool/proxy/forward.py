@@ -16,7 +16,8 @@ Mooncake transfer) expect; kvpool's connector ignores it.
 Decode request: the client's body as it came, less any ``kv_transfer_params`` of the
 client's own (they tell a transfer connector where to fetch KV from, which is the prefill's to
 say, not the client's), plus the ``kv_transfer_params`` the prefill answered with (when it
-answered any). Its answer or SSE stream goes back to the client.
+answered any). The client's switches for kvpool (``kv_transfer_params.kvpool``) go to both
+legs as they came. Its answer or SSE stream goes back to the client.
 
 Headers sent on: ``x-request-id`` (the client's, or a new one), and the client's
 ``Authorization`` only as ``--forward-authorization`` says (default: to no instance).
@@ -60,6 +61,7 @@ import httpx
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from kvpool.config import REQUEST_PARAMS_KEY
 from kvpool.proxy.config import ForwardAuth, ProxyConfig
 from kvpool.proxy.intake import BadRequest, parse_json
 from kvpool.proxy.prefix import request_chain
@@ -126,16 +128,26 @@ def prefill_payload(body: Mapping[str, Any]) -> dict[str, Any]:
     payload["n"] = 1
     payload.pop("stream_options", None)
     payload.pop("min_tokens", None)  # min_tokens > max_tokens is a 400
-    payload["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    payload["kv_transfer_params"] = {**PREFILL_KV_TRANSFER_PARAMS, **_pool_switches(body)}
     return payload
 
 
 def decode_payload(body: Mapping[str, Any], kv_transfer_params: Any) -> dict[str, Any]:
     payload = dict(body)
+    switches = _pool_switches(body)
     payload.pop("kv_transfer_params", None)
-    if kv_transfer_params:
-        payload["kv_transfer_params"] = kv_transfer_params
+    if kv_transfer_params or switches:
+        payload["kv_transfer_params"] = {**(kv_transfer_params if isinstance(kv_transfer_params, dict) else {}),
+                                         **switches}
     return payload
+
+
+def _pool_switches(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The client's own switches for kvpool (`kv_transfer_params.kvpool`), which both legs honour;
+    the rest of its `kv_transfer_params` is the prefill's to say."""
+    params = body.get("kv_transfer_params")
+    return {REQUEST_PARAMS_KEY: params[REQUEST_PARAMS_KEY]} if isinstance(params, dict) and \
+        REQUEST_PARAMS_KEY in params else {}
 
 
 def _text_tokens(value: Any) -> int:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from kvpool.config import KVPoolConfig
 from kvpool.errors import ConfigError
 from kvpool.tracefile import BlockHashLog
+from kvpool.vllm.control import DEFAULT, RequestControl, request_control
 from kvpool.vllm.groups import NULL_BLOCK_ID, PoolGroup, loads_by_request, pool_groups, state_chunking_problem
 from kvpool.vllm.lookup import LookupClient
 from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
@@ -72,6 +73,7 @@ class _RequestState:
     pool_limit: int | None = None
     load_start: int = 0  # the first block of its last load (several groups: where a failure rewinds to)
     reused_upto: int = 0  # blocks [0, reused_upto) came from vLLM's cache or the pool, not computed here
+    control: RequestControl = DEFAULT  # what the request asked of the pool (`control.py`)
 
 
 def _blocks(group: PoolGroup, hashes: list[bytes], ids: list[int], span: range) -> list[tuple[bytes, int]]:
@@ -145,7 +147,7 @@ class PoolScheduler:
         # loaded from the pool: offering them to the pool again on every turn of a conversation
         # would only cost put-if-absent round trips. The last call before allocation counts.
         self._local_blocks[request.request_id] = num_computed_tokens // self.block_size
-        if self._client is None or not self._hashed_per_block(request):
+        if self._client is None or not self._hashed_per_block(request) or self._control(request).skip_load:
             return 0, False
         hashes = request.block_hashes
         if (state := self._requests.get(request.request_id)) is not None and state.pool_limit is not None:
@@ -164,8 +166,19 @@ class PoolScheduler:
         self._plans[request.request_id] = _LoadPlan(start, hit_blocks)
         return hit_tokens - num_computed_tokens, self._load_async
 
+    def _control(self, request: Request) -> RequestControl:
+        """The request's own switches, read once (a bad value is said once, and ignored)."""
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = _RequestState(request)
+            state.control, problem = request_control(request.kv_transfer_params)
+            if problem:
+                logger.warning("kvpool: request %s: %s", request.request_id, problem)
+        return state.control
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        state = self._requests.setdefault(request.request_id, _RequestState(request))
+        self._control(request)
+        state = self._requests[request.request_id]
         looked_up = request.request_id in self._local_blocks
         local_blocks = self._local_blocks.pop(request.request_id, 0)
         state.saved_upto = max(state.saved_upto, local_blocks)
@@ -258,7 +271,7 @@ class PoolScheduler:
         prompt, at a whole block, computed by this request (not one it loaded or found in vLLM's
         cache)."""
         req = state.request
-        if not self._hashed_per_block(req):
+        if state.control.skip_save or not self._hashed_per_block(req):
             return []
         by_group: dict[int, list[tuple[bytes, int]]] = {}
         for group, block_id, boundary in entries:
@@ -300,9 +313,11 @@ class PoolScheduler:
 
     def _plan_save(self, state: _RequestState, computed_tokens: int, meta: KVPoolMetadata) -> None:
         req = state.request
-        if not state.block_ids or not self._hashed_per_block(req):
+        if not state.block_ids or state.control.skip_save or not self._hashed_per_block(req):
             return
-        end = min(computed_tokens, req.num_prompt_tokens) // self.block_size
+        # Decoding fills blocks too (prompt and answer hash as one sequence): saved on request.
+        decode = self.config.save_decode_cache if state.control.save_decode is None else state.control.save_decode
+        end = (computed_tokens if decode else min(computed_tokens, req.num_prompt_tokens)) // self.block_size
         end = min(end, len(req.block_hashes), *(len(state.block_ids[g.index]) for g in self._groups))
         if end <= state.saved_upto:
             return

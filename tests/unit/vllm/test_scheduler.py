@@ -201,6 +201,68 @@ def test_chunked_prefill_saves_each_full_prompt_block_once(fake_lookup):
         assert meta.saves == []
 
 
+def _decode_past_a_block(sched: PoolScheduler, params: dict | None = None) -> list[list[bytes]]:
+    """Request "a": 2 prompt blocks and a token, then decoding fills block 2 and 2 tokens of 3,
+    one token a step; the hashes of the blocks each step saved."""
+    req = make_request("a", 2 * BS + 1, max_tokens=2 * BS)
+    req.kv_transfer_params = params
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, kv_blocks([10, 11, 12]), 0)
+    saved = [[h for t in sched.build_connector_meta(scheduler_output(new=[(new_req(req, [10, 11, 12], 0),
+                                                                            2 * BS + 1)])).saves
+              for h in t.block_hashes]]
+    req.append_output_token_ids(list(range(1000, 1000 + BS + 2)))
+    for computed in range(2 * BS + 1, 3 * BS + 2):  # one token a step
+        step = Cached("a", computed, [13] if computed == 3 * BS else None)
+        saved.append([h for t in sched.build_connector_meta(scheduler_output(cached=[(step, 1)])).saves
+                      for h in t.block_hashes])
+    return saved
+
+
+def test_decode_blocks_are_saved_when_full_with_save_decode_cache_or_on_request(fake_lookup):
+    h = make_request("a", 2 * BS + 1).block_hashes
+    for sched, params in ((make_scheduler({"save_decode_cache": True}), None),
+                          (make_scheduler(), {"kvpool": {"save_decode": True}})):
+        saved = _decode_past_a_block(sched, params)
+        # The prompt's blocks at once; block 2, filled by decoding, in the step that computes its
+        # last token; nothing for the half-filled block 3.
+        assert saved[0] == h[:2] and [s for s in saved[1:] if s] == [[_hashes_after_decode()[2]]]
+        assert saved[BS - 1] == [_hashes_after_decode()[2]]  # the step that computes token 3 * BS - 1
+
+
+def _hashes_after_decode() -> list[bytes]:
+    req = make_request("a", 2 * BS + 1, max_tokens=2 * BS)
+    req.append_output_token_ids(list(range(1000, 1000 + BS + 2)))
+    return req.block_hashes
+
+
+def test_a_request_may_refuse_decode_saving_and_without_it_none_is_saved(fake_lookup):
+    for sched, params in ((make_scheduler({"save_decode_cache": True}), {"kvpool": {"save_decode": False}}),
+                          (make_scheduler(), None)):
+        saved = _decode_past_a_block(sched, params)
+        assert len(saved[0]) == 2 and not any(saved[1:])
+
+
+def test_a_request_may_skip_the_pools_load_or_its_save(fake_lookup):
+    sched = make_scheduler()
+    req = make_request("a", 3 * BS + 1)
+    req.kv_transfer_params = {"kvpool": {"skip_load": True}, "do_remote_decode": False}  # another's key beside
+    pool(fake_lookup, req, 3)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert _decode_past_a_block(make_scheduler(), {"kvpool": {"skip_save": True}}) == [[]] * (BS + 2)
+
+
+@pytest.mark.parametrize("params", [
+    {"kvpool": {"skip_load": "yes"}}, {"kvpool": {"skip_lod": True}}, {"kvpool": [1]}, {"kvpool": None},
+])
+def test_switches_kvpool_cannot_read_are_ignored_not_fatal(fake_lookup, params):
+    sched = make_scheduler()
+    req = make_request("a", 3 * BS + 1)
+    req.kv_transfer_params = params
+    pool(fake_lookup, req, 3)
+    assert sched.get_num_new_matched_tokens(req, 0) == (3 * BS, False)  # the defaults: looked up
+
+
 def test_loaded_blocks_are_not_saved_again(fake_lookup):
     sched = make_scheduler()
     req = make_request("a", 4 * BS + 1)
