@@ -11,7 +11,7 @@ import pytest
 from kvpool.errors import ConfigError
 from kvpool.plan.cluster import ServiceModel, replay_cluster, workload
 from kvpool.plan.pool import PoolModel
-from kvpool.plan.replay import replay_pool, request_keys
+from kvpool.plan.replay import answer_keys, replay_pool, request_keys
 from kvpool.plan.scale import ScaledMemory, scale_memory
 from kvpool.tracefile import parse_lines, read_trace
 from kvpool.store import EngineConfig
@@ -229,3 +229,30 @@ def test_memory_policy_is_the_engines_and_s3fifo_keeps_a_reused_prefix_through_a
         hits[policy] = counts.memory
         pool.close()
     assert hits == {"lru": 2, "s3fifo": 4}
+
+
+def test_an_answer_is_read_off_the_conversations_next_turn_and_stored_with_save_decode() -> None:
+    # A: 2 whole blocks and 2 tokens (ids 1 2 3, the last partial), then a 7-token answer: the
+    # blocks of A's prompt and answer reach token 2 * 4 + 2 + 7 - 1 = 16, so the answer fills
+    # blocks 2 and 3 (ids 5 6 in B, A's next turn: A's prompt, its answer and a question). C
+    # shares A's first block only; D continues nothing.
+    lines = [json.dumps(r) for r in (
+        {"timestamp": 0, "input_length": 10, "output_length": 7, "hash_ids": [1, 2, 3]},
+        {"timestamp": 1, "input_length": 20, "output_length": 1, "hash_ids": [1, 2, 5, 6, 7]},
+        {"timestamp": 2, "input_length": 8, "output_length": 9, "hash_ids": [1, 8]},
+        {"timestamp": 3, "input_length": 4, "output_length": 1, "hash_ids": [9]},
+    )]
+    trace = parse_lines(lines, BLOCK)
+    assert answer_keys(trace) == [["5", "6"], [], [], []]
+    without, _ = replay_pool(request_keys(trace), _lru_pool(64))
+    with_answers, _ = replay_pool(request_keys(trace), _lru_pool(64), answer_keys(trace))
+    # B hits 1 2 either way, and 5 6 only when A saved its answer; C hits 1.
+    assert (without.memory, with_answers.memory) == (3, 5)
+
+
+def test_save_decode_is_refused_in_cluster_mode(tmp_path) -> None:
+    from kvpool.cli.main import main
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [1, 2]}) + "\n")
+    assert main(["plan", str(trace), "--kv-bytes-per-token", "1KB", "--save-decode", "--instances", "2"]) == 2

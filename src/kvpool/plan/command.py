@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--object-overhead", default="0",
                    help="bytes the memory tier charges per block on top of its KV bytes (kvpool server: "
                         "1KB plus the key; local backend: 0; default 0)")
+    p.add_argument("--save-decode", action="store_true",
+                   help="each request also stores the blocks its answer fills (the connector's "
+                        "save_decode_cache), read off the conversation's next turn (docs/plan.md)")
     p.add_argument("--instances", type=int, default=0,
                    help="cluster mode: this many vLLM instances share the pool (0: the pool alone; default 0)")
     p.add_argument("--local-cache", default="0",
@@ -116,6 +119,8 @@ def build(args: argparse.Namespace) -> tuple[dict, list]:
         raise ConfigError(bad, getattr(args, bad[2:].replace("-", "_")), "an int >= 0")
     if args.sweep_instances and not args.instances:
         raise ConfigError("--sweep-instances", True, "--instances N as well: the sweep runs 1..N instances")
+    if args.save_decode and args.instances:
+        raise ConfigError("--save-decode", True, "the pool alone (no --instances): cluster mode does not model it")
     trace = read_trace(args.trace, args.block_size)
     if args.limit:
         trace = Trace(trace.requests[: args.limit], trace.block_size)
@@ -128,7 +133,7 @@ def build(args: argparse.Namespace) -> tuple[dict, list]:
             raise ConfigError("--memory", m, f"sizes of at least {EngineConfig.alignment} bytes, e.g. 4GB")
     ssds = _sizes("--ssd", args.ssd, working_set)
     spec = PoolSpec(block_bytes, args.ssd_policy, parse_size("--object-overhead", args.object_overhead),
-                    args.high_watermark, args.eviction_ratio, args.eviction_policy)
+                    args.high_watermark, args.eviction_ratio, args.eviction_policy, args.save_decode)
     cluster = None
     if args.instances:
         policies = tuple(p.strip() for p in args.policies.split(","))

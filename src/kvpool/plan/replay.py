@@ -76,11 +76,45 @@ def request_keys(trace: Trace, copy: int = 0) -> list[list[str]]:
     return [[str(h) for h in r.hash_ids] for r in trace.requests]
 
 
-def replay_pool(keys: Sequence[Sequence[str]], pool: PoolModel) -> tuple[HitCounts, float]:
-    """Every request straight to the pool (no local cache): counts and seconds taken."""
+def answer_keys(trace: Trace, copy: int = 0) -> list[list[str]]:
+    """Per request, the pool keys of the blocks its answer fills, as decode-cache saving
+    (`save_decode_cache`) would store them when it finishes; [] where the trace cannot say.
+
+    A trace names a prompt's blocks only, so an answer's blocks are read off the conversation's
+    next turn: the first later request that holds this request's whole prompt blocks as its own
+    leading blocks (a chat's next prompt is the last prompt, its answer and a new message), at
+    the positions the answer's tokens fill there, up to the last whole block of prompt + answer
+    (the last token's KV is never computed). That assumes the next turn carries the answer
+    verbatim, as chat templates do.
+    """
+    block = trace.block_size
+    reqs = trace.requests
+    # (length, id at length - 1) -> requests whose first `length` ids end in that id. Equal ids
+    # are equal prefixes (an id stands for its whole prefix), so the pair names one prefix.
+    continuing: dict[tuple[int, int], list[int]] = {}
+    for q, r in enumerate(reqs):
+        for j, h in enumerate(r.hash_ids):
+            continuing.setdefault((j + 1, h), []).append(q)
+    prefix = (lambda h: f"{copy}/{h}") if copy else str
+    out: list[list[str]] = []
+    for i, r in enumerate(reqs):
+        whole = r.input_length // block
+        end = (r.input_length + r.output_length - 1) // block
+        nxt = next((q for q in continuing.get((whole, r.hash_ids[whole - 1]), ()) if q > i), None) \
+            if 0 < whole <= len(r.hash_ids) and end > whole else None
+        out.append([prefix(h) for h in reqs[nxt].hash_ids[whole:end]] if nxt is not None else [])
+    return out
+
+
+def replay_pool(keys: Sequence[Sequence[str]], pool: PoolModel,
+                answers: Sequence[Sequence[str]] | None = None) -> tuple[HitCounts, float]:
+    """Every request straight to the pool (no local cache): counts and seconds taken. With
+    ``answers`` (`answer_keys`), each request also stores its answer's blocks when it is done."""
     counts = HitCounts()
     began = time.perf_counter()
-    for req in keys:
+    for i, req in enumerate(keys):
         mem, ssd = pool.serve(req)
         counts.add(len(req), memory=mem, ssd=ssd)
+        if answers is not None and answers[i]:
+            pool.serve(answers[i])  # a store: these are not references of a prompt
     return counts, time.perf_counter() - began

@@ -15,7 +15,7 @@ from kvpool.store.policy import DiskPolicy, MemoryPolicy
 
 from kvpool.plan.cluster import ServiceModel, Traffic, Workload, replay_cluster, workload
 from kvpool.plan.pool import PoolModel
-from kvpool.plan.replay import Point, replay_pool, request_keys
+from kvpool.plan.replay import Point, answer_keys, replay_pool, request_keys
 from kvpool.plan.scale import scale_memory
 from kvpool.tracefile import Trace
 
@@ -30,6 +30,7 @@ class PoolSpec:
     high_watermark: float = 0.9
     eviction_ratio: float = 0.1
     eviction_policy: MemoryPolicy = "lru"
+    save_decode: bool = False  # requests also store their answers' blocks (`replay.answer_keys`)
 
     def build(self, memory_bytes: int, ssd_bytes: int) -> PoolModel:
         scaled = scale_memory(memory_bytes, self.block_bytes, object_overhead=self.object_overhead,
@@ -69,7 +70,8 @@ def _pool_point(spec: PoolSpec, memory: int, ssd: int) -> Point:
     assert _TRACE is not None
     pool = spec.build(memory, ssd)
     try:
-        counts, seconds = replay_pool(request_keys(_TRACE), pool)
+        counts, seconds = replay_pool(request_keys(_TRACE), pool,
+                                      answer_keys(_TRACE) if spec.save_decode else None)
     finally:
         pool.close()
     return Point(memory, ssd, counts, seconds,
