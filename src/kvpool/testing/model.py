@@ -116,6 +116,10 @@ SPECS = {
     "gpt-oss": ModelSpec(family="gpt-oss", sliding_window=256, num_experts=4, experts_per_token=2),
     # Gated delta net 3 : 1 full attention, 4 experts, top 2; served in bf16 (vLLM-CPU's GDN kernel).
     "qwen3-next": ModelSpec(family="qwen3-next", num_experts=4, experts_per_token=2, dtype="bfloat16"),
+    # Mamba2 3 : 1 full attention (Granite 4), served in bf16 (vLLM-CPU's conv kernel); vLLM
+    # raises its block size to 640 tokens. vLLM-CPU 0.32 fails on it with prefix caching on; 0.31
+    # and 0.30 serve it (`make test-compat`).
+    "granite": ModelSpec(family="granite", dtype="bfloat16"),
     # Short convolutions 3 : 1 full attention (LFM2); vLLM keeps 128-token blocks for it.
     "lfm2": ModelSpec(family="lfm2"),
     # MLA (DeepSeek-V2-Lite's shape, scaled down): one 576-wide latent per token and layer
@@ -368,6 +372,22 @@ def _lfm2_config(spec: ModelSpec) -> Any:
     return config
 
 
+def _granite_config(spec: ModelSpec) -> Any:
+    """Granite 4 (GraniteMoeHybrid), dense: Mamba2 layers (a recurrent SSM state and a conv state
+    per layer) and full attention, Mamba2 with 64-wide heads and a 128-wide state as vLLM's
+    kernels take them."""
+    from transformers import GraniteMoeHybridConfig
+
+    _require(spec, sliding=False, moe=False)
+    return GraniteMoeHybridConfig(
+        **_common(spec),
+        layer_types=["mamba" if kind == _LINEAR else "attention" for kind in spec.layer_types],
+        mamba_n_heads=8, mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2,
+        num_local_experts=0, shared_intermediate_size=spec.intermediate_size,
+        dtype=spec.dtype,
+    )
+
+
 def _deepseek_v2_config(spec: ModelSpec) -> Any:
     """DeepSeek-V2 (V2-Lite style: no query LoRA): multi-head latent attention, which caches one
     compressed latent (kv_lora_rank) plus the rope part of the key (qk_rope_head_dim) per token,
@@ -408,6 +428,9 @@ _FAMILIES: dict[str, _Family] = {
                           lambda i: _FULL if (i + 1) % 4 == 0 else _LINEAR),
     # Three short-conv layers to one full-attention layer (the conv layers keep a state).
     "lfm2": _Family(_lfm2_config, "Lfm2ForCausalLM", lambda i: _FULL if (i + 1) % 4 == 3 else _LINEAR),
+    # Mamba2 3 : 1 full attention, as the LFM2 and Qwen3-Next families lay them out here.
+    "granite": _Family(_granite_config, "GraniteMoeHybridForCausalLM",
+                       lambda i: _FULL if (i + 1) % 4 == 3 else _LINEAR),
     # Every layer MLA: one KV cache group (MLAAttentionSpec), which transformers calls full attention.
     "deepseek-v2": _Family(_deepseek_v2_config, "DeepseekV2ForCausalLM", lambda i: _FULL),
 }
