@@ -37,7 +37,7 @@ RECORDS = ROOT / "build" / "model-matrix.jsonl"
 MODULES = [
     "tests/vllm/test_hybrid_models.py", "tests/vllm/test_state_models.py", "tests/vllm/test_kv_cache_dtypes.py",
     "tests/vllm/test_models_pd.py", "tests/vllm/test_tp_sizes.py", "tests/vllm/test_mla_models.py",
-    "tests/vllm/test_bf16.py",
+    "tests/vllm/test_bf16.py", "tests/vllm/test_compose_and_tp.py::test_tensor_parallel_two_ranks_share_a_server",
 ]
 NOT_RUN = {
     "Mamba2 hybrids (`granite`: Granite 4's pattern)": (

@@ -53,6 +53,7 @@ def test_kvpool_inside_multiconnector(model_dir, reference, tmp_path, engine_fac
     assert hit["token_ids"] == ref_hit["token_ids"] and hit["logprobs"] == ref_hit["logprobs"]
 
 
+@pytest.mark.models  # two TP ranks on two cores: `make test-models`, with the other TP=2 tests
 def test_tensor_parallel_two_ranks_share_a_server(model_dir, tmp_path):
     sock = str(tmp_path / "pool.sock")
     with PoolServer(sock, memory_size="512MB", log_path=tmp_path / "pool.log"), \
