@@ -41,8 +41,9 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 -m "not vllm and not services" tests
 
 # Every model family of docs/models.md through the pool on real vLLM, and a hybrid through the PD
-# proxy (`make test` runs one family per kind of KV cache group); then the table of what ran,
-# docs/models.md's model matrix, from what the run saw (docs/model-matrix.json).
+# proxy (`make test` runs one family per kind of KV cache group), with the long real-vLLM runs
+# (TP=2, the chaos run); then the table of what ran, docs/models.md's model matrix, from what
+# the run saw (docs/model-matrix.json).
 test-models: $(STAMP)
 	$(BIN)/python tests/vllm/model_matrix.py --run
 

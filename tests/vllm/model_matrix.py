@@ -33,11 +33,12 @@ DOC = ROOT / "docs" / "models.md"
 MATRIX = ROOT / "docs" / "model-matrix.json"
 BEGIN, END = "<!-- model-matrix:begin -->", "<!-- model-matrix:end -->"
 RECORDS = ROOT / "build" / "model-matrix.jsonl"
-# The modules `make test-models` runs.
+# The modules `make test-models` runs (the model matrix, and the long real-vLLM runs).
 MODULES = [
     "tests/vllm/test_hybrid_models.py", "tests/vllm/test_state_models.py", "tests/vllm/test_kv_cache_dtypes.py",
     "tests/vllm/test_models_pd.py", "tests/vllm/test_tp_sizes.py", "tests/vllm/test_mla_models.py",
     "tests/vllm/test_bf16.py", "tests/vllm/test_compose_and_tp.py::test_tensor_parallel_two_ranks_share_a_server",
+    "tests/vllm/test_chaos.py",
 ]
 NOT_RUN = {
     "Mamba2 hybrids (`granite`: Granite 4's pattern)": (

@@ -16,7 +16,9 @@ import pytest
 from kvpool.testing.chaos import FAULT_KINDS, ChaosConfig, ChaosRun
 from kvpool.testing.launch import IN_PROCESS_WORKER_ENV
 
-pytestmark = pytest.mark.vllm
+# A minute of two OpenAI servers under load and faults: `make test-models`, with the other long
+# real-vLLM runs, keeps `make test` under ten minutes (benchmarks/chaos.py runs the long one).
+pytestmark = [pytest.mark.vllm, pytest.mark.models]
 
 
 def test_chaos_under_load(model_dir, tmp_path, reference):
