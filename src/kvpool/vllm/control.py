@@ -30,15 +30,8 @@ class RequestControl(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 DEFAULT = RequestControl()
 
-# Each switch with what it does, for the docs and the errors (the struct's fields, in order).
-SWITCHES: dict[str, str] = {
-    "skip_load": "true: the prompt is not looked up in the pool; it is computed (or served by vLLM's "
-                 "own prefix cache)",
-    "skip_save": "true: none of this request's blocks is saved to the pool",
-    "save_decode": "true / false: save, or do not, the blocks this request fills while it decodes "
-                   "(default: the `save_decode_cache` setting)",
-}
-assert tuple(SWITCHES) == RequestControl.__struct_fields__
+# The switches' names, for the errors and the docs check (what each does: docs/configuration.md).
+SWITCHES: tuple[str, ...] = RequestControl.__struct_fields__
 
 
 def request_control(kv_transfer_params: Any) -> tuple[RequestControl, str | None]:
