@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvpool.backends import create_backend
+from kvpool.backends.base import Presence
 from kvpool.backends.tiered import TieredBackend
 from kvpool.config import load_config
 from kvpool.errors import ConfigError, ErrorCode
@@ -69,6 +70,23 @@ def test_a_block_saved_on_one_host_is_served_on_another_then_from_that_hosts_mem
     assert code == OK and np.array_equal(got, block("k1"))
     assert b.stats()["remote_store_gets"] == remote_gets and b.stats()["remote_hit_blocks"] == 1
     assert b.stats()["remote_queued_blocks"] == 0  # a promoted block is not written back
+
+
+def test_only_a_block_in_this_hosts_memory_is_pinned(host):
+    # A pinned hit is loaded where vLLM could not be told of a failure: only bytes in this
+    # process's own memory, under the lookup lease, qualify, never the remote store's.
+    a, b = host("a"), host("b")
+    assert a.batch_put(["k1", "k2"], [[block("k1")], [block("k2")]]) == [OK, OK]
+    assert a.flush(10)
+    assert a.batch_presence(["k1", "nope", "k1"]) == [Presence.PINNED, Presence.ABSENT, Presence.PINNED]
+    assert b.batch_presence(["k1", "nope"]) == [Presence.STORED, Presence.ABSENT]
+    assert read(b, "k1")[0] == OK and b.flush(10)  # promoted into b's memory
+    assert b.batch_presence(["k1", "k2"]) == [Presence.PINNED, Presence.STORED]
+    redis_down = create_backend(load_config({"backend": "redis", "redis_url": "redis://127.0.0.1:1"}), "c")
+    try:
+        assert redis_down.batch_presence(["k1"]) == [Presence.ABSENT]  # a store that is down: a miss
+    finally:
+        redis_down.close()
 
 
 def test_a_block_the_remote_store_holds_is_not_sent_again(host):

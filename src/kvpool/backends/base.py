@@ -25,6 +25,7 @@ put: adapters use the store's own put-if-absent.
 from __future__ import annotations
 
 import abc
+import enum
 import logging
 import threading
 import time
@@ -46,12 +47,24 @@ from kvpool.store.memcopy import CopyEngine
 if TYPE_CHECKING:
     from kvpool.backends.registry import Capabilities
 
-__all__ = ["Backend", "Buffers", "Reconnect", "gather", "scatter", "spans", "total_size"]
+__all__ = ["Backend", "Buffers", "Presence", "Reconnect", "gather", "scatter", "spans", "total_size"]
 
 logger = logging.getLogger(__name__)
 
 Buffers = Sequence[np.ndarray]
 T = TypeVar("T")
+
+
+class Presence(enum.IntEnum):
+    """What a lookup found of one key (`Backend.batch_presence`)."""
+
+    ABSENT = 0
+    # Stored (and leased, where the store leases): a read may still fail (the store goes away,
+    # a lease runs out, a check fails), so a load from it must be able to report a failure.
+    STORED = 1
+    # In this process's memory under a lookup lease that keeps it from eviction: a read made
+    # before the lease's TTL copies memory this process owns and cannot fail (`local` alone).
+    PINNED = 2
 
 
 # A key no store holds: the breaker's probe asks for it (`Backend._probe`).
@@ -194,20 +207,24 @@ class Backend(abc.ABC):
 
     def batch_exists(self, keys: Sequence[str], lease: bool = False) -> list[bool]:
         """Which keys are stored. With `lease`, hits are protected from eviction for the lease TTL."""
-        found = [False] * len(keys)
-        if not keys:
-            return found
-        first: dict[str, int] = {}
-        for i, key in enumerate(keys):
-            if valid_key(key) and key not in first:
-                first[key] = i
-        todo = list(first)
+        return [bool(p) for p in self._per_key(keys, lambda todo: self._exists(todo, lease), Presence.ABSENT)]
+
+    def batch_presence(self, keys: Sequence[str]) -> list[Presence]:
+        """A leasing lookup (`batch_exists(keys, lease=True)`) that also says which hits a read
+        from this process cannot fail to serve before the lease's TTL (`Presence.PINNED`)."""
+        return [Presence(p) for p in self._per_key(keys, self._presence, Presence.ABSENT)]
+
+    def _per_key(self, keys: Sequence[str], hook: Callable[[list[str]], list], missing: int) -> list[int]:
+        """A lookup hook's answer per key, asked once per valid distinct key; `missing` for an
+        invalid key, and for every key when the store is down or the hook failed."""
+        out = [missing] * len(keys)
+        todo = list(dict.fromkeys(k for k in keys if valid_key(k)))
         if todo:
-            hits = self._call("exists", self._exists, self._stored_names(todo), lease)
+            hits = self._call("exists", hook, self._stored_names(todo))
             if hits is not None:
-                by_key = {k: bool(h) for k, h in zip(todo, hits)}
-                found = [by_key.get(k, False) if valid_key(k) else False for k in keys]
-        return found
+                by_key = {k: int(h) for k, h in zip(todo, hits)}
+                out = [by_key.get(k, missing) if valid_key(k) else missing for k in keys]
+        return out
 
     def batch_put(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
         """Store each key's buffers back to back, if the key is not stored yet.
@@ -342,6 +359,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def _exists(self, keys: list[str], lease: bool) -> list[bool]:
         """Which of `keys` (valid, distinct, at least one) are stored."""
+
+    def _presence(self, keys: list[str]) -> list[Presence]:
+        """`batch_presence`'s hook (keys as `_exists` gets them): a store that cannot pin in this
+        process answers STORED at most."""
+        return [Presence.STORED if hit else Presence.ABSENT for hit in self._exists(keys, True)]
 
     @abc.abstractmethod
     def _put(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:

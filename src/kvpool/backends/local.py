@@ -6,11 +6,12 @@ import argparse
 
 import numpy as np
 
-from kvpool.backends.base import Backend, gather, total_size
+from kvpool.backends.base import Backend, Presence, gather, total_size
 from kvpool.backends.diagnosis import Report, check_lease, check_ssd_quota, human, mem_available
 from kvpool.config import KVPoolConfig, LocalSettings
 from kvpool.errors import ErrorCode
 from kvpool.store import PoolEngine
+from kvpool.store.records import LookupLease
 
 
 class LocalBackend(Backend):
@@ -25,6 +26,12 @@ class LocalBackend(Backend):
 
     def _exists(self, keys: list[str], lease: bool) -> list[bool]:
         return self.engine.batch_exists(keys, self._client, lease)
+
+    def _presence(self, keys: list[str]) -> list[Presence]:
+        # A lookup lease pins the object in this process's arena: nothing evicts it before the
+        # TTL, and a read of it is a copy from memory this process owns.
+        return [Presence.PINNED if isinstance(found, LookupLease) else Presence.STORED if found else Presence.ABSENT
+                for found in self.engine.lookup_leases(keys, self._client)]
 
     def _put(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
         return [self._put_one(k, v) for k, v in zip(keys, values)]

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvpool.backends.base import Backend, gather, total_size
+from kvpool.backends.base import Backend, Presence, gather, total_size
 from kvpool.errors import EXISTS, INVALID, OK, ErrorCode, is_stored
 from kvpool.metrics.catalog import REMOTE_TIER_RESULTS, remote_tier_counter
 
@@ -86,6 +86,14 @@ class TieredBackend(Backend):
         if below:
             for i, hit in zip(below, self.remote.batch_exists([keys[i] for i in below], lease)):
                 found[i] = hit
+        return found
+
+    def _presence(self, keys: list[str]) -> list[Presence]:
+        found = self.host.batch_presence(keys)
+        below = [i for i, hit in enumerate(found) if not hit]
+        if below:  # the remote store's hits are never pinned here: its reads cross the network
+            for i, hit in zip(below, self.remote.batch_exists([keys[i] for i in below], True)):
+                found[i] = Presence.STORED if hit else Presence.ABSENT
         return found
 
     def _put(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:

@@ -221,6 +221,9 @@ CONNECTOR: tuple[Series, ...] = (
            "store)", "connector"),
     Series("vllm:kvpool_lookup_hit_blocks", "counter", "Blocks the pool's lookups found, after those vLLM's "
            "own prefix cache had", "connector"),
+    Series("vllm:kvpool_pinned_loads", "counter", "Pool hits of a model with several KV cache groups loaded "
+           "in the step that computes, their lookup having pinned them in this instance's memory (`local`); "
+           "other such hits wait one engine step, so that a failed load can be recomputed", "connector"),
     Series("vllm:kvpool_prompt_tokens", "counter", "Prompt tokens of the requests the pool was asked about, by "
            "where their KV came from: pool (loaded), local (vLLM's own prefix cache), computed (neither had "
            "it)", "connector", ("source",), {"source": ("pool", "local", "computed")}),

@@ -5,8 +5,8 @@ prompt that vLLM already holds, can the pool serve?"; worker rank 0 owns a backe
 answers (for a model with several KV cache groups, by the rule of `kvpool.vllm.groups`, which
 needs the absolute position). The channel is a Unix stream socket whose name contains
 `lookup_rpc_port`, so two instances on one host need different values, carrying the frames of
-`kvpool server`'s protocol (a length, then msgpack): `[start, block hashes]` out, the hit count
-back.
+`kvpool server`'s protocol (a length, then msgpack): `[start, block hashes]` out, the hit
+(`[blocks, pinned]`) back.
 A flock on a file beside the socket detects a clash at start-up (a second bind would replace
 the socket's name silently) and is released by the kernel if the owner dies, so a crashed
 instance never blocks its successor.
@@ -47,6 +47,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import msgspec
 
@@ -67,24 +68,39 @@ LOOKUP_BACKOFF_S = 1.0
 LOOKUP_BACKOFF_MAX_S = 30.0
 # How often the server thread wakes to see whether close() was called (bounds close()'s wait).
 POLL_INTERVAL_MS = 200
-# A reply is one small integer.
+# A reply is a small integer and a flag.
 MAX_REPLY_FRAME = 64
 
-# (block hashes after the prompt's first `start` blocks, start) -> how many of them the pool serves.
-CountHits = Callable[[Sequence[bytes], int], int]
+
+class Hit(NamedTuple):
+    """A lookup's answer: how many of the blocks asked about the pool serves, and whether their
+    load cannot fail (each block the hit needs is pinned in worker rank 0's own memory for the
+    lookup lease's TTL: `Presence.PINNED`), so that the load may run synchronously even where
+    vLLM could not be told of a failed one."""
+
+    blocks: int
+    pinned: bool = False
+
+
+MISS = Hit(0)
+
+# (block hashes after the prompt's first `start` blocks, start) -> the hit (a bare count is a
+# hit nobody pinned).
+CountHits = Callable[[Sequence[bytes], int], Hit | int]
 
 # The hit counts of the servers in this process, by socket path: a client with the same path is
 # in worker rank 0's process and asks it directly (see the module docstring).
 _IN_PROCESS: dict[str, CountHits] = {}
 
 
-def _count_or_miss(count: Callable[[], int]) -> int:
+def _count_or_miss(count: Callable[[], Hit | int]) -> Hit:
     """`count()`; a bad request or a backend error is a miss, never a dead server or a failed schedule."""
     try:
-        return count()
+        hit = count()
+        return Hit(hit) if isinstance(hit, int) else Hit(int(hit.blocks), bool(hit.pinned))
     except Exception:
         logger.exception("kvpool lookup failed; answering 0 hits")
-        return 0
+        return MISS
 
 
 class UntrustedPeer(OSError):
@@ -178,7 +194,7 @@ class LookupServer:
             return False
         if body is None:
             return False
-        def count() -> int:
+        def count() -> Hit | int:
             start, hashes = msgspec.msgpack.decode(body, type=tuple[int, list[bytes]])
             if start < 0:
                 raise ValueError(f"a lookup from block {start}")
@@ -187,7 +203,7 @@ class LookupServer:
         hits = _count_or_miss(count)
         try:
             conn.settimeout(LOOKUP_TIMEOUT_MS / 1000)
-            conn.sendall(encode_frame(hits))
+            conn.sendall(encode_frame(list(hits)))
         except OSError:  # the client gave up waiting (its timeout) and closed
             return False
         return True
@@ -242,24 +258,24 @@ class LookupClient:
             self._sock.close()
             self._sock = None
 
-    def lookup(self, block_hashes: Sequence[bytes], start: int = 0) -> int:
+    def lookup(self, block_hashes: Sequence[bytes], start: int = 0) -> Hit:
         """How many of `block_hashes` (the prompt's blocks after its first `start`) the pool
-        serves for every rank and group; 0 on any error."""
+        serves for every rank and group, and whether their load cannot fail; a miss on any error."""
         if not block_hashes:
-            return 0
+            return MISS
         count_hits = _IN_PROCESS.get(self.path) if self._direct else None
         if count_hits is not None:
-            hits = _count_or_miss(lambda: count_hits(block_hashes, start))
+            hit = _count_or_miss(lambda: count_hits(block_hashes, start))
         else:
-            hits = self._ask_over_socket(block_hashes, start)
+            hit = self._ask_over_socket(block_hashes, start)
         # More hits than blocks asked about would have vLLM load blocks nobody stored.
-        return hits if 0 <= hits <= len(block_hashes) else 0
+        return hit if 0 <= hit.blocks <= len(block_hashes) else MISS
 
-    def _ask_over_socket(self, block_hashes: Sequence[bytes], start: int) -> int:
+    def _ask_over_socket(self, block_hashes: Sequence[bytes], start: int) -> Hit:
         now = time.monotonic()
         if now < self._skip_until:
             self.skipped += 1
-            return 0
+            return MISS
         deadline = now + LOOKUP_TIMEOUT_MS / 1000
         try:
             sock = self._socket()
@@ -268,11 +284,11 @@ class LookupClient:
             body = recv_frame(sock, MAX_REPLY_FRAME, deadline=deadline)
             if body is None:
                 raise ConnectionResetError("the worker closed the lookup channel")
-            hits = msgspec.msgpack.decode(body, type=int)
+            hit = Hit(*msgspec.msgpack.decode(body, type=tuple[int, bool]))
         except (msgspec.DecodeError, FrameError) as e:
             logger.warning("kvpool lookup on %s: a malformed reply (%s); treating as a miss", self.path, e)
             self._drop()
-            return 0
+            return MISS
         except TimeoutError:
             self._backoff_s = min(max(2 * self._backoff_s, LOOKUP_BACKOFF_S), LOOKUP_BACKOFF_MAX_S)
             self._skip_until = time.monotonic() + self._backoff_s
@@ -280,20 +296,20 @@ class LookupClient:
                            "store); the next %.0f s of lookups are misses without asking",
                            self.path, LOOKUP_TIMEOUT_MS, self._backoff_s)
             self._drop()
-            return 0
+            return MISS
         except UntrustedPeer as e:
             logger.error("kvpool lookup: %s; treating as a miss", e)
             self._drop()
-            return 0
+            return MISS
         except OSError as e:  # no server yet, a closed connection
             logger.warning("kvpool lookup on %s failed (%s); treating as a miss", self.path, e)
             self._drop()
-            return 0
+            return MISS
         if self._backoff_s:
             logger.info("kvpool lookup on %s answers again; %d lookups were misses meanwhile",
                         self.path, self.skipped)
             self._backoff_s = 0.0
-        return hits
+        return hit
 
     def close(self) -> None:
         self._drop()

@@ -24,6 +24,7 @@ _COUNTED: dict[str, tuple[str, tuple[str, ...]]] = {
     "lookups": ("vllm:kvpool_lookups", ()),
     "lookups_skipped": ("vllm:kvpool_lookups_skipped", ()),
     "lookup_hit_blocks": ("vllm:kvpool_lookup_hit_blocks", ()),
+    "pinned_loads": ("vllm:kvpool_pinned_loads", ()),
     "pool_tokens": ("vllm:kvpool_prompt_tokens", ("pool",)),
     "local_tokens": ("vllm:kvpool_prompt_tokens", ("local",)),
     "computed_tokens": ("vllm:kvpool_prompt_tokens", ("computed",)),

@@ -57,6 +57,7 @@ _NON_CRYPTO_HASHES = ("xxhash", "xxhash_cbor")
 class _LoadPlan:
     start_block: int
     end_block: int
+    is_async: bool  # reported through vLLM's async protocol (else loaded in the computing step)
 
 
 @dataclasses.dataclass
@@ -119,10 +120,18 @@ class PoolScheduler:
         # Without load_async a hybrid model's load still runs in the step that hands it over, on
         # the worker's own threads; only its report takes vLLM's async path (by request).
         self._load_in_step = self._hybrid and not config.load_async
+        # vLLM can be told of a failed load of a model with several groups only by request,
+        # through its async protocol, which costs the request one engine step. A load that cannot
+        # fail needs no report: a hit the lookup found pinned in worker rank 0's own memory
+        # (`Hit.pinned`) is loaded synchronously, in the step that computes after it. Not for
+        # state groups: a state must be in place before the step starts (`loads_by_request`).
+        self._sync_when_pinned = self._load_in_step and all(g.positional for g in self._groups)
         if self._load_in_step:
             logger.info("kvpool: %d KV cache groups (%s): a pool load is reported to vLLM by request, "
-                        "so that a failed one is recomputed whole", len(self._groups),
-                        ", ".join(g.describe() for g in self._groups))
+                        "so that a failed one is recomputed whole%s", len(self._groups),
+                        ", ".join(g.describe() for g in self._groups),
+                        "; one pinned in this instance's memory cannot fail and loads in the step that "
+                        "computes" if self._sync_when_pinned else "")
         check_hash_seed(vllm_config.cache_config.prefix_caching_hash_algo)
         dp_rank = vllm_config.parallel_config.data_parallel_rank
         self._client = LookupClient(config.lookup_rpc_port, dp_rank) if config.loads else None
@@ -158,13 +167,16 @@ class PoolScheduler:
             hashes = hashes[:(request.num_tokens - 1) // self.block_size]
         if len(hashes) <= start:
             return 0, False
-        hit_blocks = start + self._client.lookup(hashes[start:], start)
+        hit = self._client.lookup(hashes[start:], start)
+        hit_blocks = start + hit.blocks
         # Full hit: give one token back, so vLLM has a token to compute logits from.
         hit_tokens = min(hit_blocks * self.block_size, request.num_tokens - 1)
         if hit_tokens <= num_computed_tokens:
             return 0, False
-        self._plans[request.request_id] = _LoadPlan(start, hit_blocks)
-        return hit_tokens - num_computed_tokens, self._load_async
+        # The lookup's lease pins the hit until its TTL; the load runs in this step's forward.
+        is_async = self._load_async and not (self._sync_when_pinned and hit.pinned)
+        self._plans[request.request_id] = _LoadPlan(start, hit_blocks, is_async)
+        return hit_tokens - num_computed_tokens, is_async
 
     def _control(self, request: Request) -> RequestControl:
         """The request's own switches, read once (a bad value is said once, and ignored)."""
@@ -196,19 +208,24 @@ class PoolScheduler:
             return
         # Another connector (MultiConnector) or vLLM may grant fewer tokens than we offered.
         end = min(plan.end_block, -(-(plan.start_block * self.block_size + num_external_tokens) // self.block_size))
+        if not plan.is_async and self._hybrid and end != plan.end_block:
+            # A shorter hit needs other sliding-window blocks than the lookup pinned; vLLM would
+            # stop on a failed load of them rather than compute over it (never a wrong answer).
+            logger.warning("kvpool: request %s was granted %d of the %d pinned blocks offered; its load "
+                           "is no longer pinned", request.request_id, end, plan.end_block)
         # An async load's failures arrive before the request is scheduled.
         state.block_ids = [list(ids) for ids in blocks.get_block_ids()]
         hashes = request.block_hashes
         for group in self._groups:
             pairs = _blocks(group, hashes, state.block_ids[group.index], group.load_span(plan.start_block, end))
             if pairs:
-                self._pending_loads.append(_task(request.request_id, group.index, pairs, is_async=self._load_async,
-                                                 in_step=self._load_in_step))
+                self._pending_loads.append(_task(request.request_id, group.index, pairs, is_async=plan.is_async,
+                                                 in_step=plan.is_async and self._load_in_step))
         state.saved_upto = max(state.saved_upto, end)
         state.reused_upto = max(state.reused_upto, end)
         state.load_start = plan.start_block
         state.has_io = True
-        state.async_loading = self._load_async
+        state.async_loading = plan.is_async
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPoolMetadata:
         if not self._checked_chunking:

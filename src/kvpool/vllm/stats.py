@@ -31,6 +31,9 @@ COUNTERS = (
     # Blocks computed in a step whose synchronous load failed: their KV may have attended over
     # a block that failed to load, so they are not saved then (vLLM recomputes them; saved after).
     "save_dropped_blocks",
+    # Requests of a model with several KV cache groups whose load ran in the step that computes,
+    # their lookup having pinned it in the worker's memory (`kvpool.vllm.lookup.Hit`).
+    "pinned_loads",
     "layer_loads_waited",  # layerwise: layers the forward pass waited for (vLLM's per-layer hook ran)
     "layer_saves_sent",  # layerwise: layers sent from save_kv_layer as they were written
     # The backend's guard (stores outside the worker): calls that missed their deadline, calls

@@ -16,6 +16,9 @@ Invariants:
   group whose blocks vLLM frees while the request runs (sliding window, chunked local, a Mamba
   state) reads them before `wait_for_save` returns. A failed load of such a model is reported
   by request (`failed_recving`): vLLM cannot map block ids of several groups back to requests.
+  Only a load that cannot fail runs synchronously there: one whose every block the lookup found
+  pinned in this process's memory (`Hit.pinned`), loaded before the lease's TTL. Should it fail
+  all the same, it is reported as block load errors, on which vLLM stops rather than compute.
 - With `share_across_tp`, a block's value per KV head holds exactly that head's bytes, in the
   same order whatever the TP size that wrote it; a block loads only if every head it needs does.
 """
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpool.backends import Backend, create_backend
+from kvpool.backends.base import Presence
 from kvpool.backends.faults import FaultInjectingBackend
 from kvpool.backends.registry import REGISTRY
 from kvpool.config import KVPoolConfig
@@ -41,7 +45,7 @@ from kvpool.device.layout import KVLayout
 from kvpool.errors import ConfigError, ErrorCode, is_stored
 from kvpool.keys import KeyScheme, model_key_name, prefill_stage_schemes
 from kvpool.vllm.groups import PoolGroup, alignment_blocks, loads_by_request, longest_hit, pool_groups
-from kvpool.vllm.lookup import LookupServer
+from kvpool.vllm.lookup import Hit, LookupServer
 from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
 from kvpool.vllm.stats import COUNTERS, KVPoolStats
 from kvpool.vllm.transfer import LOAD, SAVE, TransferThread
@@ -214,7 +218,7 @@ class PoolWorker:
         if self.scheme.layers:
             self._layer_loader = TransferThread(name="kvpool-layer-load")
         if self.tp_rank == 0 and self.pp_rank == 0 and self.config.loads:
-            self._lookup = LookupServer(self.config.lookup_rpc_port, self.dp_rank, self._count_hits)
+            self._lookup = LookupServer(self.config.lookup_rpc_port, self.dp_rank, self._lookup_hit)
         logger.info(
             "kvpool worker ready: backend=%s role=%s key=%s; %s; %s%s",
             backend.name, self.config.kv_role, self.scheme.key(b"\0" * 4),
@@ -294,23 +298,30 @@ class PoolWorker:
     # ---- lookup (rank 0) ------------------------------------------------------------------
 
     def _count_hits(self, block_hashes: Sequence[bytes], start: int = 0) -> int:
-        """How many of the blocks after the prompt's first `start` every group can serve: a
-        group's block counts only when its keys exist for every TP shard and PP stage, and a hit
-        needs of each group the blocks its kind needs (`kvpool.vllm.groups.longest_hit`)."""
+        """How many of the blocks after the prompt's first `start` every group can serve (`_lookup_hit`)."""
+        return self._lookup_hit(block_hashes, start).blocks
+
+    def _lookup_hit(self, block_hashes: Sequence[bytes], start: int = 0) -> Hit:
+        """The hit on the blocks after the prompt's first `start`: a group's block counts only
+        when its keys exist for every TP shard and PP stage, and a hit needs of each group the
+        blocks its kind needs (`kvpool.vllm.groups.longest_hit`). Pinned when every key of those
+        blocks is `Presence.PINNED`: then their load cannot fail before the lease's TTL."""
         assert self.backend is not None and self.groups
         ios = list(self.groups.values())
         per_block = [io.scheme.all_rank_keys(h) for io in ios for h in block_hashes]
         flat = [k for ks in per_block for k in ks]
-        exists = self.backend.batch_exists(flat, lease=True)
-        found, i = [], 0
+        presence = self.backend.batch_presence(flat)
+        found, pinned, i = [], [], 0
         for ks in per_block:
-            found.append(all(exists[i:i + len(ks)]))
+            found.append(all(presence[i:i + len(ks)]))
+            pinned.append(all(p is Presence.PINNED for p in presence[i:i + len(ks)]))
             i += len(ks)
         n = len(block_hashes)
         hits = longest_hit([io.group for io in ios], start, [found[g * n:(g + 1) * n] for g in range(len(ios))],
                            self._align)
         self._count(lookups=1, lookup_hit_blocks=hits)
-        return hits
+        return Hit(hits, hits > 0 and all(pinned[g * n + b - start] for g, io in enumerate(ios)
+                                          for b in io.group.needed_blocks(start, start + hits)))
 
     # ---- loads ------------------------------------------------------------------------------
 
@@ -325,6 +336,8 @@ class PoolWorker:
                 self._transfer.submit(LOAD, task.req_id, lambda t=task: self._finish_async_load(t))
             else:
                 sync.append(task)
+        if sync and self._failures_by_request:
+            self._count(pinned_loads=len({t.req_id for t in sync}))
         if sync and self._layer_loader is not None:
             # Layer by layer on the loader thread; the forward pass waits per layer.
             loads = self._layer_loads = _LayerLoads(sync, len(self.layout.layers))
@@ -434,6 +447,10 @@ class PoolWorker:
         self._finish_layer_loads()
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
+        if errors and self._failures_by_request:
+            logger.error("kvpool: %d blocks of a pinned load failed (a step that came after the lookup lease's "
+                         "TTL?); vLLM cannot take block errors of a model with several KV cache groups and "
+                         "stops rather than compute over them. Raise default_kv_lease_ttl_ms", len(errors))
         return errors
 
     # ---- saves ------------------------------------------------------------------------------

@@ -23,8 +23,9 @@ from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, Schedul
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, SlidingWindowSpec
 from vllm.v1.request import Request
 
-from kvpool.backends.base import Backend, Buffers
+from kvpool.backends.base import Backend, Buffers, Presence
 from kvpool.errors import ErrorCode
+from kvpool.vllm.lookup import Hit
 
 # Small but real geometry: vLLM's CPU cache is [num_blocks, 2, block_size, heads*head_dim] per layer.
 BLOCK_SIZE = 4
@@ -170,6 +171,7 @@ class FakeLookupClient:
 
     instances: list["FakeLookupClient"] = []
     pooled: set[bytes] = set()
+    pinned = False  # whether every hit is pinned in the worker's memory (`Hit.pinned`)
 
     def __init__(self, lookup_rpc_port: int, dp_rank: int = 0) -> None:
         self.port, self.dp_rank = lookup_rpc_port, dp_rank
@@ -178,14 +180,14 @@ class FakeLookupClient:
         self.skipped = 0  # lookups the real client's breaker answered without asking
         FakeLookupClient.instances.append(self)
 
-    def lookup(self, block_hashes: Sequence[bytes], start: int = 0) -> int:
+    def lookup(self, block_hashes: Sequence[bytes], start: int = 0) -> Hit:
         self.calls.append(list(block_hashes))
         hits = 0
         for h in block_hashes:
             if h not in FakeLookupClient.pooled:
                 break
             hits += 1
-        return hits
+        return Hit(hits, hits > 0 and FakeLookupClient.pinned)
 
     def close(self) -> None:
         self.closed = True
@@ -206,6 +208,7 @@ class DictBackend(Backend):
 
     def __init__(self, shared: bool = False) -> None:
         self.shared_across_processes = shared
+        self.pinned = False  # whether lookups find hits pinned in this process (as `local`'s are)
         self.data: dict[str, bytes] = {}
         self.fail_get: set[str] = set()
         self.raise_on_get = False
@@ -218,6 +221,10 @@ class DictBackend(Backend):
 
     def batch_exists(self, keys: Sequence[str], lease: bool = False) -> list[bool]:
         return [k in self.data for k in keys]
+
+    def batch_presence(self, keys: Sequence[str]) -> list[Presence]:
+        held = Presence.PINNED if self.pinned else Presence.STORED
+        return [held if k in self.data else Presence.ABSENT for k in keys]
 
     def batch_put(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:
         self.put_started.set()

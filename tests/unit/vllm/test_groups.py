@@ -187,6 +187,34 @@ def test_a_hybrid_hit_loads_each_groups_blocks_and_skips_the_null_block(fake_loo
                                1: (req.block_hashes[4:6], [8, 9], False)}
 
 
+def test_a_pinned_hybrid_hit_loads_in_the_step_that_computes(fake_lookup, monkeypatch):
+    # A hit the lookup found pinned in the worker's memory cannot fail to load, so it needs no
+    # report by request and skips the engine step vLLM's async protocol costs.
+    monkeypatch.setattr(fake_lookup, "pinned", True)
+    sched = hybrid_scheduler()
+    req = make_request("a", 6 * BS + 2)
+    fake_lookup.pooled.update(req.block_hashes)
+    assert sched.get_num_new_matched_tokens(req, 0) == (6 * BS, False)
+    sched.update_state_after_alloc(req, kv_blocks([1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 0, 8, 9, 10]), 6 * BS)
+    loads = sched.build_connector_meta(scheduler_output()).loads
+    assert [(t.is_async, t.in_step) for t in loads] == [(False, False)] * 2
+    assert by_group(loads) == {0: (req.block_hashes[:6], [1, 2, 3, 4, 5, 6], False),
+                               1: (req.block_hashes[4:6], [8, 9], False)}
+    # The request was scheduled with its blocks: it finishes like any request that computed.
+    assert sched.request_finished(req, ([1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 0, 8, 9, 10])) == (True, None)
+
+
+@pytest.mark.parametrize("extra, specs", [({"load_async": True}, HYBRID), (None, "mamba")])
+def test_a_pinned_hit_stays_async_where_asked_or_where_a_state_must_land_first(fake_lookup, monkeypatch,
+                                                                              extra, specs):
+    monkeypatch.setattr(fake_lookup, "pinned", True)
+    specs = [full_spec(), mamba_spec()] if specs == "mamba" else specs
+    sched = PoolScheduler(make_vllm_config(block_size=BS), load_config(extra), make_kv_cache_config(specs=specs))
+    req = make_request("a", 3 * BS)
+    fake_lookup.pooled.update(req.block_hashes)
+    assert sched.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
+
+
 def test_with_load_async_a_hybrid_load_runs_on_the_transfer_thread(fake_lookup):
     sched = hybrid_scheduler({"load_async": True})
     req = make_request("a", 2 * BS + 1)
@@ -404,6 +432,18 @@ def test_an_in_step_load_is_done_and_reported_in_the_step_that_hands_it_over(mak
     assert reader._transfer.depth() == 0  # nothing was queued on the transfer thread
     assert reader.get_transfer_results(None) == (None, {"b"}, set())
     assert block_bytes(r_kv, 0, 5) == block_bytes(w_kv, 0, 1) and block_bytes(r_kv, 1, 8) == block_bytes(w_kv, 1, 4)
+
+
+def test_a_hit_is_pinned_only_when_every_block_it_needs_is(make_worker):
+    writer, _, pool = hybrid_worker(make_worker, seed=5)
+    hashes = [bytes([i]) * 32 for i in range(6)]
+    writer.wait_for_save(KVPoolMetadata(saves=[BlockTask("a", hashes, [1, 2, 3, 4, 5, 6], group=0),
+                                               BlockTask("a", hashes[3:], [7, 8, 9], group=1, save_now=True)]))
+    writer._transfer.wait(timeout=10)
+    assert writer._lookup_hit(hashes, 0) == (6, False)  # a store that cannot pin (the DictBackend's default)
+    pool.pinned = True
+    assert writer._lookup_hit(hashes, 0) == (6, True)
+    assert writer._lookup_hit(hashes[:1], 5) == (0, False)  # no hit, nothing to pin
 
 
 def test_a_failed_hybrid_load_is_reported_by_request_not_by_block(make_worker):

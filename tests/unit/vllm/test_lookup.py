@@ -26,7 +26,7 @@ from connector_fakes import (
 )
 from kvpool.config import load_config
 from kvpool.errors import ConfigError
-from kvpool.vllm.lookup import LookupClient, LookupServer, lookup_socket_path
+from kvpool.vllm.lookup import Hit, LookupClient, LookupServer, lookup_socket_path
 from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
 from kvpool.vllm.scheduler import PoolScheduler
 
@@ -77,16 +77,27 @@ def test_round_trip_over_ipc(rpc_dir, closing):
     assert server.path == lookup_socket_path(5, 0)
     assert os.path.dirname(server.path) == rpc_dir and os.path.exists(server.path)
     client = closing(socket_client(5))
-    assert client.lookup(HASHES) == 3
-    assert client.lookup(HASHES[3:]) == 0
+    assert client.lookup(HASHES).blocks == 3
+    assert client.lookup(HASHES[3:]).blocks == 0
     assert seen == [HASHES, HASHES[3:]]  # the hashes arrive as sent, as bytes
 
 
 def test_an_empty_lookup_is_answered_without_asking(closing, client_for):
     seen: list[list[bytes]] = []
     closing(counting_server(5, set(HASHES), seen))
-    assert closing(client_for(5)).lookup([]) == 0
+    assert closing(client_for(5)).lookup([]).blocks == 0
     assert seen == []
+
+
+def test_a_pinned_hit_says_so_both_ways_of_asking(closing, client_for):
+    # Whether a hit's load cannot fail decides whether vLLM may load it synchronously: the flag
+    # must arrive as the worker said it, and a hit the client refuses carries no flag either.
+    answers = {2: Hit(2, True), 3: Hit(3, False), 4: Hit(9, True)}
+    closing(LookupServer(5, 0, lambda hashes, start=0: answers[len(hashes)]))
+    client = closing(client_for(5))
+    assert client.lookup(HASHES[:2]) == Hit(2, True)
+    assert client.lookup(HASHES[:3]) == Hit(3, False)
+    assert client.lookup(HASHES[:4]) == Hit(0, False)  # more blocks than asked about: a miss
 
 
 def test_dp_ranks_have_separate_channels(closing, client_for):
@@ -94,8 +105,8 @@ def test_dp_ranks_have_separate_channels(closing, client_for):
     seen1: list[list[bytes]] = []
     closing(counting_server(5, set(HASHES[:1]), seen0, dp_rank=0))
     closing(counting_server(5, set(HASHES[:2]), seen1, dp_rank=1))
-    assert closing(client_for(5, 1)).lookup(HASHES) == 2
-    assert closing(client_for(5, 0)).lookup(HASHES) == 1
+    assert closing(client_for(5, 1)).lookup(HASHES).blocks == 2
+    assert closing(client_for(5, 0)).lookup(HASHES).blocks == 1
 
 
 def test_a_backend_error_answers_zero_and_the_server_lives_on(closing, client_for):
@@ -109,22 +120,22 @@ def test_a_backend_error_answers_zero_and_the_server_lives_on(closing, client_fo
 
     closing(LookupServer(6, 0, count_hits))
     client = closing(client_for(6))
-    assert client.lookup(HASHES) == 0
-    assert client.lookup(HASHES[:2]) == 2
+    assert client.lookup(HASHES).blocks == 0
+    assert client.lookup(HASHES[:2]).blocks == 2
     assert calls == [5, 2]
 
 
 def test_no_server_is_a_miss_within_the_timeout_and_the_client_recovers(monkeypatch, closing):
     monkeypatch.setattr(lookup_mod, "LOOKUP_TIMEOUT_MS", 50)
     client = closing(socket_client(7))
-    assert client.lookup(HASHES) == 0
-    assert client.lookup(HASHES) == 0
+    assert client.lookup(HASHES).blocks == 0
+    assert client.lookup(HASHES).blocks == 0
     # The server comes up late (worker rank 0 starts after the scheduler): the next lookup works.
     # (The timeout is read when the client opens its next socket; a generous one keeps a slow
     # machine from turning the connect into a miss.)
     closing(counting_server(7, set(HASHES[:4]), []))
     monkeypatch.setattr(lookup_mod, "LOOKUP_TIMEOUT_MS", 5000)
-    assert client.lookup(HASHES) == 4
+    assert client.lookup(HASHES).blocks == 4
 
 
 def test_a_stuck_server_is_a_miss_and_does_not_poison_the_next_lookup(monkeypatch, closing):
@@ -143,19 +154,19 @@ def test_a_stuck_server_is_a_miss_and_does_not_poison_the_next_lookup(monkeypatc
     client = closing(socket_client(8))
     # Connect first, so the stuck lookup below times out waiting for its answer, not for the connect.
     for _ in range(20):
-        if client.lookup(HASHES):
+        if client.lookup(HASHES).blocks:
             break
     else:
         pytest.fail("the lookup server never answered")
     stuck.set()
-    assert client.lookup(HASHES) == 0  # the server is stuck: a miss, not a stalled scheduler
+    assert client.lookup(HASHES).blocks == 0  # the server is stuck: a miss, not a stalled scheduler
     assert entered.wait(5)
     stuck_call = len(calls)
     release.set()
     monkeypatch.setattr(lookup_mod, "LOOKUP_TIMEOUT_MS", 5000)
     client._skip_until = 0.0  # past the breaker's back-off (its own test is below)
     # The stuck lookup's late answer went to the abandoned socket; this one gets its own.
-    assert client.lookup(HASHES) == stuck_call + 1
+    assert client.lookup(HASHES).blocks == stuck_call + 1
 
 
 def test_a_stuck_server_costs_one_timeout_per_back_off_not_one_per_lookup(monkeypatch, closing):
@@ -172,19 +183,19 @@ def test_a_stuck_server_costs_one_timeout_per_back_off_not_one_per_lookup(monkey
 
     closing(LookupServer(14, 0, count_hits))
     client = closing(socket_client(14))
-    assert client.lookup(HASHES) == 2  # connected and answering
-    assert client.lookup(HASHES) == 0  # stuck: one timeout, and the breaker opens
+    assert client.lookup(HASHES).blocks == 2  # connected and answering
+    assert client.lookup(HASHES).blocks == 0  # stuck: one timeout, and the breaker opens
     assert len(calls) == 2
     for _ in range(50):  # a scheduler's next lookups: misses at once, the worker is not asked
-        assert client.lookup(HASHES) == 0
+        assert client.lookup(HASHES).blocks == 0
     assert len(calls) == 2 and client.skipped == 50
     time.sleep(0.6)
     release.set()  # the worker recovers; after the back-off one lookup asks again
     deadline = time.monotonic() + 10
-    while client.lookup(HASHES) != 2:
+    while client.lookup(HASHES).blocks != 2:
         assert time.monotonic() < deadline, "the breaker never closed"
         time.sleep(0.05)
-    assert client.lookup(HASHES) == 2  # closed: every lookup asks again
+    assert client.lookup(HASHES).blocks == 2  # closed: every lookup asks again
 
 
 def test_a_second_server_on_the_same_port_is_refused_until_the_first_closes(closing):
@@ -199,7 +210,7 @@ def test_a_second_server_on_the_same_port_is_refused_until_the_first_closes(clos
         first.close()
     assert not os.path.exists(first.path)
     second = closing(counting_server(9, set(HASHES[:1]), []))
-    assert closing(socket_client(9)).lookup(HASHES) == 1
+    assert closing(socket_client(9)).lookup(HASHES).blocks == 1
     assert second.path == first.path
 
 
@@ -215,15 +226,15 @@ def test_a_client_in_the_servers_process_calls_it_directly(closing):
     server = LookupServer(19, 0, count_hits)
     client = closing(LookupClient(19))
     try:
-        assert client.lookup(HASHES) == 5
+        assert client.lookup(HASHES).blocks == 5
         assert threads == [threading.get_ident()]
-        assert closing(LookupClient(19, 1)).lookup(HASHES) == 0  # another DP rank's worker is elsewhere
-        assert closing(socket_client(19)).lookup(HASHES) == 5 and threads[1] != threading.get_ident()
+        assert closing(LookupClient(19, 1)).lookup(HASHES).blocks == 0  # another DP rank's worker is elsewhere
+        assert closing(socket_client(19)).lookup(HASHES).blocks == 5 and threads[1] != threading.get_ident()
     finally:
         server.close()
-    assert client.lookup(HASHES) == 0 and len(threads) == 2
+    assert client.lookup(HASHES).blocks == 0 and len(threads) == 2
     successor = closing(LookupServer(19, 0, lambda hashes, start=0: 1))  # a restarted worker: asked again
-    assert client.lookup(HASHES) == 1 and successor.path == server.path
+    assert client.lookup(HASHES).blocks == 1 and successor.path == server.path
 
 
 # ---- through the worker -----------------------------------------------------------------------------
@@ -255,11 +266,11 @@ def test_a_block_is_a_hit_only_when_every_tp_shard_has_it(make_worker, closing):
     rank0.wait_for_save(KVPoolMetadata(saves=[BlockTask("a", hashes, [1, 2, 3])]))
     assert rank0._transfer.wait(timeout=10)
     client = closing(LookupClient(12))
-    assert client.lookup(hashes) == 0  # rank 1's keys are missing
+    assert client.lookup(hashes).blocks == 0  # rank 1's keys are missing
     rank1, _, _ = make_worker(extra, tp=(1, 2), backend=pool)  # rank 1 serves no lookups
     rank1.wait_for_save(KVPoolMetadata(saves=[BlockTask("a", hashes[:2], [1, 2])]))
     assert rank1._transfer.wait(timeout=10)
-    assert client.lookup(hashes) == 2
+    assert client.lookup(hashes).blocks == 2
 
 
 def test_only_rank_zero_of_a_loading_instance_serves_lookups(make_worker, rpc_dir):
@@ -280,7 +291,7 @@ def test_an_impossible_hit_count_is_a_miss(closing, answer, client_for):
     closing(LookupServer(9, 0, lambda hashes, start=0: answer))
     client = closing(client_for(9))
     for _ in range(20):
-        assert client.lookup(HASHES) == 0
+        assert client.lookup(HASHES).blocks == 0
 
 
 def test_a_long_prompts_lookup_is_answered_whole(closing, client_for):
@@ -289,7 +300,7 @@ def test_a_long_prompts_lookup_is_answered_whole(closing, client_for):
     hashes = [i.to_bytes(32, "big") for i in range(100_000)]
     seen: list[list[bytes]] = []
     closing(counting_server(17, set(hashes[:70_000]), seen))
-    assert closing(client_for(17)).lookup(hashes) == 70_000
+    assert closing(client_for(17)).lookup(hashes).blocks == 70_000
     assert seen == [hashes]
 
 
@@ -299,7 +310,7 @@ def test_garbage_from_a_client_costs_only_its_connection(closing):
     seen: list[list[bytes]] = []
     server = closing(counting_server(18, set(HASHES), seen))
     client = closing(socket_client(18))
-    assert client.lookup(HASHES) == 5
+    assert client.lookup(HASHES).blocks == 5
 
     def raw() -> socket.socket:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -310,13 +321,13 @@ def test_garbage_from_a_client_costs_only_its_connection(closing):
     # A well-framed body that is not a list of hashes: a miss, and the connection stays usable.
     s = raw()
     s.sendall(encode_frame({"not": "hashes"}))
-    assert recv_frame(s, 64) == encode_frame(0)[HEADER.size:]
+    assert recv_frame(s, 64) == encode_frame([0, False])[HEADER.size:]
     s.sendall(encode_frame(HASHES[:2]))  # the hashes without the start they follow
-    assert recv_frame(s, 64) == encode_frame(0)[HEADER.size:]
+    assert recv_frame(s, 64) == encode_frame([0, False])[HEADER.size:]
     s.sendall(encode_frame([-1, HASHES[:2]]))  # a start before the prompt
-    assert recv_frame(s, 64) == encode_frame(0)[HEADER.size:]
+    assert recv_frame(s, 64) == encode_frame([0, False])[HEADER.size:]
     s.sendall(encode_frame([0, HASHES[:2]]))
-    assert recv_frame(s, 64) == encode_frame(2)[HEADER.size:]
+    assert recv_frame(s, 64) == encode_frame([2, False])[HEADER.size:]
     # A length over the limit, and a frame cut short: the server drops that connection only.
     s.sendall(HEADER.pack(MAX_REQUEST_FRAME + 1))
     assert s.recv(1) == b""
@@ -324,7 +335,7 @@ def test_garbage_from_a_client_costs_only_its_connection(closing):
     s.sendall(HEADER.pack(100) + b"\x91")
     s.close()
     raw().close()  # connects and leaves without a word
-    assert client.lookup(HASHES) == 5
+    assert client.lookup(HASHES).blocks == 5
     assert seen == [HASHES, HASHES[:2], HASHES]
 
 
