@@ -112,19 +112,33 @@ class DirectCopier:
         return per_block(put(list(keys), self._values(block_ids, layers)), self.layout.heads)
 
     def load(self, keys: Sequence[str], block_ids: Sequence[int], layers: range, get: BatchCall) -> list[int]:
-        values = self._values(block_ids, layers)
-        # The backend copies into the cache itself: a block that failed may hold part of a value.
-        try:
-            codes = per_block(get(list(keys), values), self.layout.heads)
-        except BaseException:  # a store gone mid-copy: every block failed (the caller reports them)
-            _zero(values)
-            raise
-        per = max(1, self.layout.heads)  # a block whose one head failed is failed whole
-        _zero([value for i, value in enumerate(values) if codes[i // per] != OK])
-        return codes
+        return load_direct([(self, keys, block_ids, layers)], get)[0]
 
     def describe(self) -> str:
         return f"direct copies between the pool and the host-memory KV cache ({streamcopy.describe()})"
+
+
+def load_direct(loads: Sequence[tuple[DirectCopier, Sequence[str], Sequence[int], range]],
+                get: BatchCall) -> list[list[int]]:
+    """Several direct loads (copier, keys, block ids, layers) as one `get` call, and each one's
+    per-block codes: a model with several KV cache groups loads all of a step's groups in one
+    backend batch, not one per group. A block whose code is not OK is zeroed (`Copier.load`)."""
+    values = [copier._values(block_ids, layers) for copier, _, block_ids, layers in loads]
+    flat = [v for vs in values for v in vs]
+    # The backend copies into the cache itself: a block that failed may hold part of a value.
+    try:
+        got = get([k for _, keys, _, _ in loads for k in keys], flat)
+    except BaseException:  # a store gone mid-copy: every block failed (the caller reports them)
+        _zero(flat)
+        raise
+    out, i = [], 0
+    for (copier, _, _, _), vs in zip(loads, values):
+        codes = per_block(got[i:i + len(vs)], copier.layout.heads)
+        i += len(vs)
+        per = max(1, copier.layout.heads)  # a block whose one head failed is failed whole
+        _zero([value for j, value in enumerate(vs) if codes[j // per] != OK])
+        out.append(codes)
+    return out
 
 
 class StagedCopier:

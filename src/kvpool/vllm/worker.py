@@ -40,7 +40,7 @@ from kvpool.backends.base import Presence
 from kvpool.backends.faults import FaultInjectingBackend
 from kvpool.backends.registry import REGISTRY
 from kvpool.config import KVPoolConfig
-from kvpool.device.copy import Copier, make_copier
+from kvpool.device.copy import Copier, DirectCopier, load_direct, make_copier
 from kvpool.device.layout import KVLayout
 from kvpool.errors import ConfigError, ErrorCode, is_stored
 from kvpool.keys import KeyScheme, model_key_name, prefill_stage_schemes
@@ -326,16 +326,18 @@ class PoolWorker:
     # ---- loads ------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVPoolMetadata) -> None:
-        sync = []
+        sync, in_step = [], []
         for task in meta.loads:
             if task.is_async and task.in_step:
-                # vLLM calls this after the step's forward pass: the copy runs now, on this
-                # thread's copy team, and the request is reported done in this step's results.
-                self._finish_async_load(task)
+                in_step.append(task)
             elif task.is_async:
                 self._transfer.submit(LOAD, task.req_id, lambda t=task: self._finish_async_load(t))
             else:
                 sync.append(task)
+        # The request is not in this step's forward pass: the copy runs now, on this thread's
+        # copy team, and the request is reported done in this step's results.
+        for task, failed in zip(in_step, self._load_tasks(in_step)):
+            self._async_loaded(task, failed)
         if sync and self._failures_by_request:
             self._count(pinned_loads=len({t.req_id for t in sync}))
         if sync and self._layer_loader is not None:
@@ -343,8 +345,7 @@ class PoolWorker:
             loads = self._layer_loads = _LayerLoads(sync, len(self.layout.layers))
             self._layer_loader.submit(LOAD, "layerwise", lambda: self._run_layer_loads(loads))
             return
-        for task in sync:
-            failed = self._load_or_fail(task)
+        for failed in self._load_tasks(sync):
             self._step_load_errors |= failed
             with self._lock:
                 self._load_errors |= failed
@@ -393,7 +394,9 @@ class PoolWorker:
             self._load_errors |= loads.failed
 
     def _finish_async_load(self, task: BlockTask) -> None:
-        failed = self._load_or_fail(task)
+        self._async_loaded(task, self._load_or_fail(task))
+
+    def _async_loaded(self, task: BlockTask, failed: set[int]) -> None:
         with self._lock:
             # A request's loads (one task per group) finish together: its last task reports it.
             self._async_done[task.req_id] = self._async_done.get(task.req_id, set()) | failed
@@ -429,6 +432,41 @@ class PoolWorker:
         except Exception as e:  # the store went away: every block of this load failed
             logger.warning("kvpool load of %d blocks for %s failed: %s", len(task.block_ids), task.req_id, e)
             codes = [int(ErrorCode.RPC_FAIL)] * len(task.block_ids)
+        seconds = time.perf_counter() - t0
+        self._observe("load", seconds, codes if count_blocks else ())
+        return self._settle_load(task, codes, len(layers), seconds, count_blocks)
+
+    def _load_tasks(self, tasks: Sequence[BlockTask]) -> list[set[int]]:
+        """Each task's failed block ids (as `_load_or_fail`), the tasks of groups that copy
+        directly loaded in one backend batch: a model with several KV cache groups has one task
+        per group, and a batch per group would cost a store call each."""
+        together = [i for i, t in enumerate(tasks)
+                    if isinstance(self.groups[t.group].copier, DirectCopier) and not self.groups[t.group].scheme.layers]
+        if len(together) < 2:
+            return [self._load_or_fail(t) for t in tasks]
+        failed = dict(zip(together, self._load_together([tasks[i] for i in together])))
+        return [failed[i] if i in failed else self._load_or_fail(t) for i, t in enumerate(tasks)]
+
+    def _load_together(self, tasks: list[BlockTask]) -> list[set[int]]:
+        assert self.backend is not None
+        t0 = time.perf_counter()
+        ios = [self.groups[t.group] for t in tasks]
+        loads = [(io.copier, io.scheme.keys(t.block_hashes, None), t.block_ids, range(len(io.layout.layers)))
+                 for io, t in zip(ios, tasks)]
+        try:
+            codes = load_direct(loads, self.backend.batch_get_into)
+        except Exception as e:  # the store went away (or a bug): every block of these loads failed
+            logger.warning("kvpool load of %d blocks for %s failed: %s", sum(len(t.block_ids) for t in tasks),
+                           ", ".join(sorted({t.req_id for t in tasks})), e)
+            codes = [[int(ErrorCode.RPC_FAIL)] * len(t.block_ids) for t in tasks]
+        seconds = time.perf_counter() - t0
+        self._observe("load", seconds, [c for cs in codes for c in cs])
+        return [self._settle_load(t, cs, len(io.layout.layers), seconds / len(tasks))
+                for t, cs, io in zip(tasks, codes, ios)]
+
+    def _settle_load(self, task: BlockTask, codes: Sequence[int], layers: int, seconds: float,
+                     count_blocks: bool = True) -> set[int]:
+        """A load's outcome counted and, where blocks failed, said; its failed block ids."""
         failed = {b for b, c in zip(task.block_ids, codes) if c != ErrorCode.OK}
         ok = len(task.block_ids) - len(failed)
         if failed:
@@ -437,10 +475,9 @@ class PoolWorker:
                 "kvpool: %d of %d blocks of request %s failed to load (%s); vLLM will handle them "
                 "per kv_load_failure_policy", len(failed), len(task.block_ids), task.req_id, _code_name(first_bad),
             )
-        seconds = time.perf_counter() - t0
-        self._count(load_blocks=ok if count_blocks else 0, load_bytes=ok * io.layout.layer_block_bytes * len(layers),
+        io = self.groups[task.group]
+        self._count(load_blocks=ok if count_blocks else 0, load_bytes=ok * io.layout.layer_block_bytes * layers,
                     load_time_s=seconds, load_failed_blocks=len(failed) if count_blocks else 0)
-        self._observe("load", seconds, codes if count_blocks else ())
         return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -446,6 +446,27 @@ def test_a_hit_is_pinned_only_when_every_block_it_needs_is(make_worker):
     assert writer._lookup_hit(hashes[:1], 5) == (0, False)  # no hit, nothing to pin
 
 
+@pytest.mark.parametrize("sync", [True, False])
+def test_a_steps_group_loads_reach_the_store_as_one_batch(make_worker, monkeypatch, sync):
+    hashes, (_, w_kv), (reader, r_kv), pool = two_blocks_saved(make_worker, seed=8)
+    calls = []
+    real = pool.batch_get_into
+    monkeypatch.setattr(pool, "batch_get_into", lambda keys, values: calls.append(len(keys)) or real(keys, values))
+    bad = next(k for k in pool.data if k.endswith("@g1@" + hashes[1].hex()))
+    pool.fail_get.add(bad)
+    flags = {"is_async": not sync, "in_step": not sync}
+    reader.start_load_kv(KVPoolMetadata(loads=[BlockTask("b", hashes, [5, 6], group=0, **flags),
+                                               BlockTask("b", hashes, [7, 8], group=1, **flags)]))
+    assert calls == [4]  # both groups' blocks, one store call
+    assert block_bytes(r_kv, 0, 5) == block_bytes(w_kv, 0, 1) and block_bytes(r_kv, 0, 6) == block_bytes(w_kv, 0, 2)
+    assert block_bytes(r_kv, 1, 7) == block_bytes(w_kv, 1, 3)
+    assert not r_kv[LAYER_NAMES[1]][8].any()  # the failed block is zeroed, never half a value
+    if sync:  # a pinned load that failed all the same: reported by block, which vLLM stops on
+        assert reader.get_block_ids_with_load_errors() == {8}
+    else:
+        assert reader.get_transfer_results(None) == (None, {"b"}, {"b"})
+
+
 def test_a_failed_hybrid_load_is_reported_by_request_not_by_block(make_worker):
     hashes, _, (reader, _), pool = two_blocks_saved(make_worker, seed=4)
     pool.fail_get.add(next(k for k in pool.data if k.endswith("@g1@" + hashes[1].hex())))
