@@ -13,6 +13,7 @@ from store_helpers import payload
 
 from kvpool.errors import ConfigError, ErrorCode
 from kvpool.store import Allocation, DiskTier, EngineConfig, Lease, LookupLease, PoolEngine
+from kvpool.store.records import Presence
 
 C = "client-a"
 
@@ -282,6 +283,35 @@ def test_lookup_lease_protects_until_ttl(make_engine, clock) -> None:
     assert engine.put(C, "new", [payload("new", 64)]) is ErrorCode.NO_AVAILABLE_HANDLE
     clock.advance(1.5)
     assert engine.put(C, "new", [payload("new", 64)]) is ErrorCode.OK
+
+
+def test_presence_says_pinned_only_for_memory_a_whole_ttl_protects(make_engine, make_disk, clock) -> None:
+    # PINNED lets vLLM load a hit where it could not be told of a failure: only an object in
+    # memory under a lookup lease that protects it a whole TTL from now qualifies.
+    disk = make_disk()
+    engine = make_engine(memory_size=1024, disk=disk, disk_write_through=False, default_kv_lease_ttl_ms=1000)
+    fill(engine, 14)
+    engine.put(C, "new", [payload("new", 64)])  # k0 and k1 spill to disk
+    P = Presence
+    assert engine.presence(["k0", "k5", "absent", "k5"], C) == [P.STORED, P.PINNED, P.ABSENT, P.PINNED]
+    assert engine.exists(["k0", "k5", "absent"], C, lease=True) == [True, True, False]
+    # Pinned: nothing evicts it before the TTL, whatever is put meanwhile.
+    for i in range(20):
+        engine.put(C, f"more{i}", [payload(f"more{i}", 64)])
+    assert "k5" in in_memory(engine)
+
+
+def test_presence_is_stored_not_pinned_past_an_owners_share(clock) -> None:
+    engine = PoolEngine(EngineConfig(memory_size=64 * 1024, default_kv_lease_ttl_ms=1000, reap_interval_s=0,
+                                     client_ttl_s=1e6, client_pool_share=0.5), clock=clock)
+    try:
+        keys = [f"k{i}" for i in range(14)]
+        for k in keys:
+            assert engine.put("w", k, [payload(k, 4 * 1024 - 64)]) is ErrorCode.OK
+        found = engine.presence(keys, "reader")
+        assert set(found) == {Presence.PINNED, Presence.STORED}  # half of the pool is its share
+    finally:
+        engine.close()
 
 
 def test_a_handed_out_lookup_lease_is_extended_checked_and_kept(make_engine, clock) -> None:

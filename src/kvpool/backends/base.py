@@ -25,7 +25,6 @@ put: adapters use the store's own put-if-absent.
 from __future__ import annotations
 
 import abc
-import enum
 import logging
 import threading
 import time
@@ -43,6 +42,7 @@ from kvpool.errors import RPC_FAIL, RPC_TIMEOUT
 from kvpool.keys import valid_key
 from kvpool.store.buffers import as_u8, gather, scatter, spans, total_size
 from kvpool.store.memcopy import CopyEngine
+from kvpool.store.records import Presence
 
 if TYPE_CHECKING:
     from kvpool.backends.registry import Capabilities
@@ -53,19 +53,6 @@ logger = logging.getLogger(__name__)
 
 Buffers = Sequence[np.ndarray]
 T = TypeVar("T")
-
-
-class Presence(enum.IntEnum):
-    """What a lookup found of one key (`Backend.batch_presence`)."""
-
-    ABSENT = 0
-    # Stored (and leased, where the store leases): a read may still fail (the store goes away,
-    # a lease runs out, a check fails), so a load from it must be able to report a failure.
-    STORED = 1
-    # In this process's memory under a lookup lease that keeps it from eviction: a read made
-    # before the lease's TTL copies memory this process owns and cannot fail (`local` alone).
-    PINNED = 2
-
 
 # A key no store holds: the breaker's probe asks for it (`Backend._probe`).
 PROBE_KEY = "kvpool-probe"
@@ -207,14 +194,14 @@ class Backend(abc.ABC):
 
     def batch_exists(self, keys: Sequence[str], lease: bool = False) -> list[bool]:
         """Which keys are stored. With `lease`, hits are protected from eviction for the lease TTL."""
-        return [bool(p) for p in self._per_key(keys, lambda todo: self._exists(todo, lease), Presence.ABSENT)]
+        return [bool(p) for p in self._per_key(keys, lambda todo: self._exists(todo, lease), False)]
 
     def batch_presence(self, keys: Sequence[str]) -> list[Presence]:
         """A leasing lookup (`batch_exists(keys, lease=True)`) that also says which hits a read
         from this process cannot fail to serve before the lease's TTL (`Presence.PINNED`)."""
-        return [Presence(p) for p in self._per_key(keys, self._presence, Presence.ABSENT)]
+        return self._per_key(keys, self._presence, Presence.ABSENT)
 
-    def _per_key(self, keys: Sequence[str], hook: Callable[[list[str]], list], missing: int) -> list[int]:
+    def _per_key(self, keys: Sequence[str], hook: Callable[[list[str]], list[T]], missing: T) -> list[T]:
         """A lookup hook's answer per key, asked once per valid distinct key; `missing` for an
         invalid key, and for every key when the store is down or the hook failed."""
         out = [missing] * len(keys)
@@ -222,7 +209,7 @@ class Backend(abc.ABC):
         if todo:
             hits = self._call("exists", hook, self._stored_names(todo))
             if hits is not None:
-                by_key = {k: int(h) for k, h in zip(todo, hits)}
+                by_key = dict(zip(todo, hits))
                 out = [by_key.get(k, missing) if valid_key(k) else missing for k in keys]
         return out
 

@@ -11,7 +11,6 @@ from kvpool.backends.diagnosis import Report, check_lease, check_ssd_quota, huma
 from kvpool.config import KVPoolConfig, LocalSettings
 from kvpool.errors import ErrorCode
 from kvpool.store import PoolEngine
-from kvpool.store.records import LookupLease
 
 
 class LocalBackend(Backend):
@@ -30,8 +29,7 @@ class LocalBackend(Backend):
     def _presence(self, keys: list[str]) -> list[Presence]:
         # A lookup lease pins the object in this process's arena: nothing evicts it before the
         # TTL, and a read of it is a copy from memory this process owns.
-        return [Presence.PINNED if isinstance(found, LookupLease) else Presence.STORED if found else Presence.ABSENT
-                for found in self.engine.lookup_leases(keys, self._client)]
+        return self.engine.presence(keys, self._client)
 
     def _put(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
         return [self._put_one(k, v) for k, v in zip(keys, values)]

@@ -76,6 +76,7 @@ from kvpool.store.records import (
     ObjectView,
     PendingPut,
     PoolObject,
+    Presence,
     ReapReport,
     Spilled,
 )
@@ -537,24 +538,39 @@ class PoolEngine:
         refused by the fair-sharing quotas still reports the key as found: it is
         only unprotected.
         """
+        if lease:
+            return [p is not Presence.ABSENT for p in self.presence(keys, client_id or "")]
         now = self._clock()
         found: list[bool] = []
         with self._lock:
             if client_id:
                 self._touch_client(client_id, now)
-            if lease:
-                self._leases.prune(now)
+            for key in keys:
+                found.append(key in self._objects or key in self._spill
+                             or (self._disk is not None and self._disk.contains(key)))
+        return found
+
+    def presence(self, keys: Sequence[str], client_id: str) -> list[Presence]:
+        """``exists(lease=True)``, per key a `Presence`: PINNED when its lookup lease pins the
+        in-memory object for a whole TTL from now, STORED when found otherwise (the spill
+        buffer, the disk, or a lease the quotas refused or did not extend), ABSENT."""
+        now = self._clock()
+        pinned_until = now + self._leases.ttl_s
+        out: list[Presence] = []
+        with self._lock:
+            if client_id:
+                self._touch_client(client_id, now)
+            self._leases.prune(now)
             for key in keys:
                 obj = self._objects.get(key)
                 if obj is not None:
-                    found.append(True)
-                    if lease:
-                        self._leases.lookup_lease(obj, client_id or "", now)
+                    held = self._leases.lookup_lease(obj, client_id, now)
+                    out.append(Presence.PINNED if held is not None and held[1] >= pinned_until else Presence.STORED)
+                elif key in self._spill or (self._disk is not None and self._disk.contains(key)):
+                    out.append(Presence.STORED)
                 else:
-                    found.append(
-                        key in self._spill or (self._disk is not None and self._disk.contains(key))
-                    )
-        return found
+                    out.append(Presence.ABSENT)
+        return out
 
     def lookup_leases(self, keys: Sequence[str], client_id: str) -> list[LookupLease | bool]:
         """``exists(lease=True)`` that hands each in-memory hit's lookup lease back, so that a

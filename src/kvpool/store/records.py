@@ -7,10 +7,23 @@ values, runs out first.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvpool.errors import ErrorCode, StoreError
+
+
+class Presence(enum.IntEnum):
+    """What a leasing lookup found of one key (`PoolEngine.presence`, `Backend.batch_presence`)."""
+
+    ABSENT = 0
+    # Stored (and leased, where the store leases): a read may still fail (the store goes away,
+    # a lease runs out, a check fails), so a load from it must be able to report a failure.
+    STORED = 1
+    # In this process's memory under a lookup lease that keeps it from eviction for a whole TTL
+    # from now: a read made before then copies memory this process owns and cannot fail.
+    PINNED = 2
 
 
 @dataclass(frozen=True)
