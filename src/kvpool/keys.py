@@ -23,6 +23,7 @@ RoPE scaling of the same model name) miss instead of loading KV that would chang
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -122,13 +123,24 @@ class KeyScheme:
             return self.heads >= self.tp_size or self.tp_rank % (self.tp_size // self.heads) == 0
         return self.tp_rank % (self.tp_size // self.kv_shards) == 0
 
+    @functools.cached_property
+    def _prefixes(self) -> dict[tuple[int, int], str]:
+        # Every key of a (shard, PP stage) starts alike: a lookup builds hundreds per prompt.
+        return {}
+
+    def _prefix(self, shard: int, pp_rank: int) -> str:
+        prefix = self._prefixes.get((shard, pp_rank))
+        if prefix is None:
+            part = f"h{shard}/{self.heads}" if self.heads else f"tp{shard}/{self.kv_shards}"
+            prefix = f"{self.model}@{self.layout}@{part}@pp{pp_rank}/{self.pp_size}@g{self.group}@"
+            self._prefixes[shard, pp_rank] = prefix
+        return prefix
+
     def key(self, block_hash: bytes, shard: int | None = None, pp_rank: int | None = None,
             layer: int | None = None) -> str:
         """The key of one value: of `shard` (per-head values: of head `shard`)."""
         s = (self.shard if not self.heads else self.head_range.start) if shard is None else shard
-        p = self.pp_rank if pp_rank is None else pp_rank
-        part = f"h{s}/{self.heads}" if self.heads else f"tp{s}/{self.kv_shards}"
-        key = f"{self.model}@{self.layout}@{part}@pp{p}/{self.pp_size}@g{self.group}@{block_hash.hex()}"
+        key = self._prefix(s, self.pp_rank if pp_rank is None else pp_rank) + block_hash.hex()
         return key if layer is None else f"{key}@l{layer}"
 
     def keys(self, block_hashes: Sequence[bytes], layer: int | None = None) -> list[str]:
@@ -140,12 +152,18 @@ class KeyScheme:
             return [self.key(h, head, layer=layer) for h in block_hashes for head in self.head_range]
         return [self.key(h, layer=layer) for h in block_hashes]
 
+    @functools.cached_property
+    def _all_rank_parts(self) -> list[tuple[str, str]]:
+        """What comes before and after the block hash in each of `all_rank_keys`."""
+        layers = [f"@l{layer}" for layer in range(self.layers)] if self.layers else [""]
+        return [(self._prefix(s, p), layer) for p in range(self.pp_size)
+                for s in range(self.heads or self.kv_shards) for layer in layers]
+
     def all_rank_keys(self, block_hash: bytes) -> list[str]:
         """The keys of every shard (or head), PP stage (and layer) for one block: a block is a hit
         only if all exist."""
-        layers = range(self.layers) if self.layers else [None]
-        return [self.key(block_hash, s, p, layer) for p in range(self.pp_size)
-                for s in range(self.heads or self.kv_shards) for layer in layers]
+        h = block_hash.hex()
+        return [prefix + h + layer for prefix, layer in self._all_rank_parts]
 
 
 def prefill_stage_schemes(scheme: KeyScheme, num_layers: int, prefill_pp_size: int,
