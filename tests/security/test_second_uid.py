@@ -338,7 +338,7 @@ def test_the_lookup_channel_is_out_of_reach(attacker, fallback_base, monkeypatch
         report = attacker.run(f"import sys; sys.argv = ['x', {server.path!r}]\n" + LOOKUP_PROBE)
         assert report == {"connected": 0, "listed": 0, "error": "PermissionError"}
         assert asked == []  # the attacker asked nothing
-        assert client.lookup([b"a", b"b"]) == 2 and asked == [2]  # the owner still can
+        assert client.lookup([b"a", b"b"]).blocks == 2 and asked == [2]  # the owner still can
     finally:
         client.close()
         server.close()
@@ -376,7 +376,7 @@ def test_a_swapped_lookup_directory_is_refused_on_its_peer_credentials(attacker,
                 f"os.chmod({base!r}, 0o777); sys.argv = ['x', {server.path!r}, '']\n")
         proc = attacker.start(swap + IMPOSTOR)
         assert proc.stdout.readline().strip() == "ready"
-        assert client.lookup([b"a" * 32] * 8) == 0
+        assert client.lookup([b"a" * 32] * 8).blocks == 0
         report = attacker.finish(proc)
         assert report["received"] == 0 and report["connections"] >= 1
         assert asked == []
