@@ -209,8 +209,8 @@ class Backend(abc.ABC):
         if todo:
             hits = self._call("exists", hook, self._stored_names(todo))
             if hits is not None:
-                by_key = dict(zip(todo, hits))
-                out = [by_key.get(k, missing) if valid_key(k) else missing for k in keys]
+                by_key = dict(zip(todo, hits))  # an invalid key is in no answer
+                out = [by_key.get(k, missing) if isinstance(k, str) else missing for k in keys]
         return out
 
     def batch_put(self, keys: Sequence[str], values: Sequence[Buffers]) -> list[int]:

@@ -308,14 +308,22 @@ class PoolWorker:
         blocks is `Presence.PINNED`: then their load cannot fail before the lease's TTL."""
         assert self.backend is not None and self.groups
         ios = list(self.groups.values())
-        per_block = [io.scheme.all_rank_keys(h) for io in ios for h in block_hashes]
-        flat = [k for ks in per_block for k in ks]
+        flat: list[str] = []
+        ends: list[int] = []  # per (group, block): where its keys end in `flat`
+        for io in ios:
+            for h in block_hashes:
+                flat += io.scheme.all_rank_keys(h)
+                ends.append(len(flat))
         presence = self.backend.batch_presence(flat)
-        found, pinned, i = [], [], 0
-        for ks in per_block:
-            found.append(all(presence[i:i + len(ks)]))
-            pinned.append(all(p is Presence.PINNED for p in presence[i:i + len(ks)]))
-            i += len(ks)
+        if len(ends) == len(flat):  # one key per block (TP and PP 1, or MLA): no slicing
+            found = [p is not Presence.ABSENT for p in presence]
+            pinned = [p is Presence.PINNED for p in presence]
+        else:
+            found, pinned, i = [], [], 0
+            for end in ends:
+                found.append(Presence.ABSENT not in presence[i:end])
+                pinned.append(all(p is Presence.PINNED for p in presence[i:end]))
+                i = end
         n = len(block_hashes)
         hits = longest_hit([io.group for io in ios], start, [found[g * n:(g + 1) * n] for g in range(len(ios))],
                            self._align)
