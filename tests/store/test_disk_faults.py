@@ -102,7 +102,7 @@ def test_an_io_error_promoting_from_disk_is_a_miss_for_the_reader(make_engine, m
 def _pause_after_read(monkeypatch, disk) -> tuple[threading.Event, threading.Event]:
     """Make the next checksum check wait (after the file was read) until ``go``."""
     paused, go = threading.Event(), threading.Event()
-    real = disk_mod.DiskTier._check_sum
+    real = disk_mod.checksum_problem
     calls = []
 
     def check(parsed, payload):
@@ -112,7 +112,7 @@ def _pause_after_read(monkeypatch, disk) -> tuple[threading.Event, threading.Eve
             assert go.wait(10)
         return real(parsed, payload)
 
-    monkeypatch.setattr(disk_mod.DiskTier, "_check_sum", staticmethod(check))
+    monkeypatch.setattr(disk_mod, "checksum_problem", check)
     return paused, go
 
 

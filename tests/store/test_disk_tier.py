@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 import zlib
 
 import numpy as np
@@ -13,6 +14,7 @@ from kvpool.errors import ConfigError, ErrorCode, StoreError
 from kvpool.paths import validate_offload_path
 from kvpool.store import DiskTier
 from kvpool.store import disk as disk_module
+from kvpool.store import disk_format
 from kvpool.store.buffers import checksum
 
 READS = ["get", "read_into"]
@@ -154,7 +156,7 @@ def test_files_of_the_first_format_still_read_and_are_checked(make_disk, how: st
     disk.put("old", value)
     path = file_of(disk, "old")
     with open(path, "r+b") as f:
-        f.write(disk_module._HEADER.pack(disk_module.MAGIC, 1, 0, 3, len(value), zlib.crc32(value)))
+        f.write(struct.pack("<4sHHIQI", disk_format.MAGIC, 1, 0, 3, len(value), zlib.crc32(value)))
     assert read(disk, "old", how) == value
     with open(path, "r+b") as f:
         f.seek(-1, os.SEEK_END)

@@ -1,16 +1,7 @@
 """SSD tier: one checksummed file per object under a validated directory.
 
-File layout (little-endian)::
-
-    magic b"KVPL" | version u16 | reserved u16 | key_len u32 | payload_len u64 | check u32
-    key (utf-8, key_len bytes)
-    payload (payload_len bytes)
-
-``check`` is the payload's checksum: in version 2 the low 32 bits of its XXH3-64, the hash the
-memory tier keeps for every object, so a read that lands straight in the arena checks the file
-and obtains the arena object's checksum in one pass; in version 1 (still read) its crc32.
-
-The file name is the sha256 hex of the key, in a subdirectory named by its first
+Each file is a header, the key and the payload (`store/disk_format.py`, which also holds the
+restart index's format). The file name is the sha256 hex of the key, in a subdirectory named by its first
 two hex characters (keeps directories small when there are millions of objects).
 The key is stored in the header too so a restart can rebuild the index by reading
 headers only, and so a hash collision or a misplaced file is detected.
@@ -66,7 +57,6 @@ import os
 import struct
 import threading
 import time
-import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, NoReturn
 
@@ -75,6 +65,18 @@ import xxhash
 
 from kvpool.errors import ConfigError, ErrorCode, StoreError
 from kvpool.paths import validate_offload_path
+from kvpool.store.disk_format import (
+    HEADER_SIZE,
+    INDEX_NAME,
+    MAGIC,
+    READABLE,
+    checksum_problem,
+    decode_index,
+    encode_index,
+    file_problem,
+    pack_header,
+    unpack_header,
+)
 from kvpool.store.quota import POLICIES, DiskPolicy, QuotaIndex
 from kvpool.store.tierdir import TierDir
 
@@ -84,12 +86,6 @@ logger = logging.getLogger(__name__)
 # 3.11 has no static type for that (collections.abc.Buffer arrived in 3.12).
 Buffer = Any
 
-MAGIC = b"KVPL"
-VERSION = 2  # what this tier writes
-_READABLE = (1, 2)
-_HEADER = struct.Struct("<4sHHIQI")
-HEADER_SIZE = _HEADER.size
-_LOW32 = 0xFFFFFFFF
 _TMP_MARK = ".tmp."
 LOCK_NAME = ".kvpool.lock"
 # How long a put waits for another thread's write of the same key: one file write, so only a
@@ -165,14 +161,6 @@ class _FoundSize(int):
     size, so marking a million files costs neither memory nor start-up time."""
 
     __slots__ = ()
-
-
-INDEX_NAME = ".kvpool.index"
-_INDEX_MAGIC = b"KVPI"
-_INDEX_VERSION = 1
-_INDEX_HEAD = struct.Struct("<4sHHQI")  # magic, version, reserved, entries, shards
-_INDEX_SHARD = struct.Struct("<2sq")  # shard name, st_mtime_ns
-_INDEX_ENTRY = struct.Struct("<IQ")  # key length, file size
 
 
 class DiskTier:
@@ -381,7 +369,7 @@ class DiskTier:
             fd = self._dir.create(loc.shard, tmp)
             created = True
             with open(fd, "wb") as f:
-                f.write(_HEADER.pack(MAGIC, VERSION, 0, len(key_bytes), payload_len, h.intdigest() & _LOW32))
+                f.write(pack_header(len(key_bytes), payload_len, h.intdigest()))
                 f.write(key_bytes)
                 for v in views:
                     f.write(v)
@@ -462,15 +450,15 @@ class DiskTier:
                     # Read the parts separately so the payload is not copied a second
                     # time by slicing one big buffer (objects are often megabytes).
                     head = f.read(HEADER_SIZE)
-                    parsed = _HEADER.unpack(head) if len(head) == HEADER_SIZE else None
+                    parsed = unpack_header(head)
                     key_bytes = f.read(parsed[3]) if parsed else b""
                     payload = f.read(parsed[4]) if parsed else b""
                     trailing = bool(f.read(1))
             except OSError as exc:
                 self._unreadable(key, loc, exc, fd)
-            problem = self._check_file(parsed, key_bytes, len(payload), trailing, key)
+            problem = file_problem(parsed, key_bytes, len(payload), trailing, key)
             if problem is None and parsed is not None:
-                problem = self._check_sum(parsed, payload)[1]
+                problem = checksum_problem(parsed, payload)[1]
             if problem is not None:
                 self._corrupt(key, loc, problem, fd)
         finally:
@@ -498,7 +486,7 @@ class DiskTier:
             try:
                 file_size = os.fstat(fd).st_size
                 head = os.pread(fd, start, 0)
-                parsed = _HEADER.unpack(head[:HEADER_SIZE]) if len(head) >= HEADER_SIZE else None
+                parsed = unpack_header(head[:HEADER_SIZE])
                 payload_len = parsed[4] if parsed is not None else -1
                 whole = parsed is not None and parsed[3] == len(key_bytes) and file_size == start + payload_len
                 if whole and payload_len != dest.nbytes:
@@ -507,10 +495,10 @@ class DiskTier:
                 got = _pread_into(fd, dest, start) if payload_len == dest.nbytes else 0
             except OSError as exc:
                 self._unreadable(key, loc, exc, fd)
-            problem = self._check_file(parsed, head[HEADER_SIZE:], got, file_size > start + got, key)
+            problem = file_problem(parsed, head[HEADER_SIZE:], got, file_size > start + got, key)
             digest = 0
             if problem is None and parsed is not None:
-                digest, problem = self._check_sum(parsed, dest)
+                digest, problem = checksum_problem(parsed, dest)
             if problem is not None:
                 self._corrupt(key, loc, problem, fd)
         finally:
@@ -582,33 +570,6 @@ class DiskTier:
     def _where(key: str) -> _Loc:
         digest = hashlib.sha256(key.encode("utf-8")).hexdigest()
         return _Loc(digest[:2], digest)
-
-    @staticmethod
-    def _check_file(
-        parsed: tuple[Any, ...] | None, key_bytes: bytes, payload_read: int, trailing: bool, key: str
-    ) -> str | None:
-        """Why the file read for ``key`` is invalid (its checksum aside), or None if it is valid."""
-        if parsed is None:
-            return "truncated header"
-        magic, version, _, key_len, payload_len, _ = parsed
-        if magic != MAGIC or version not in _READABLE:
-            return f"bad magic/version {magic!r}/{version}"
-        if len(key_bytes) != key_len or payload_read != payload_len:
-            return f"payload has {payload_read} of {payload_len} bytes (truncated)"
-        if trailing:
-            return "trailing bytes after the payload"
-        if key_bytes != key.encode("utf-8"):
-            return "stored key differs from the requested key"
-        return None
-
-    @staticmethod
-    def _check_sum(parsed: tuple[Any, ...], payload: Buffer) -> tuple[int, str | None]:
-        """The payload's XXH3-64, and why it does not match the file's check (None if it does)."""
-        version, check = parsed[1], parsed[5]
-        digest = xxhash.xxh3_64_intdigest(payload)
-        if version == 1:
-            return digest, None if zlib.crc32(payload) == check else "crc32 mismatch"
-        return digest, None if digest & _LOW32 == check else "checksum mismatch"
 
     def _corrupt(self, key: str, loc: _Loc, problem: str, fd: int | None) -> NoReturn:
         """Report ``key``'s file (read through ``fd``; None: could not be opened) as corrupt and
@@ -713,18 +674,10 @@ class DiskTier:
                 logger.info("disk tier: %s was changed behind this tier; the next start scans its files",
                             self.path)
                 return
-        parts = [_INDEX_HEAD.pack(_INDEX_MAGIC, _INDEX_VERSION, 0, len(entries), len(times))]
-        parts.extend(_INDEX_SHARD.pack(name.encode(), ns) for name, ns in sorted(times.items()))
-        for key, size in entries:
-            key_bytes = key.encode("utf-8")
-            parts.append(_INDEX_ENTRY.pack(len(key_bytes), size))
-            parts.append(key_bytes)
-        body = b"".join(parts)
         tmp = f"{INDEX_NAME}{_TMP_MARK}{os.getpid()}"
         fd = self._dir.create(None, tmp, truncate=True)
         with open(fd, "wb") as f:
-            f.write(body)
-            f.write(struct.pack("<I", zlib.crc32(body)))
+            f.write(encode_index(entries, times))
         self._dir.replace(None, tmp, INDEX_NAME)
 
     def _load_index(self) -> bool:
@@ -748,35 +701,18 @@ class DiskTier:
             return False
 
     def _parse_index(self, blob: bytes) -> bool:
-        body, seal = blob[:-4], blob[-4:]
-        if len(blob) < _INDEX_HEAD.size + 4 or struct.unpack("<I", seal)[0] != zlib.crc32(body):
-            raise ValueError("its checksum does not match")
-        magic, version, _, count, shards = _INDEX_HEAD.unpack_from(body, 0)
-        if magic != _INDEX_MAGIC or version != _INDEX_VERSION:
-            raise ValueError(f"bad magic/version {magic!r}/{version}")
-        pos = _INDEX_HEAD.size
-        recorded = {}
-        for _ in range(shards):
-            name, ns = _INDEX_SHARD.unpack_from(body, pos)
-            recorded[name.decode()] = ns
-            pos += _INDEX_SHARD.size
+        recorded, entries = decode_index(blob)
         if recorded != self._shard_times():
             logger.info("disk tier: %s changed since its index was written; scanning the files", self.path)
             return False
         order, sizes = self._order, {}
-        unpack = _INDEX_ENTRY.unpack_from
-        step = _INDEX_ENTRY.size
-        for _ in range(count):
-            key_len, size = unpack(body, pos)
-            pos += step
-            key = body[pos : pos + key_len].decode("utf-8")
-            pos += key_len
+        for key, size in entries:
             mark = sizes.get(size)
             if mark is None:  # one object per distinct size
                 mark = sizes[size] = _FoundSize(size)
             order.load(key, mark)
-        if pos != len(body) or len(order) != count:
-            raise ValueError("its entries do not add up")
+        if len(order) != len(entries):
+            raise ValueError("it lists a key twice")
         if order.used > self.quota_bytes:
             self._doom_locked(order.evict(order.used - self.quota_bytes))
         return True
@@ -830,11 +766,11 @@ class DiskTier:
             fd = self._dir.open(loc.shard, loc.name)
             size = os.fstat(fd).st_size
             with open(fd, "rb") as f:
-                head = f.read(HEADER_SIZE)
-                if len(head) < HEADER_SIZE:
+                parsed = unpack_header(f.read(HEADER_SIZE))
+                if parsed is None:
                     return None, "truncated header"
-                magic, version, _, key_len, payload_len, _ = _HEADER.unpack(head)
-                if magic != MAGIC or version not in _READABLE:
+                magic, version, _, key_len, payload_len, _ = parsed
+                if magic != MAGIC or version not in READABLE:
                     return None, f"bad magic/version {magic!r}/{version}"
                 if size != HEADER_SIZE + key_len + payload_len:
                     return None, f"size {size} != header-declared {HEADER_SIZE + key_len + payload_len}"
