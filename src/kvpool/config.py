@@ -868,20 +868,20 @@ def _parse_config(extra: Mapping[str, Any] | None, kv_role: str | None) -> tuple
 
 
 class ServerSettings(EngineSettings, frozen=True, kw_only=True):
-    """Everything `kvpool server` is told on its command line (flag = the field's key,
-    spelled with underscores as mooncake_master does, or with dashes)."""
+    """Everything `kvpool server` is told on its command line (flag = the field's key with
+    dashes; mooncake_master's underscore spelling of each is taken too)."""
 
     KEYS: ClassVar[dict[str, str]] = {
         "memory_size": "global_segment_size", "default_kv_lease_ttl_ms": "default_kv_lease_ttl",
         "client_ttl_s": "client_ttl", "put_timeout_s": "put_timeout", "hello_timeout_s": "hello_timeout",
-        "socket_path": "socket", "client_max_hold_s": "client_max_hold"}
+        "socket_path": "socket", "client_max_hold_s": "client_max_hold", "request_timeout_s": "request_timeout"}
 
     memory_size: Annotated[int, Meta(ge=MiB, le=PiB, extra={"kind": "size"}, description=(
         'memory tier size, e.g. "4GB" (binary units)'))] = 4 * GiB
     socket_path: Annotated[str, Meta(extra={"kind": "socket"}, description=(
         "Unix socket to listen on (the backend's default server_socket)"))] = DEFAULT_SERVER_SOCKET
     socket_mode: Annotated[int, Meta(gt=0, le=0o777, extra={"kind": "octal"}, description=(
-        "file mode of the socket (0600: this user only; who may use the pool is --allowed_gid's business)"))] = 0o600
+        "file mode of the socket (0600: this user only; who may use the pool is --allowed-gid's business)"))] = 0o600
     allowed_gid: Annotated[int, Meta(ge=0, le=2**32 - 2, extra={"kind": "id"}, description=(
         "group sharing: also serve users in this group; socket and arena get this group, mode 0660 "
         "(default: only the server's own uid)"))] | None = None
@@ -891,9 +891,9 @@ class ServerSettings(EngineSettings, frozen=True, kw_only=True):
         "drop a client's leases and unfinished puts after this long without a ping"))] = 10.0
     put_timeout_s: Annotated[float, Meta(ge=0.1, le=DAY_S, extra={"kind": "seconds"}, description=(
         "reclaim an allocation not committed within this time"))] = 30.0
-    enable_offload: Annotated[bool, Meta(description="enable the SSD offload tier (needs --offload_path)")] = False
+    enable_offload: Annotated[bool, Meta(description="enable the SSD offload tier (needs --offload-path)")] = False
     metrics_port: Annotated[int, Meta(ge=0, le=65535, extra={"kind": "port"}, description=(
-        "serve /metrics, /stats and /healthz on --metrics_host:PORT (0: any free port; default off)"))] | None = None
+        "serve /metrics, /stats and /healthz on --metrics-host:PORT (0: any free port; default off)"))] | None = None
     metrics_host: Annotated[str, Meta(extra={"kind": "ip"}, description=(
         "IP address the metrics endpoint binds (it has no auth and tells what the host caches: "
         "keep the loopback default unless a scraper on another host needs it)"))] = "127.0.0.1"
@@ -909,7 +909,7 @@ class ServerSettings(EngineSettings, frozen=True, kw_only=True):
     max_connections_per_client: Annotated[int, Meta(ge=1, le=1 << 20, description=(
         "refuse handshakes beyond this many connections from one client process"))] = 16
     max_connections_per_uid: Annotated[int, Meta(ge=1, le=1 << 20, description=(
-        "with --allowed_gid: refuse handshakes beyond this many connections from one other user, "
+        "with --allowed-gid: refuse handshakes beyond this many connections from one other user, "
         "all its processes together (room for a TP=8 vLLM instance: 9 processes, 1-2 each)"))] = 64
     max_handshakes: Annotated[int, Meta(ge=1, le=1 << 16, description=(
         "connections that have not said Hello yet; past it the oldest is closed to admit a new one"))] = 32
@@ -929,19 +929,23 @@ class ServerSettings(EngineSettings, frozen=True, kw_only=True):
 
 
 # Extra spellings of a flag that mean the same (mooncake_master's and kvpool's own).
-SERVER_FLAG_ALIASES = {"global_segment_size": ("memory_size",)}
+SERVER_FLAG_ALIASES = {"global_segment_size": ("memory_size",), "request_timeout": ("request_timeout_s",)}
 
 
 _METAVARS = {"ip": "ADDRESS", "size": "SIZE", "ms": "MS", "seconds": "SECONDS", "dir": "DIR", "socket": "PATH", "octal": "OCTAL"}
 
 
-def _flag_spellings(name: str) -> list[str]:
-    out: list[str] = []
-    for n in (name, *SERVER_FLAG_ALIASES.get(name, ())):
-        for s in (f"--{n}", f"--{n.replace('_', '-')}"):
-            if s not in out:
-                out.append(s)
-    return out
+def flag_name(key: str) -> str:
+    """A setting's command-line flag: its key with dashes (`--memory-size`)."""
+    return f"--{key.replace('_', '-')}"
+
+
+def _flag_spellings(name: str) -> tuple[list[str], list[str]]:
+    """(the flags `--help` shows: dashes; the spellings also taken: mooncake_master's underscores)."""
+    names = (name, *SERVER_FLAG_ALIASES.get(name, ()))
+    shown = list(dict.fromkeys(flag_name(n) for n in names))
+    taken = [f"--{n}" for n in names if f"--{n}" not in shown]
+    return shown, taken
 
 
 def add_flags(parser: argparse.ArgumentParser, schema: type[msgspec.Struct] = ServerSettings) -> None:
@@ -952,25 +956,27 @@ def add_flags(parser: argparse.ArgumentParser, schema: type[msgspec.Struct] = Se
         t, extra, _ = _unwrap(f.type)
         default = getattr(defaults, f.name)
         help_text = describe(schema, enc).replace("%", "%%")  # argparse formats help with %
+        shown_flags, taken_flags = _flag_spellings(enc)
         if isinstance(t, mi.BoolType):
-            # --enable_offload alone, as mooncake_master; also --enable_offload=true/false.
-            parser.add_argument(*_flag_spellings(enc), dest=enc, nargs="?", const="true", default=None,
-                                metavar="true|false", help=help_text)
-            continue
-        if default is not None:
-            shown = human_size(default) if extra.get("kind") == "size" else (
-                oct(default).replace("0o", "0") if extra.get("kind") == "octal" else default)
-            help_text = f"{help_text} (default {shown})"
-        choices = t.values if isinstance(t, mi.LiteralType) else None
-        metavar = None if choices else _METAVARS.get(extra.get("kind", ""), "N" if isinstance(t, mi.IntType) else "X")
-        parser.add_argument(*_flag_spellings(enc), dest=enc, default=None, choices=choices, metavar=metavar,
-                            help=help_text)
+            # --enable-offload alone, as mooncake_master; also --enable-offload=true/false.
+            kw: dict[str, Any] = dict(dest=enc, nargs="?", const="true", default=None, metavar="true|false")
+        else:
+            if default is not None:
+                shown = human_size(default) if extra.get("kind") == "size" else (
+                    oct(default).replace("0o", "0") if extra.get("kind") == "octal" else default)
+                help_text = f"{help_text} (default {shown})"
+            choices = t.values if isinstance(t, mi.LiteralType) else None
+            metavar = None if choices else _METAVARS.get(extra.get("kind", ""), "N" if isinstance(t, mi.IntType) else "X")
+            kw = dict(dest=enc, default=None, choices=choices, metavar=metavar)
+        parser.add_argument(*shown_flags, help=help_text, **kw)
+        if taken_flags:  # a mooncake_master command line works unchanged; --help shows one style
+            parser.add_argument(*taken_flags, help=argparse.SUPPRESS, **kw)
 
 
 def from_flags(args: argparse.Namespace, schema: type[msgspec.Struct] = ServerSettings) -> Any:
     """Parse the flags `add_flags` registered; errors name the flag as `--name`."""
     raw = {enc: getattr(args, enc) for enc in fields(schema) if getattr(args, enc, None) is not None}
-    return convert(schema, raw, names={enc: f"--{enc}" for enc in raw})
+    return convert(schema, raw, names={enc: flag_name(enc) for enc in raw})
 
 
 # ---- every surface, for the docs and the tests ---------------------------------------------------
@@ -997,6 +1003,6 @@ def bounds_table() -> str:
                 if not text or enc in seen:
                     continue
                 seen.add(enc)
-                name = f"`--{enc}`" if surface == "kvpool server" else f"`{enc}`"
+                name = f"`{flag_name(enc)}`" if surface == "kvpool server" else f"`{enc}`"
                 rows.append(f"| {name} | {surface} | {text} |")
     return "\n".join(rows)

@@ -504,7 +504,7 @@ held = []
 for _ in range(40):  # then more connections from this process, until refused
     c, reply = conn()
     held.append(c)
-    if b"max_connections_per_uid" in reply:
+    if b"--max-connections-per-uid" in reply:
         out["refused"] = 1
         break
     out["more"] += 1

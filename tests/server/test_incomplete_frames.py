@@ -4,7 +4,7 @@ client never sends a frame the server would refuse.
 A peer past its Hello may declare a frame of up to MAX_REQUEST_FRAME bytes and then send a
 byte now and then. The server's buffer grows with what arrived (never to the declared length),
 all connections' partly received frames share `--frame_budget`, and a frame must be whole within
-`--request_timeout` of its first byte.
+`--request-timeout` of its first byte.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def test_a_frame_not_whole_within_the_request_timeout_closes_its_connection(star
     declare(s)
     reply = answer(s)  # bytes trickling in do not extend the deadline: it comes, whatever we send
     assert isinstance(reply, P.Error) and reply.code == int(ErrorCode.RPC_TIMEOUT), reply
-    assert "--request_timeout" in reply.message
+    assert "--request-timeout" in reply.message
     s.close()
     assert good.server_stats()[0]["request_timeouts"] == 1
     assert good.ping() == OK

@@ -207,7 +207,7 @@ def test_connections_beyond_the_limit_are_refused_politely(server, good):
             reply = P.reply_decoder.decode(body) if body is not None else None
             if not isinstance(reply, P.HelloReply):
                 # This process hits its per-process cap before the server's total one.
-                assert isinstance(reply, P.Error) and "max_connections" in reply.message
+                assert isinstance(reply, P.Error) and "--max-connections" in reply.message
                 break
             assert len(held) <= 64
     finally:

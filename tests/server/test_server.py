@@ -212,7 +212,7 @@ def test_flags_in_spec_spelling_and_with_dashes(tmp_path):
                       "--offload-eviction-policy", "fifo")
     assert (off.offload_path, off.offload_quota, off.offload_eviction_policy) == (ssd, 2 << 30, "fifo")
     assert parse_flags().socket_path == DEFAULT_SERVER_SOCKET == load_config({"backend": "server"}).backend_settings.server_socket
-    with pytest.raises(ConfigError, match="offload_path"):
+    with pytest.raises(ConfigError, match="--offload-path"):
         parse_flags("--enable_offload", "--offload-path", "relative/dir")
 
 

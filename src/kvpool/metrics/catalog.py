@@ -3,7 +3,7 @@ server) the stats entry each sample is read from.
 
 Three components export series:
 
-- ``server``: `kvpool server`'s `/metrics` (``--metrics_port``), read from its stats at scrape time;
+- ``server``: `kvpool server`'s `/metrics` (``--metrics-port``), read from its stats at scrape time;
 - ``proxy``: `kvpool proxy`'s `/metrics`, on the proxy's own address;
 - ``connector``: the connector's series on each vLLM instance's own `/metrics`, through vLLM's
   connector Prometheus hook (vLLM adds its ``model_name`` and ``engine`` labels and unregisters
@@ -95,9 +95,9 @@ SERVER: tuple[Series, ...] = (
             "allocator's headers)", "memory_capacity"),
     _server("kvpool_memory_largest_free_bytes", "gauge", "Largest free extent of the arena: the biggest value a "
             "put can take without evicting", "memory_largest_free"),
-    _server("kvpool_disk_used_bytes", "gauge", "Bytes the SSD tier's files take (0 without --enable_offload)",
+    _server("kvpool_disk_used_bytes", "gauge", "Bytes the SSD tier's files take (0 without --enable-offload)",
             "disk_used"),
-    _server("kvpool_disk_quota_bytes", "gauge", "The SSD tier's quota: --offload_quota, or what the disk can "
+    _server("kvpool_disk_quota_bytes", "gauge", "The SSD tier's quota: --offload-quota, or what the disk can "
             "hold (lowered when the disk fills up below it, raised again when it has room)", "disk_quota"),
     _server("kvpool_objects", "gauge", "Objects stored, per tier (an object on both tiers counts in each)",
             {("memory",): "object_count", ("disk",): "disk_count"}, ("tier",)),
@@ -111,12 +111,12 @@ SERVER: tuple[Series, ...] = (
             "SSD tier", "spilling"),
     _server("kvpool_disk_write_queue_objects", "gauge", "Objects queued for the SSD tier's write-through",
             "disk_queue"),
-    _server("kvpool_clients", "gauge", "Clients the pool considers alive (they pinged within --client_ttl)",
+    _server("kvpool_clients", "gauge", "Clients the pool considers alive (they pinged within --client-ttl)",
             "clients"),
     _server("kvpool_connections", "gauge", "Open client connections: handshaken, or waiting for their Hello",
             {("open",): "connected_clients", ("handshaking",): "pending_handshakes"}, ("state",)),
     _server("kvpool_partial_frame_bytes", "gauge", "Memory held by request frames still arriving, all "
-            "connections together (bounded by --frame_budget)", "partial_frame_bytes"),
+            "connections together (bounded by --frame-budget)", "partial_frame_bytes"),
     _server("kvpool_puts", "counter", "Objects committed to the pool", "puts"),
     _server("kvpool_read_hits", "counter", "Reads served, per tier they were found in (a disk hit is promoted "
             "to memory)", {("memory",): "hits", ("disk",): "disk_hits"}, ("tier",)),
@@ -140,8 +140,8 @@ SERVER: tuple[Series, ...] = (
     _server("kvpool_disk_full_events", "counter", "Times the disk filled up below the SSD tier's quota (the "
             "quota is lowered and the tier evicts)", "disk_full_events"),
     _server("kvpool_reclaimed_allocations", "counter", "Puts reclaimed unfinished: their client died or "
-            "exceeded --put_timeout", "reclaimed_allocations"),
-    _server("kvpool_reaped_clients", "counter", "Clients dropped for not pinging within --client_ttl (their "
+            "exceeded --put-timeout", "reclaimed_allocations"),
+    _server("kvpool_reaped_clients", "counter", "Clients dropped for not pinging within --client-ttl (their "
             "leases and puts are released)", "reaped_clients"),
     _server("kvpool_accepted_connections", "counter", "Client connections accepted", "connections"),
     _server("kvpool_refused_connections", "counter", "Connections refused or closed before serving, by reason",
@@ -153,10 +153,10 @@ SERVER: tuple[Series, ...] = (
     _server("kvpool_protocol_errors", "counter", "Malformed or out-of-order requests (answered with an error; "
             "the connection survives unless it had not said Hello)", "protocol_errors"),
     _server("kvpool_quota_refusals", "counter", "Leases and allocations refused because a client process was "
-            "at --client_max_leases or its pool share", "quota_refusals"),
+            "at --client-max-leases or its pool share", "quota_refusals"),
     _server("kvpool_unpinned_leases", "counter", "Leases granted without pinning: the client was past its pool "
             "share or hold time", "unpinned_leases"),
-    _server("kvpool_hold_limit_hits", "counter", "Objects a client process held for --client_max_hold, then had "
+    _server("kvpool_hold_limit_hits", "counter", "Objects a client process held for --client-max-hold, then had "
             "to let go", "hold_limit_hits"),
     _server("kvpool_lease_bookkeeping_steps", "counter", "Steps of lease bookkeeping (adds, drops, expiry-heap "
             "pops): grows with requests, not with the pool's size", "lease_ops"),
@@ -277,8 +277,8 @@ def reference_markdown() -> str:
         "(`python -m kvpool.metrics.catalog > docs/metrics.md`); a test keeps this page equal to it and "
         "checks a live scrape of each component against it.",
         "",
-        "- **server**: `kvpool server --metrics_port PORT` serves `/metrics` (and JSON `/stats`, `/healthz`) "
-        "on `--metrics_host` (default 127.0.0.1). It also exports prometheus_client's standard `process_*` "
+        "- **server**: `kvpool server --metrics-port PORT` serves `/metrics` (and JSON `/stats`, `/healthz`) "
+        "on `--metrics-host` (default 127.0.0.1). It also exports prometheus_client's standard `process_*` "
         "series (CPU, memory, open files, start time).",
         "- **proxy**: `kvpool proxy` serves `/metrics` on its own `--host`/`--port`, with the same `process_*` "
         "series.",

@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eviction-ratio", type=float, default=defaults.eviction_ratio,
                    help=f"memory tier eviction_ratio (default {defaults.eviction_ratio})")
     p.add_argument("--eviction-policy", choices=MEMORY_POLICIES, default=defaults.eviction_policy,
-                   help=f"memory tier eviction_policy (the server's --eviction_policy; default "
+                   help=f"memory tier eviction_policy (the server's --eviction-policy; default "
                         f"{defaults.eviction_policy})")
     p.add_argument("--object-overhead", default="0",
                    help="bytes the memory tier charges per block on top of its KV bytes (kvpool server: "

@@ -349,7 +349,7 @@ class PoolClient:
         """
         codes, todo = _prepare(keys, values, writable=False)
         # A quarter of the arena per Allocate: uncommitted bytes count against this process's
-        # share of the pool (the server's --client_pool_share), so a large put goes in rounds
+        # share of the pool (the server's --client-pool-share), so a large put goes in rounds
         # that each commit before the next allocates.
         try:
             limit = max(1, self._current().hello.arena_size // 4)

@@ -26,9 +26,9 @@ socket file (and `/dev/shm` arena of that socket) is a dead server's leftover an
 one that does not get it exits, naming the live server's pid.
 
 Trust (docs/security.md): the socket, its lock and the arena are this user's (mode 0600, or
-0660 and `--allowed_gid`'s group with group sharing), the default socket is in the per-user
+0660 and `--allowed-gid`'s group with group sharing), the default socket is in the per-user
 runtime directory, and every accepted connection's SO_PEERCRED must be our uid or a member of
-`--allowed_gid`; anyone else gets an error reply saying so and is closed before a request.
+`--allowed-gid`; anyone else gets an error reply saying so and is closed before a request.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from typing import Any
 
 import msgspec
 
-from kvpool.config import ServerSettings, add_flags, from_flags
+from kvpool.config import ServerSettings, add_flags, flag_name, from_flags
 from kvpool.errors import ConfigError, ErrorCode, KVPoolError
 from kvpool.paths import check_socket_dir, open_private_lock
 from kvpool.server import peers
@@ -144,7 +144,7 @@ def _bind(socket_path: str, mode: int, allowed_gid: int | None) -> socket.socket
         os.umask(old)
     if allowed_gid is not None:
         os.chown(socket_path, -1, allowed_gid)
-        mode |= 0o060  # the group must be able to connect; --socket_mode may widen further
+        mode |= 0o060  # the group must be able to connect; --socket-mode may widen further
     os.chmod(socket_path, mode)
     sock.listen(128)
     return sock
@@ -166,7 +166,7 @@ def _peer_ids(sock: socket.socket) -> tuple[int, int]:
 def _owner(peer_pid: int, peer_uid: int, hello: P.Hello) -> str:
     """Who a connection's quotas count against: another user as a whole, or a process of ours.
 
-    A user other than the server's own (group sharing, --allowed_gid) is one owner, ``uid:N``,
+    A user other than the server's own (group sharing, --allowed-gid) is one owner, ``uid:N``,
     whatever processes it runs: its pool share, leases, hold time and connections are its own
     and no more, however many processes it starts. The server's own uid is the pool's owner
     (its processes may read and overwrite everything anyway); its processes are kept apart as
@@ -381,14 +381,14 @@ class Server:
         logger.warning("refusing a connection from %s: not %s", who, peers.domain(self.config.allowed_gid))
         self._reply_and_close(sock, P.Error(int(ErrorCode.INVALID_PARAMS), (
             f"permission denied: this kvpool server serves {peers.domain(self.config.allowed_gid)}, "
-            f"not {who}; start your own server, or ask its owner for --allowed_gid group sharing")))
+            f"not {who}; start your own server, or ask its owner for --allowed-gid group sharing")))
         return False
 
     def _evict(self, conn: _Conn) -> None:
         """Tell a connection still without a handshake why it goes, and wake its thread to close it."""
         msg = P.Error(int(ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS),
                       f"closed before its Hello: {self.config.max_handshakes} connections were waiting "
-                      f"to say Hello (--max_handshakes); connect and say Hello at once")
+                      f"to say Hello (--max-handshakes); connect and say Hello at once")
         try:  # from the accept thread: never block on a peer that does not read
             conn.sock.send(P.encode_frame(msg), socket.MSG_DONTWAIT)
         except OSError:
@@ -457,7 +457,7 @@ class Server:
             reason = self._conn_loop(conn)
         except (TimeoutError, socket.timeout) as exc:
             if conn.client_id and str(exc).startswith(P.FRAME_DEADLINE):
-                reason = f"request frame not whole within --request_timeout={self.config.request_timeout_s}s"
+                reason = f"request frame not whole within --request-timeout={self.config.request_timeout_s}s"
                 with self._state:
                     self._counters["request_timeouts"] += 1
                 self._reply_and_close(conn.sock, P.Error(int(ErrorCode.RPC_TIMEOUT), f"{reason}: {exc}"))
@@ -468,7 +468,7 @@ class Server:
                 with self._state:
                     self._counters["handshake_timeouts"] += 1
                 self._reply_and_close(conn.sock, P.Error(
-                    int(ErrorCode.RPC_TIMEOUT), f"no complete Hello within --hello_timeout="
+                    int(ErrorCode.RPC_TIMEOUT), f"no complete Hello within --hello-timeout="
                     f"{self.config.hello_timeout_s}s of connecting"))
         except P.FrameError as exc:
             if isinstance(exc, P.FrameBudgetSpent):
@@ -539,11 +539,11 @@ class Server:
                 return P.Error(int(ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS), "closed before its Hello")
             refusal = ""
             if self._handshaken >= cfg.max_connections:
-                refusal = (f"server at --max_connections={cfg.max_connections} connected clients; "
+                refusal = (f"server at --max-connections={cfg.max_connections} connected clients; "
                            f"retry later or raise it")
             elif self._per_owner.get(owner, 0) >= per_owner:
-                flag = "max_connections_per_uid" if owner.startswith("uid:") else "max_connections_per_client"
-                refusal = f"{owner} already has --{flag}={per_owner} connections; close some or raise it"
+                flag = flag_name("max_connections_per_uid" if owner.startswith("uid:") else "max_connections_per_client")
+                refusal = f"{owner} already has {flag}={per_owner} connections; close some or raise it"
             self._strangers.pop(conn.seq, None)
             if refusal:
                 self._counters["refused_connections"] += 1
@@ -776,7 +776,7 @@ class Server:
         conn.warned_quota = True
         logger.warning(
             "client %s (%s) is at its quota: it holds %d bytes in %d leases/allocations "
-            "(--client_pool_share=%s: %d bytes, --client_max_leases=%d); allocations past them are "
+            "(--client-pool-share=%s: %d bytes, --client-max-leases=%d); allocations past them are "
             "refused with NO_AVAILABLE_HANDLE until it commits or aborts, and leases past the share "
             "are granted without pinning",
             conn.client_id, conn.owner, held, holds, cfg.client_pool_share, share, cfg.client_max_leases)
@@ -836,8 +836,9 @@ class _MasterOnly(argparse.Action):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """`kvpool server`'s flags: one per field of `ServerSettings`, in both spellings; the spec's
-    mooncake_master flags that mean nothing here are refused with what to use instead."""
+    """`kvpool server`'s flags: one per field of `ServerSettings`, in both spellings; the
+    mooncake_master flags of the Ascend Store guide that mean nothing here are refused with what
+    to use instead."""
     add_flags(parser, ServerSettings)
     for flag, why in _MASTER_ONLY.items():
         parser.add_argument(flag, nargs="?", action=_MasterOnly, metavar="VALUE",
@@ -851,10 +852,10 @@ def config_from_args(args: argparse.Namespace) -> ServerSettings:
     settings: ServerSettings = from_flags(args, ServerSettings)
     check_socket_dir(settings.socket_path, "--socket", settings.allowed_gid)
     if settings.enable_offload and not settings.offload_path:
-        raise ConfigError("--enable_offload", True, "to be used with --offload_path DIR")
+        raise ConfigError("--enable-offload", True, "to be used with --offload-path DIR")
     for flag in ("offload_path", "offload_quota", "offload_eviction_policy"):
         if getattr(args, flag, None) is not None and not settings.enable_offload:
-            raise ConfigError(f"--{flag}", getattr(args, flag), "to be used with --enable_offload")
+            raise ConfigError(flag_name(flag), getattr(args, flag), "to be used with --enable-offload")
     return settings
 
 

@@ -1,6 +1,6 @@
 """The server's HTTP endpoint: Prometheus `/metrics`, JSON `/stats`, `/healthz`.
 
-It binds ``--metrics_host`` (127.0.0.1 unless told otherwise, for a scraper on another host):
+It binds ``--metrics-host`` (127.0.0.1 unless told otherwise, for a scraper on another host):
 the numbers reveal what a host caches, and there is no auth. The series are the catalog's
 (``kvpool.metrics.catalog.SERVER``): those read from the stats at scrape time, the request
 duration histogram the daemon observes, the build info and prometheus_client's process series.

@@ -418,7 +418,7 @@ class ChaosRun:
         self.ssd_dir.mkdir(mode=0o700, exist_ok=True)
         upstream = str(self.work / "pool.sock")
         self.pool = PoolServer(upstream, memory_size=cfg.pool_memory, log_path=self.work / "pool.log",
-                               extra_args=["--enable_offload", "--offload_path", str(self.ssd_dir)])
+                               extra_args=["--enable-offload", "--offload-path", str(self.ssd_dir)])
         self.pool.start()
         kvs = {}
         for i, name in enumerate(("A", "B")):
