@@ -182,6 +182,10 @@ def test_every_address_that_is_not_loopback_is_explicit_and_says_why():
 # ---- the host pool: kvpool-server.yaml and vllm-host-pool.yaml ---------------------------------
 
 
+def env_value(container: dict, name: str) -> str | None:
+    return next((e.get("value") for e in container.get("env", []) if e["name"] == name), None)
+
+
 def server_container() -> tuple[dict, dict]:
     ds = named("DaemonSet", "kvpool-server")
     return ds, next(c for c in containers(ds, init=False) if c["name"] == "kvpool-server")
@@ -194,8 +198,13 @@ def test_the_host_pool_server_command_parses_and_its_socket_is_on_the_socket_vol
     settings = from_flags(args, ServerSettings)
     vol = mounted_volume_at(ds, c, settings.socket_path)
     assert vol["hostPath"]["path"] == "/run/kvpool"
-    # The arena is a file in /dev/shm: that must be the node directory every pod of the node mounts.
-    assert mounted_volume_at(ds, c, "/dev/shm/arena")["hostPath"]["path"] == "/dev/shm/kvpool"
+    # The arena is a file in KVPOOL_SHM_DIR: that must be the node directory every pod of the node
+    # mounts, and every pod of the host pool must look for it there.
+    shm_dir = env_value(c, "KVPOOL_SHM_DIR")
+    assert mounted_volume_at(ds, c, f"{shm_dir}/arena")["hostPath"]["path"] == "/dev/shm/kvpool"
+    (_, vllm), = [(w, v) for w, v in vllm_containers()
+                  if kv_config(container_argv(v))["kv_connector_extra_config"]["backend"] == "server"]
+    assert env_value(vllm, "KVPOOL_SHM_DIR") == shm_dir
     for probe in ("livenessProbe", "readinessProbe"):
         assert flag_value(c[probe]["exec"]["command"], "--socket") == settings.socket_path
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -235,6 +237,32 @@ def test_put_get_exists_through_the_shared_arena(start_server, make_client):
                             + [[np.zeros(10, np.uint8)]])
     assert codes == [OK] * 20 + [int(ErrorCode.OBJECT_NOT_FOUND)]
     assert all(np.array_equal(outs[k], data[k]) for k in keys)
+
+
+def test_the_arena_lives_where_kvpool_shm_dir_says(sock_path, sock_dir, make_client, monkeypatch):
+    # In containers the pool's directory is mounted away from each container's own /dev/shm:
+    # server and client both find the arena there, and none appears in /dev/shm.
+    from kvpool.testing.launch import PoolServer
+
+    shm_dir = tempfile.mkdtemp(prefix="kvtest-", dir="/dev/shm")
+    server = PoolServer(sock_path, memory_size="8MB", env={"KVPOOL_SHM_DIR": shm_dir},
+                        log_path=os.path.join(sock_dir, "server.log"), startup_timeout_s=15.0)
+    try:
+        server.start()
+        assert arena_files(sock_path) == []  # not in /dev/shm
+        monkeypatch.setattr(shm, "SHM_DIR", shm_dir)  # what the client's KVPOOL_SHM_DIR says
+        [name] = arena_files(sock_path)
+        assert stat.S_IMODE(os.stat(os.path.join(shm_dir, name)).st_mode) == 0o600
+        client = make_client()
+        assert client.put(["k"], [[payload("k", 3000)]]) == [OK]
+        out = np.zeros(3000, np.uint8)
+        assert client.get_into(["k"], [[out]]) == [OK] and payload_ok("k", out)
+        client.close()
+        assert server.stop() == 0
+        assert arena_files(sock_path) == []
+    finally:
+        server.kill()
+        shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 def test_one_client_shared_by_threads(start_server, make_client):

@@ -45,7 +45,11 @@ from kvpool.store.prefault import Prefaulter
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
+# Where arenas live: a tmpfs the server and every client see, each at its own path. Set
+# KVPOOL_SHM_DIR (the same directory of the host, wherever each container mounts it) to keep a
+# container's own /dev/shm out of the pool's: vLLM puts its own shared memory there.
+SHM_ENV = "KVPOOL_SHM_DIR"
+SHM_DIR = os.environ.get(SHM_ENV) or "/dev/shm"
 _PREFIX = "kvpool-"
 
 
@@ -123,8 +127,9 @@ def arena_mode(allowed_gid: int | None) -> int:
 
 def create(name: str, size: int, allowed_gid: int | None = None) -> Arena:
     """Create, reserve and map a new arena of ``size`` bytes."""
-    if not os.path.isdir(SHM_DIR):
-        raise ConfigError("shm", SHM_DIR, "a tmpfs mounted at /dev/shm (POSIX shared memory)")
+    if not os.path.isabs(SHM_DIR) or not os.path.isdir(SHM_DIR):
+        raise ConfigError(SHM_ENV, SHM_DIR, "an existing directory on a tmpfs, by absolute path (unset: /dev/shm, "
+                                            "POSIX shared memory)")
     free = os.statvfs(SHM_DIR)
     available = free.f_bavail * free.f_frsize
     if size > available:
