@@ -398,13 +398,19 @@ def test_hybrid_blocks_round_trip_per_group(make_worker):
     assert torch.equal(r_kv[LAYER_NAMES[0]][10:12], before[LAYER_NAMES[0]][10:12])
 
 
-def test_the_worker_applies_the_sliding_rule_to_lookups(make_worker):
-    writer, _, pool = hybrid_worker(make_worker, seed=3)
+def window_saved(make_worker, seed: int):
+    """A writer that saved a 6-block prompt as a sliding model does: the full group's blocks 0-5,
+    the sliding group's 3-5 only (the others left its window)."""
+    writer, _, pool = hybrid_worker(make_worker, seed=seed)
     hashes = [bytes([i]) * 32 for i in range(6)]
-    # Full group: blocks 0-5; sliding group: only blocks 3-5 (the others left its window).
     writer.wait_for_save(KVPoolMetadata(saves=[BlockTask("a", hashes, [1, 2, 3, 4, 5, 6], group=0),
                                                BlockTask("a", hashes[3:], [7, 8, 9], group=1, save_now=True)]))
     writer._transfer.wait(timeout=10)
+    return writer, pool, hashes
+
+
+def test_the_worker_applies_the_sliding_rule_to_lookups(make_worker):
+    writer, pool, hashes = window_saved(make_worker, seed=3)
     assert writer._count_hits(hashes, 0) == 6  # a hit at 6 needs sliding blocks 4 and 5
     assert writer._count_hits(hashes[:4], 0) == 0  # at 4 it would need 2 and 3; at 3, 1 and 2 ...
     assert writer._count_hits(hashes[2:], 2) == 4  # blocks 0-1 are vLLM's own: a hit at 6 again
@@ -435,11 +441,7 @@ def test_an_in_step_load_is_done_and_reported_in_the_step_that_hands_it_over(mak
 
 
 def test_a_hit_is_pinned_only_when_every_block_it_needs_is(make_worker):
-    writer, _, pool = hybrid_worker(make_worker, seed=5)
-    hashes = [bytes([i]) * 32 for i in range(6)]
-    writer.wait_for_save(KVPoolMetadata(saves=[BlockTask("a", hashes, [1, 2, 3, 4, 5, 6], group=0),
-                                               BlockTask("a", hashes[3:], [7, 8, 9], group=1, save_now=True)]))
-    writer._transfer.wait(timeout=10)
+    writer, pool, hashes = window_saved(make_worker, seed=5)
     assert writer._lookup_hit(hashes, 0) == (6, False)  # a store that cannot pin (the DictBackend's default)
     pool.pinned = True
     assert writer._lookup_hit(hashes, 0) == (6, True)
