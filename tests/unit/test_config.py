@@ -690,3 +690,11 @@ def test_check_config_reports_every_bad_key_and_keeps_the_good_ones():
         load_config({"backend": "server", "lookup_rpc_port": "x", "load_asynk": True})
     assert exc.value.key == "load_asynk"  # load_config raises the first of them
     assert check_config({"backend": "nope"}, "kv_both")[0] is None
+
+
+def test_the_docs_sample_error_is_what_a_misspelt_key_says_today():
+    # docs/configuration.md shows this message whole, every accepted key listed: it must not go stale.
+    with pytest.raises(ConfigError) as exc:
+        load_config({"local_cpu_sise": "1GB"})
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    assert f"\n{exc.value}\n" in doc
