@@ -107,7 +107,9 @@ def test_a_full_write_through_queue_drops_and_counts_and_never_blocks_a_save(hos
         assert a.batch_put([key], [[block(key)]]) == [OK]  # into the host pool: never waits
     st = a.stats()
     assert st["remote_queued_blocks"] + st["remote_dropped_blocks"] == 8, st
-    assert st["remote_dropped_blocks"] >= 8 - 2 - 1, st  # two queued, one taken by the thread at most
+    # Two queued, and at most one batch taken by the hung thread: what the queue held when it woke
+    # (one block, or both if the puts outran it).
+    assert st["remote_dropped_blocks"] >= 8 - 2 - 2, st
 
 
 def test_a_hung_remote_store_costs_one_lookup_its_deadline_then_misses_and_host_hits_go_on(host, redis_service):
