@@ -31,7 +31,7 @@ import collections
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     from kvpool.backends.registry import Capabilities
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # One write-through round moves at most this many blocks or bytes.
 BATCH_BLOCKS = 64
@@ -81,19 +83,20 @@ class TieredBackend(Backend):
     # ---- hooks ------------------------------------------------------------------------------
 
     def _exists(self, keys: list[str], lease: bool) -> list[bool]:
-        found = self.host.batch_exists(keys, lease)
+        return self._ask_below(keys, self.host.batch_exists(keys, lease), lease, True)
+
+    def _presence(self, keys: list[str]) -> list[Presence]:
+        # The remote store's hits are never pinned here: its reads cross the network.
+        return self._ask_below(keys, self.host.batch_presence(keys), True, Presence.STORED)
+
+    def _ask_below(self, keys: list[str], found: list[T], lease: bool, stored: T) -> list[T]:
+        """The host pool's answers `found`, with each key it misses that the remote store holds
+        answered `stored`."""
         below = [i for i, hit in enumerate(found) if not hit]
         if below:
             for i, hit in zip(below, self.remote.batch_exists([keys[i] for i in below], lease)):
-                found[i] = hit
-        return found
-
-    def _presence(self, keys: list[str]) -> list[Presence]:
-        found = self.host.batch_presence(keys)
-        below = [i for i, hit in enumerate(found) if not hit]
-        if below:  # the remote store's hits are never pinned here: its reads cross the network
-            for i, hit in zip(below, self.remote.batch_exists([keys[i] for i in below], True)):
-                found[i] = Presence.STORED if hit else Presence.ABSENT
+                if hit:
+                    found[i] = stored
         return found
 
     def _put(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:

@@ -297,10 +297,6 @@ class PoolWorker:
 
     # ---- lookup (rank 0) ------------------------------------------------------------------
 
-    def _count_hits(self, block_hashes: Sequence[bytes], start: int = 0) -> int:
-        """How many of the blocks after the prompt's first `start` every group can serve (`_lookup_hit`)."""
-        return self._lookup_hit(block_hashes, start).blocks
-
     def _lookup_hit(self, block_hashes: Sequence[bytes], start: int = 0) -> Hit:
         """The hit on the blocks after the prompt's first `start`: a group's block counts only
         when its keys exist for every TP shard and PP stage, and a hit needs of each group the

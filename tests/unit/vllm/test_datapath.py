@@ -95,7 +95,7 @@ def test_layerwise_saves_leave_layer_by_layer_and_load_back_exactly(make_worker)
     assert (w["save_blocks"], w["layer_saves_sent"]) == (2, len(LAYER_NAMES))
     assert w["save_bytes"] == 2 * sum(t[0].numel() * t.element_size() for t in w_kv.values())
 
-    assert reader._count_hits(H[:3]) == 2  # every layer's key of a block must exist
+    assert reader._lookup_hit(H[:3]).blocks == 2  # every layer's key of a block must exist
     forward(reader, loads("b", H[:2], [5, 6]))
     assert reader.get_block_ids_with_load_errors() == set()
     assert same_block(r_kv, 5, w_kv, 1) and same_block(r_kv, 6, w_kv, 2)

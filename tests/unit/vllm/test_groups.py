@@ -411,13 +411,13 @@ def window_saved(make_worker, seed: int):
 
 def test_the_worker_applies_the_sliding_rule_to_lookups(make_worker):
     writer, pool, hashes = window_saved(make_worker, seed=3)
-    assert writer._count_hits(hashes, 0) == 6  # a hit at 6 needs sliding blocks 4 and 5
-    assert writer._count_hits(hashes[:4], 0) == 0  # at 4 it would need 2 and 3; at 3, 1 and 2 ...
-    assert writer._count_hits(hashes[2:], 2) == 4  # blocks 0-1 are vLLM's own: a hit at 6 again
+    assert writer._lookup_hit(hashes, 0).blocks == 6  # a hit at 6 needs sliding blocks 4 and 5
+    assert writer._lookup_hit(hashes[:4], 0).blocks == 0  # at 4 it would need 2 and 3; at 3, 1 and 2 ...
+    assert writer._lookup_hit(hashes[2:], 2).blocks == 4  # blocks 0-1 are vLLM's own: a hit at 6 again
     del pool.data[next(k for k in pool.data if k.endswith("@g0@" + hashes[4].hex()))]
     # Full attention now serves blocks 0-3 at most, and a hit at 4 or less needs sliding blocks
     # the window lost: no hit at all.
-    assert writer._count_hits(hashes, 0) == 0
+    assert writer._lookup_hit(hashes, 0).blocks == 0
 
 
 def two_blocks_saved(make_worker, seed: int):
@@ -493,7 +493,7 @@ def test_every_tp_rank_saves_its_own_mamba_state(make_worker):
                                                                                           save_now=True)]))
         rank._transfer.wait(timeout=10)
     assert sorted(k.split("@")[2] + "@" + k.split("@")[4] for k in pool.data) == ["tp0/1@g0", "tp0/2@g1", "tp1/2@g1"]
-    assert rank0._count_hits(h, 0) == 1
+    assert rank0._lookup_hit(h, 0).blocks == 1
 
 
 def test_layerwise_transfer_is_refused_for_a_hybrid_model(make_worker):

@@ -46,7 +46,7 @@ def test_tp2_ranks_load_their_heads_of_what_tp1_saved(make_worker):
                          kv_cache_config=config(), kv_caches=head_major(1, 2 + r)) for r in range(2)]
     save(tp1, [1, 2])
     assert len(pool.data) == 2 * HEADS and {k.split("@")[2] for k in pool.data} == {"h0/2", "h1/2"}
-    assert ranks[0][0]._count_hits(H[:3], 0) == 2  # every head of blocks 0 and 1, no block 2
+    assert ranks[0][0]._lookup_hit(H[:3], 0).blocks == 2  # every head of blocks 0 and 1, no block 2
     for r, (worker, kv, _) in enumerate(ranks):
         assert load(worker, [5, 6]) == set()
         for name in LAYER_NAMES:
@@ -62,7 +62,7 @@ def test_tp1_assembles_its_heads_from_what_tp2_ranks_saved(make_worker):
         save(worker, [3])
     tp1, kv1, _ = make_worker({**SHARE, "lookup_rpc_port": 20}, kv_heads=HEADS, backend=pool,
                               kv_cache_config=config(), kv_caches=head_major(HEADS, 9))
-    assert tp1._count_hits(H[:1], 0) == 1
+    assert tp1._lookup_hit(H[:1], 0).blocks == 1
     assert load(tp1, [7]) == set()
     for r, (_, kv, _) in enumerate(ranks):
         for name in LAYER_NAMES:
@@ -75,7 +75,7 @@ def test_a_missing_head_fails_the_whole_block(make_worker):
     del pool.data[next(k for k in pool.data if "@h1/2@" in k and k.endswith(H[1].hex()))]
     reader, kv, _ = make_worker({**SHARE, "lookup_rpc_port": 30}, kv_heads=HEADS, backend=pool,
                                 kv_cache_config=config(), kv_caches=head_major(HEADS, 4))
-    assert reader._count_hits(H[:2], 0) == 1
+    assert reader._lookup_hit(H[:2], 0).blocks == 1
     assert load(reader, [5, 6]) == {6}
     assert torch.count_nonzero(kv[LAYER_NAMES[0]][6]) == 0  # never half a block: zeroed whole
 
