@@ -308,7 +308,7 @@ def direct_read_bandwidth(directory: str, nbytes: int,
 
 def random_page_reads(fd: int, nbytes: int, seconds: float) -> float:
     """Reads/s of random 4 KiB pages of an O_DIRECT `fd`, on the SSD tier's number of threads."""
-    from kvpool.store.engine import DISK_READERS
+    from kvpool.store.disk_link import DISK_READERS
 
     page, pages = 4096, nbytes // 4096
     counts: list[int] = []

@@ -347,7 +347,7 @@ def test_a_torn_file_from_before_a_restart_does_not_cost_the_memory_copy(make_en
     for key in ("torn", "whole"):  # e.g. another instance computed them again
         assert engine.put("c", key, [value]) is ErrorCode.OK
     deadline = time.monotonic() + 10
-    while (engine.stats()["disk_queue"] or any(o.pins for o in list(engine._objects.values()))) \
+    while (engine.stats()["disk_queue"] or any(o.pins for o in list(engine._index.objects.values()))) \
             and time.monotonic() < deadline:  # the write-through has done what it will
         time.sleep(0.01)
     for i in range(8):  # evict both from memory
@@ -464,9 +464,9 @@ def test_close_waits_for_a_slow_ssd_and_gives_a_hung_one_up(make_engine, make_di
     # waited for however long the whole flush takes, a device that stopped answering is given up
     # (a stopped server must not wait for it forever), its directory left locked.
     from kvpool.errors import ConfigError
-    from kvpool.store import engine as engine_mod
+    from kvpool.store import disk_link
 
-    monkeypatch.setattr(engine_mod, "CLOSE_STALL_S", 0.5)
+    monkeypatch.setattr(disk_link, "CLOSE_STALL_S", 0.5)
     value = np.arange(200, dtype=np.uint8)
     slow_disk = make_disk()
     real_put = slow_disk.put

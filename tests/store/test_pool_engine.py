@@ -123,7 +123,7 @@ def test_own_arena_is_a_private_mapping_of_plain_pages(clock) -> None:
     numpy allocation, which numpy would advise for huge pages (first writes then wait for the
     kernel's compaction where THP defrag is `madvise`)."""
     engine = PoolEngine(EngineConfig(memory_size=8 << 20, reap_interval_s=0), clock=clock)
-    arena = engine._arena
+    arena = engine._index.arena
     assert isinstance(arena.base.obj, mmap.mmap) and arena.size == 8 << 20 and arena.flags.writeable
     assert not arena[:: 1 << 16].any()
     assert engine.put(C, "k", [np.full(4096, 7, dtype=np.uint8)]) is ErrorCode.OK

@@ -116,7 +116,7 @@ def test_a_prefaulter_never_closed_lets_its_arena_go_once_idle() -> None:
 def test_the_engine_maps_its_own_arena_ahead_of_its_allocations() -> None:
     ahead = prefault.LOOKAHEAD_BYTES
     with PoolEngine(EngineConfig(memory_size=1 << 30, reap_interval_s=0)) as engine:
-        pf = engine._prefault
+        pf = engine._index.prefault
         assert pf is not None
         assert pf.wait(10)  # the first look-ahead, mapped as the engine starts
         small = np.full(2 * MiB, 3, dtype=np.uint8)
@@ -124,13 +124,13 @@ def test_the_engine_maps_its_own_arena_ahead_of_its_allocations() -> None:
         assert engine.put("c", "small", [small]) == 0
         assert pf.wait(10)
         if kernel_populates():
-            mapped = resident(engine._arena)
+            mapped = resident(engine._index.arena)
             assert mapped[: ahead // PAGE].all() and not mapped[ahead // PAGE :].any()
         # Within half a look-ahead of the mapped end: the next look-ahead past it is mapped.
         assert engine.put("c", "big", [big]) == 0
         assert pf.wait(10)
         if kernel_populates():
-            mapped = resident(engine._arena)
+            mapped = resident(engine._index.arena)
             past = (small.size + big.size) // PAGE + ahead // PAGE
             assert mapped[:past].all()  # both objects and the look-ahead past them
             assert not mapped[past + MiB // PAGE :].any()  # not the whole gigabyte

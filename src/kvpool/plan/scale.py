@@ -10,9 +10,9 @@ per block, ``kv_bytes_per_token * block_size`` bytes each):
   real pool that is ``R = round_up(block_bytes + object_overhead, alignment)`` (the server
   charges 1 KiB plus the key's bytes per object, the ``local`` backend nothing; pass
   ``object_overhead`` to include it). The scaled engine runs with ``object_overhead_bytes=0``,
-  which makes ``_meta_charge`` 0 (key bytes included), and stores objects of exactly
+  which makes ``ArenaIndex.meta_charge`` 0 (key bytes included), and stores objects of exactly
   ``k * alignment`` bytes, so nothing is rounded: every object costs ``k`` units;
-* eviction (``_make_room_locked``) depends on the objects' sizes through two comparisons
+* eviction (``ArenaIndex._make_room``) depends on the objects' sizes through two comparisons
   only. *Over the high watermark*: ``used + R > ratio * capacity``, i.e. with ``m`` objects
   stored, ``(m + 1) * R > ratio * C``; it first holds at some count ``h``. *No room*: the
   allocator is first-fit and every object has one size, so every free range starts on an

@@ -19,8 +19,8 @@ call it after random operation sequences):
   new leases are still granted and verified but do not pin (a lookup lease that could not pin
   is refused: it would protect nothing).
 
-Not thread-safe on its own: every call is made under the engine's lock (the ``*_locked``
-contract of `store/engine.py`).
+Not thread-safe on its own: every call is made under the engine's lock, as every call into
+`store/arena_index.py` is.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """What the pool engine keeps per object, lease and allocation, and what it hands out.
 
-Plain records, no behaviour beyond packing: the engine (`store/engine.py`) owns every rule about
-when they change. They are small on purpose: at millions of objects the metadata, not the
-values, runs out first.
+Plain records, no behaviour beyond packing: the engine (`store/engine.py` and the modules it
+delegates to) owns every rule about when they change. They are small on purpose: at millions
+of objects the metadata, not the values, runs out first.
 """
 
 from __future__ import annotations
