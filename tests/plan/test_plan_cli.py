@@ -92,7 +92,7 @@ def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert info.value.code == 0
     out = capsys.readouterr().out
     for flag in ("--kv-bytes-per-token", "--memory", "--ssd", "--instances", "--sweep-instances", "--json", "--plot",
-                 "--eviction-policy"):
+                 "--eviction-policy", "--hosts", "--remote"):
         assert flag in out
 
 
@@ -112,3 +112,31 @@ def test_an_output_nowhere_to_write_is_refused_before_the_replay(trace: Path, tm
     captured = capsys.readouterr()
     assert f"{flag}='{target}'" in captured.err and "directory that exists" in captured.err
     assert "hit" not in captured.out  # no replay ran
+
+
+def test_plan_hosts_and_a_remote_tier(trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json = tmp_path / "hosts.json"
+    rc = main(["plan", str(trace), "--kv-bytes-per-token", "1KB", "--memory", "100%", "--remote", "0,100%",
+               "--instances", "2", "--hosts", "2", "--policies", "round_robin", "--jobs", "1",
+               "--json", str(out_json)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "remote%" in table and "hosts" in table
+    points = json.loads(out_json.read_text())["points"]
+    assert [(p["remote_bytes"] > 0, p["hosts"]) for p in points] == [(False, 2), (True, 2)]
+    for p in points:
+        assert p["local"] + p["memory"] + p["ssd"] + p["remote"] + p["recomputed"] == p["blocks"] == 10
+    alone, shared = points
+    # Round robin: [1,2] on host 0, [1,2,3] on host 1, [4,5] on host 0, [1,2,6] on host 1.
+    # Without the remote tier host 1 recomputes 1 and 2 once; with it, they come from there.
+    assert (alone["memory"], alone["remote"]) == (2, 0)
+    assert (shared["memory"], shared["remote"]) == (2, 2)
+
+
+def test_hosts_need_instances(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(trace), "--kv-bytes-per-token", "1KB", "--hosts", "2"]) == 2
+    assert "--hosts=2" in capsys.readouterr().err
+    assert main(["plan", str(trace), "--kv-bytes-per-token", "1KB", "--instances", "2", "--hosts", "3"]) == 2
+    assert "--hosts=3" in capsys.readouterr().err
+    assert main(["plan", str(trace), "--kv-bytes-per-token", "1KB", "--remote", "lots"]) == 2
+    assert "--remote='lots'" in capsys.readouterr().err

@@ -1,5 +1,6 @@
-"""The planner against hit rates computed by hand on small traces, and its scaling argument
-checked against an engine running at the real sizes."""
+"""The planner against hit rates computed by hand on small traces (one pool, pools per host, a
+remote tier behind them), and its scaling argument checked against an engine running at the
+real sizes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from kvpool.errors import ConfigError
 from kvpool.plan.cluster import ServiceModel, replay_cluster, workload
-from kvpool.plan.pool import PoolModel
+from kvpool.plan.pool import PoolModel, RemoteTier
 from kvpool.plan.replay import answer_keys, replay_pool, request_keys
 from kvpool.plan.scale import ScaledMemory, scale_memory
 from kvpool.tracefile import parse_lines, read_trace
@@ -256,3 +257,51 @@ def test_save_decode_is_refused_in_cluster_mode(tmp_path) -> None:
     trace = tmp_path / "t.jsonl"
     trace.write_text(json.dumps({"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [1, 2]}) + "\n")
     assert main(["plan", str(trace), "--kv-bytes-per-token", "1KB", "--save-decode", "--instances", "2"]) == 2
+
+
+def test_a_remote_tier_behind_a_small_host_pool_by_hand() -> None:
+    # memory LRU of 2, no SSD, a remote tier with room for everything; every stored block is
+    # written through to it, and what it serves is promoted into memory:
+    # [1,2,3]: misses; memory 2 3; remote 1 2 3
+    # [1,2,4]: 1 from the remote tier (memory 3 1); 2 was in memory at lookup but is gone, so
+    #          from the remote tier too (memory 1 2); 4 misses: memory 2 4, remote 1 2 3 4
+    # [1,3]:   both from the remote tier: memory 1 3
+    # [1,2,4]: 1 from memory; 2 and 4 from the remote tier
+    # So with a remote tier that keeps everything, only each block's first sight is recomputed.
+    scaled = scale_memory(2 * BLOCK_BYTES, BLOCK_BYTES, high_watermark=1.0, eviction_ratio=0.01)
+    pool = PoolModel(scaled, BLOCK_BYTES, remote=RemoteTier(100 * BLOCK_BYTES, BLOCK_BYTES))
+    counts, _ = replay_pool(request_keys(_trace(*TRACE)), pool)
+    assert (counts.blocks, counts.memory, counts.ssd, counts.remote, counts.recomputed) == (11, 1, 0, 6, 4)
+
+
+def test_a_remote_tier_evicts_its_least_recently_used_block() -> None:
+    remote = RemoteTier(2 * BLOCK_BYTES, BLOCK_BYTES)
+    remote.write("a")
+    remote.write("b")
+    assert remote.read("a")  # a use: b is now the least recent
+    remote.write("c")
+    assert remote.read("a") and remote.read("c") and not remote.read("b")
+
+
+def _hosts(hosts: int, remote_blocks: int):
+    # Three identical requests over two instances, round robin (0, 1, 0), no local caches.
+    work = workload(_trace([1, 2], [1, 2], [1, 2]))
+    remote = RemoteTier(remote_blocks * BLOCK_BYTES, BLOCK_BYTES) if remote_blocks else None
+    pools = [_lru_pool(10) if remote is None else
+             PoolModel(scale_memory(10 * BLOCK_BYTES, BLOCK_BYTES, high_watermark=1.0, eviction_ratio=0.01),
+                       BLOCK_BYTES, remote=remote) for _ in range(hosts)]
+    counts, _, served = replay_cluster(work, pools, 2, "round_robin", local_blocks=0,
+                                       service=ServiceModel(1e12, 0.0))
+    assert served == [2, 1]
+    return counts.memory, counts.remote, counts.recomputed
+
+
+def test_hosts_each_with_a_pool_share_the_remote_tier_by_hand() -> None:
+    # One pool for both instances: the second and third requests hit it.
+    assert _hosts(1, 0) == (4, 0, 2)
+    # A pool per host, nothing behind them: host 1 recomputes what host 0 computed; host 0's
+    # second request hits its own pool.
+    assert _hosts(2, 0) == (2, 0, 4)
+    # A remote tier behind them: host 1's request is served by it (and promoted into host 1's
+    # pool); host 0's second request by host 0's memory.
+    assert _hosts(2, 10) == (2, 2, 2)

@@ -1,11 +1,15 @@
-"""Replaying a trace over N vLLM instances that share one pool, routed by a ``routing`` policy.
+"""Replaying a trace over N vLLM instances that share a pool, routed by a ``routing`` policy.
+
+The instances share one pool, or run on several hosts (instance ``i`` on host ``i mod hosts``),
+each host with a pool of its own (memory, SSD) and all of them with one remote tier behind
+their pools (``PoolModel``, ``RemoteTier``).
 
 Each instance has a local prefix cache (vLLM's GPU prefix cache) of ``local_blocks`` blocks,
 modelled as an LRU over cached blocks: when a request is admitted its blocks become the most
 recent, its first block the very most recent (vLLM frees a finished request's blocks tail
 first, so a prompt's tail is evicted before its shared head). A request's hits are its leading
 run in the chosen instance's local cache, then, from the first block it lacks, the leading run
-the pool holds (``PoolModel.serve``: memory, then SSD), as the connector asks the pool only for
+its host's pool holds (``PoolModel.serve``: memory, then SSD, then the remote tier), as the connector asks the pool only for
 the blocks vLLM did not find itself. Caches are updated when a request arrives: the next
 arrival sees them.
 
@@ -111,11 +115,13 @@ def workload(trace: Trace, copies: int = 1) -> Workload:
     return Workload(requests, keys, chains, trace.block_size)
 
 
-def replay_cluster(work: Workload, pool: PoolModel, instances: int, policy: str, local_blocks: int,
-                   service: ServiceModel = ServiceModel(), load_factor: float = 1.25
+def replay_cluster(work: Workload, pool: PoolModel | Sequence[PoolModel], instances: int, policy: str,
+                   local_blocks: int, service: ServiceModel = ServiceModel(), load_factor: float = 1.25
                    ) -> tuple[HitCounts, float, list[int]]:
     """Route every request of ``work`` to one of ``instances``; counts, seconds taken, and how
-    many requests each instance served."""
+    many requests each instance served. ``pool``: the one pool every instance shares, or one
+    per host (instance ``i`` uses ``pool[i % len(pool)]``)."""
+    pools = [pool] if isinstance(pool, PoolModel) else list(pool)
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r} is invalid: expected one of {', '.join(POLICIES)}")
     router = Router(policy, capacity_blocks=max(1, local_blocks), load_factor=load_factor)
@@ -134,10 +140,10 @@ def replay_cluster(work: Workload, pool: PoolModel, instances: int, policy: str,
         pick = router.choose(ids, [len(h) for h in busy], chain).instance
         cache = caches[pick]
         local = cache.prefix(keys)
-        mem, ssd = pool.serve(keys, local)
+        mem, ssd, remote = pools[pick % len(pools)].serve(keys, local)
         cache.admit(keys)
-        hit_tokens = min(req.input_length, (local + mem + ssd) * block)
+        hit_tokens = min(req.input_length, (local + mem + ssd + remote) * block)
         heapq.heappush(busy[pick], now + service.seconds(req.input_length - hit_tokens, req.output_length))
         served[pick] += 1
-        counts.add(len(keys), local=local, memory=mem, ssd=ssd)
+        counts.add(len(keys), local=local, memory=mem, ssd=ssd, remote=remote)
     return counts, time.perf_counter() - began, served

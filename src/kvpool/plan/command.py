@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssd", default="0",
                    help='comma-separated SSD tier sizes to try with each memory size, e.g. "0,1TB" '
                         "(0: no SSD tier; N%% as for --memory; default 0)")
+    p.add_argument("--remote", default="0",
+                   help='comma-separated sizes of a remote tier (remote_backend: a distributed store behind '
+                        'the host pools, shared by every host) to try with each memory and SSD size, e.g. '
+                        '"0,2TB" (0: none; N%% as for --memory; default 0)')
     p.add_argument("--ssd-policy", choices=SSD_POLICIES, default="lru",
                    help="SSD tier eviction policy (the server's ssd_eviction_policy; default lru)")
     defaults = EngineConfig(memory_size=EngineConfig.alignment)
@@ -61,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "save_decode_cache), read off the conversation's next turn (docs/plan.md)")
     p.add_argument("--instances", type=int, default=0,
                    help="cluster mode: this many vLLM instances share the pool (0: the pool alone; default 0)")
+    p.add_argument("--hosts", type=int, default=1,
+                   help="cluster mode: the instances run on this many hosts (instance i on host i mod N), "
+                        "each host with a pool of its own of --memory and --ssd (default 1: one pool shared "
+                        "by every instance)")
     p.add_argument("--local-cache", default="0",
                    help='cluster mode: each instance\'s own prefix cache (GPU KV cache), e.g. "40GB" (default 0)')
     p.add_argument("--policies", default=",".join(POLICIES),
@@ -117,6 +125,12 @@ def build(args: argparse.Namespace) -> tuple[dict, list]:
         bad = next(f for f, v in (("--instances", args.instances), ("--limit", args.limit),
                                   ("--jobs", args.jobs)) if v < 0)
         raise ConfigError(bad, getattr(args, bad[2:].replace("-", "_")), "an int >= 0")
+    if args.hosts < 1:
+        raise ConfigError("--hosts", args.hosts, "an int >= 1")
+    if args.hosts > 1 and not args.instances:
+        raise ConfigError("--hosts", args.hosts, "--instances N as well: hosts are where the instances run")
+    if args.hosts > max(1, args.instances):
+        raise ConfigError("--hosts", args.hosts, f"at most --instances ({args.instances}): a host runs an instance")
     if args.sweep_instances and not args.instances:
         raise ConfigError("--sweep-instances", True, "--instances N as well: the sweep runs 1..N instances")
     if args.save_decode and args.instances:
@@ -132,6 +146,7 @@ def build(args: argparse.Namespace) -> tuple[dict, list]:
         if m < EngineConfig.alignment:
             raise ConfigError("--memory", m, f"sizes of at least {EngineConfig.alignment} bytes, e.g. 4GB")
     ssds = _sizes("--ssd", args.ssd, working_set)
+    remotes = _sizes("--remote", args.remote, working_set)
     spec = PoolSpec(block_bytes, args.ssd_policy, parse_size("--object-overhead", args.object_overhead),
                     args.high_watermark, args.eviction_ratio, args.eviction_policy, args.save_decode)
     cluster = None
@@ -148,9 +163,9 @@ def build(args: argparse.Namespace) -> tuple[dict, list]:
         traffic = args.traffic or ("replicate" if args.sweep_instances else "split")
         cluster = ClusterSpec(args.instances, policies, parse_size("--local-cache", args.local_cache) // block_bytes,
                               ServiceModel(args.prefill_tokens_per_s, args.decode_ms_per_token),
-                              args.load_factor, args.sweep_instances, traffic)
+                              args.load_factor, args.sweep_instances, traffic, args.hosts)
     jobs = args.jobs or os.cpu_count() or 1
-    points = run_plan(trace, spec, memories, ssds, cluster, jobs)
+    points = run_plan(trace, spec, memories, ssds, cluster, jobs, remotes)
     settings = {"kv_bytes_per_token": per_token, "block_bytes": block_bytes, "working_set_bytes": working_set,
                 "pool": asdict(spec), "cluster": None if cluster is None else asdict(cluster)}
     return {"trace": trace, "settings": settings}, points

@@ -2,7 +2,7 @@
 
 Hit accounting is vLLM's: a request's hits are the leading run of its blocks found, tier by
 tier in the order a load looks (an instance's local prefix cache, then pool memory, then pool
-SSD); the first block found nowhere ends the run, and it and every block after it are
+SSD, then the remote tier behind the host pool); the first block found nowhere ends the run, and it and every block after it are
 recomputed (and then stored), even those a tier happens to hold.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from kvpool.plan.pool import PoolModel
 from kvpool.tracefile import Trace
 
-TIERS = ("local", "memory", "ssd", "recomputed")
+TIERS = ("local", "memory", "ssd", "remote", "recomputed")
 
 
 @dataclass
@@ -26,16 +26,18 @@ class HitCounts:
     local: int = 0
     memory: int = 0
     ssd: int = 0
+    remote: int = 0
 
     @property
     def recomputed(self) -> int:
-        return self.blocks - self.local - self.memory - self.ssd
+        return self.blocks - self.local - self.memory - self.ssd - self.remote
 
-    def add(self, blocks: int, local: int = 0, memory: int = 0, ssd: int = 0) -> None:
+    def add(self, blocks: int, local: int = 0, memory: int = 0, ssd: int = 0, remote: int = 0) -> None:
         self.blocks += blocks
         self.local += local
         self.memory += memory
         self.ssd += ssd
+        self.remote += remote
 
     def rates(self) -> dict[str, float]:
         """Each tier's share of all block references (they sum to 1)."""
@@ -48,8 +50,8 @@ class HitCounts:
 
 @dataclass
 class Point:
-    """One replay: its settings (memory/SSD bytes, and for a cluster the policy and instances),
-    its counts, and how long it took."""
+    """One replay: its settings (memory/SSD bytes per host pool, the remote tier's bytes, and
+    for a cluster the policy, instances and hosts), its counts, and how long it took."""
 
     memory_bytes: int
     ssd_bytes: int
@@ -58,11 +60,14 @@ class Point:
     policy: str | None = None
     instances: int | None = None
     extra: dict[str, object] = field(default_factory=dict)
+    remote_bytes: int = 0
+    hosts: int = 1
 
     def as_dict(self) -> dict[str, object]:
-        out: dict[str, object] = {"memory_bytes": self.memory_bytes, "ssd_bytes": self.ssd_bytes}
+        out: dict[str, object] = {"memory_bytes": self.memory_bytes, "ssd_bytes": self.ssd_bytes,
+                                  "remote_bytes": self.remote_bytes}
         if self.policy is not None:
-            out.update(policy=self.policy, instances=self.instances)
+            out.update(policy=self.policy, instances=self.instances, hosts=self.hosts)
         out.update(self.counts.as_dict())
         out.update(seconds=round(self.seconds, 3), **self.extra)
         return out
@@ -113,8 +118,8 @@ def replay_pool(keys: Sequence[Sequence[str]], pool: PoolModel,
     counts = HitCounts()
     began = time.perf_counter()
     for i, req in enumerate(keys):
-        mem, ssd = pool.serve(req)
-        counts.add(len(req), memory=mem, ssd=ssd)
+        mem, ssd, remote = pool.serve(req)
+        counts.add(len(req), memory=mem, ssd=ssd, remote=remote)
         if answers is not None and answers[i]:
             pool.serve(answers[i])  # a store: these are not references of a prompt
     return counts, time.perf_counter() - began
