@@ -53,7 +53,8 @@ test-compat: $(STAMP)
 	$(BIN)/python tests/compat.py
 
 # Each benchmark writes benchmarks/results/NAME.json and NAME.png (benchmarks/replot.py redraws the
-# PNGs from the JSON). benchmarks/device.py is not here: it is the check for an accelerator machine.
+# PNGs from the JSON); then docs/benchmarks.md is generated from every result JSON. benchmarks/device.py
+# is not here: it is the check for an accelerator machine.
 bench: $(STAMP)
 	$(BIN)/python benchmarks/store.py
 	$(BIN)/python benchmarks/tiers.py
@@ -65,6 +66,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/chaos.py
 	$(BIN)/python benchmarks/scale.py
 	$(BIN)/python benchmarks/trace.py
+	$(BIN)/python benchmarks/results_page.py
 
 # The same benchmarks as smoke runs (each under ten minutes here), writing NAME-quick.json/.png.
 bench-quick: $(STAMP)
@@ -77,6 +79,7 @@ bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/chaos.py --quick
 	$(BIN)/python benchmarks/scale.py --quick
 	$(BIN)/python benchmarks/trace.py --quick
+	$(BIN)/python benchmarks/results_page.py
 
 clean:
 	rm -rf $(VENV) .cache

@@ -290,17 +290,6 @@ def write_json(path: Path, results: Mapping[str, Any]) -> Path:
     return path
 
 
-def provenance(script: str, env: Mapping[str, Any], *versions: str) -> str:
-    """The opening sentence of a docs section: which script ran on what, when, at which commit
-    (`env` from `machine_info`; `versions` such as "vLLM 0.32.0" go before Python's)."""
-    return (f"`benchmarks/{script}` on {env['cpu_count']} CPUs ({env['cpu_model']}), {env['date_utc'][:10]}, "
-            + "".join(f"{v}, " for v in versions)
-            + f"Python {env['python']}, commit {env['git_commit']}, load average {env['loadavg'][0]:.2f} "
-            "at the start.")
-
-
-# Within a section a benchmark writes, this line and everything after it (to the next "## ")
-# are notes written by hand, which a rerun keeps below its new results.
 def save_results(path: Path, results: Mapping[str, Any], plot: Any) -> Path:
     """Write `results` as JSON at `path` and its plot (`plot(results, png_path)`, None without
     matplotlib) beside it, saying where each went."""
@@ -312,27 +301,13 @@ def save_results(path: Path, results: Mapping[str, Any], plot: Any) -> Path:
     return out
 
 
-KEEP_MARKER = "<!-- notes below are written by hand; a rerun of the benchmark keeps them -->"
+def update_results_page() -> Path:
+    """Rewrite docs/benchmarks.md from every result file (`benchmarks/results_page.py`), so that a
+    benchmark run on its own leaves the results page current."""
+    import results_page  # beside this module, as every benchmark imports it
 
-
-def replace_docs_section(title: str, blocks: Sequence[str], path: Path = DOCS_PATH) -> None:
-    """Put the section `title` (a "## " heading), its `blocks` separated by blank lines, in place
-    of that section of docs/benchmarks.md, or append it; nothing else in the file changes. The
-    old section's `KEEP_MARKER` line and the notes after it stay, after the new blocks."""
-    section = "\n\n".join([title, *blocks]) + "\n"
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    start = old.find(title + "\n")
-    if start < 0:
-        new = old.rstrip("\n") + "\n\n" + section
-    else:
-        nxt = old.find("\n## ", start + len(title))
-        end = len(old) if nxt < 0 else nxt + 1
-        kept = old.find(KEEP_MARKER, start, end)
-        if kept >= 0:
-            section += "\n" + old[kept:end].rstrip("\n") + "\n"
-        new = old[:start] + section + ("" if nxt < 0 else "\n" + old[nxt + 1:])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(new)
+    DOCS_PATH.write_text(results_page.render(RESULTS_DIR))
+    return DOCS_PATH
 
 
 # ---- vLLM ----------------------------------------------------------------------------------------

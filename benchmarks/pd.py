@@ -44,8 +44,8 @@ Before each pass the script waits (up to `--quiet-wait-s`) for the CPUs to be id
 records the share of CPU time other processes used during the pass.
 
 Writes `benchmarks/results/pd.json` (`pd-quick.json` with --quick): every request, the
-summaries and the environment; on a full run it also replaces (or appends) the
-"PD disaggregation" section of docs/benchmarks.md (`--no-docs` skips this).
+summaries and the environment; on a full run it also regenerates docs/benchmarks.md from every
+result file (`--no-docs` skips this).
 """
 
 from __future__ import annotations
@@ -67,16 +67,15 @@ from typing import Any
 
 import httpx
 from common import (
-    BLOCK_SIZE, DOCS_PATH, REPO, RESULTS_DIR, choose, count_params, cpu_snapshot, cpu_split, engine_dtype, fmt,
-    loadavg1, log, machine_info, markdown_table, package_version, percentile, progress, provenance, pyplot,
-    random_token_ids, replace_docs_section, start_together, unwind_on_sigterm, vllm_server, wait_quiet, write_json,
+    BLOCK_SIZE, REPO, RESULTS_DIR, choose, count_params, cpu_snapshot, cpu_split, engine_dtype, fmt, loadavg1, log,
+    machine_info, markdown_table, package_version, percentile, progress, pyplot, random_token_ids,
+    update_results_page, start_together, unwind_on_sigterm, vllm_server, wait_quiet, write_json,
 )
 from plotting import finish, no_data
 
 from kvpool.testing.launch import OpenAIServer, PoolServer, ProxyServer, stream_completion
 from kvpool.testing.model import SPECS, build_model
 
-SECTION = "## PD disaggregation"
 CONFIG_ORDER = ("mixed", "1p1d", "1p1d-noload")
 DESCRIPTIONS = {
     "mixed": "PD-mixed, 1 instance (kv_both), cores 0-1, direct",
@@ -438,25 +437,6 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
     return finish(plt, fig, title, results, path)
 
 
-def update_docs(results: dict[str, Any], text_table: str) -> None:
-    """Write the "PD disaggregation" section of docs/benchmarks.md: the run's setting, the table, the
-    notes the numbers call for, and how to reproduce it."""
-    env, p = results["environment"], results["parameters"]
-    replace_docs_section(SECTION, [
-        provenance("pd.py", env, f"vLLM {env['vllm']}")
-        + f" Workload: {p['passes']} pass(es) of {p['requests']} "
-        f"requests, each a shared {p['prefix_tokens']}-token prefix (new for every pass) plus its own "
-        f"{p['suffix_tokens']}-token suffix (random token ids), `max_tokens={p['max_tokens']}` (ignore_eos), "
-        f"greedy, streamed, {p['concurrency']} in flight; requests/s over all passes, TTFT/TPOT percentiles "
-        "over all requests. Raw numbers: `benchmarks/results/pd.json`.",
-        text_table,
-        "\n".join(f"- {line}" for line in notes(results)),
-        "![PD disaggregation: requests/s, TTFT and TPOT per configuration](results/pd.png)",
-        "Reproduce: `.venv/bin/python benchmarks/pd.py` (a few minutes; `--model bench` for the ~96M-parameter "
-        "model, `--quick` for a smoke run).",
-    ])
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 pass of 8 requests, mixed and 1p1d (< 2 min)")
@@ -481,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="before each pass, wait up to this long for the CPUs to be idle (0: don't)")
     ap.add_argument("--workdir", help="logs, sockets (default: a new temp dir)")
     ap.add_argument("--out", type=Path, help="results JSON (default benchmarks/results/pd.json; pd-quick.json with --quick)")
-    ap.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
+    ap.add_argument("--no-docs", action="store_true", help="do not regenerate docs/benchmarks.md")
     args = ap.parse_args(argv)
     unwind_on_sigterm()  # the finally blocks stop the servers
     args.passes = args.passes or (1 if args.quick else 3)
@@ -586,8 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {out}" + (f" and {png}" if png else "") + f" ({results['duration_s']:.0f} s); "
           f"server logs in {workdir / 'logs'}")
     if not args.quick and not args.no_docs and not failed:
-        update_docs(results, text)
-        print(f"updated {DOCS_PATH} ({SECTION[3:]} section)")
+        print(f"updated {update_results_page()}")
     return 1 if failed else 0
 
 

@@ -21,7 +21,7 @@ COLORS = {
     "vllm": "black", "memcpy": "black", "shm": "tab:gray", "local": "tab:cyan", "server": "tab:blue",
     "mooncake": "tab:orange", "example": "tab:green", "example_unchunked": "tab:olive", "redis": "tab:red",
     "yuanrong": "tab:brown", "memcache": "tab:pink", "routed": "tab:purple", "prefix": "black",
-    "roomy": "tab:green",
+    "roomy": "tab:green", "tiered": "darkred",
 }
 
 

@@ -32,9 +32,9 @@ objects (bound by per-object work), and once for KV-block-sized objects (1 MiB, 
 of 16 as a vLLM load reads them; the page cache is dropped for the tier's files first, so the
 bytes come from the disk) — the case the bandwidth target is about.
 
-Targets (issue 11) are reported met / not met. Writes benchmarks/results/scale.json
-(scale-quick.json with --quick), benchmarks/results/scale.png, and, for a full run, the "Scale"
-section of docs/benchmarks.md (`--no-docs` skips it).
+Targets are reported met / not met. Writes benchmarks/results/scale.json
+(scale-quick.json with --quick), benchmarks/results/scale.png, and, for a full run, regenerates
+docs/benchmarks.md from every result file (`--no-docs` skips it).
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ from typing import Any
 
 import numpy as np
 from common import (
-    RESULTS_DIR, fmt, loadavg1, log, machine_info, markdown_table, percentile, progress, provenance, pyplot,
-    replace_docs_section, unwind_on_sigterm, write_json,
+    RESULTS_DIR, fmt, loadavg1, log, machine_info, markdown_table, percentile, progress, pyplot, update_results_page,
+    unwind_on_sigterm, write_json,
 )
 from plotting import COLORS, finish, no_data
 
@@ -67,7 +67,6 @@ from kvpool.testing.proc import wait_for
 VALUE = 1024
 BATCH = 64
 LOOKUP_KEYS = 64
-SECTION = "## Scale"
 TARGETS = {
     "lookup_p50_ratio": 1.5,  # p50 at the largest N over p50 at 1K
     "lookup_p99_ms": 2.0,
@@ -633,39 +632,6 @@ def notes(results: dict[str, Any]) -> str:
             "(tracemalloc).")
 
 
-def update_docs(results: dict[str, Any], text: str, tgt: str) -> None:
-    env = results["env"]
-    r = results.get("restart") or {}
-    mode = "quick run (up to 100K objects)" if results["quick"] else "full run"
-    blocks = [
-        provenance("scale.py", env) + f" A {mode}; the machine is shared, the load average during each "
-        "measurement is in the last column: the integrator reruns it on a quiet machine.",
-        "1 KiB values, 64 keys a call; a `kvpool server` with this process as its one client against a "
-        "`mooncake_master` with this process as the client that mounts the segment (TCP). Lookup: "
-        "`batch_exists` on 64 random stored keys; put: fresh keys into the pool the fill left just under its "
-        "eviction watermark (both systems: 0.9, evicting a tenth of the objects each time), max(20K, N/5) of "
-        "them, so they evict (how many objects they evicted is counted) and write freed memory again; "
-        "get: random resident keys; meta B/obj: kvpool server heap growth (RssAnon) per object, key "
-        "strings included (mooncake: the master's).",
-        "```\n" + text + "\n```",
-        f"Restart with {r.get('objects', 0):,} objects on the SSD tier: {fmt(r.get('restart_s'), 2)} s with the "
-        f"restart index, {fmt(r.get('restart_scan_s'), 1)} s with a full scan of the files (no index, as after a "
-        f"crash); share of sampled keys found after the restart: {fmt(r.get('restart_s_found'), 3)}. SSD-tier reads "
-        f"{fmt((r.get('ssd_read_bytes_per_s') or 0) / 1e6, 1)} MB/s against the disk's O_DIRECT read "
-        f"bandwidth {fmt((r.get('direct_io_bytes_per_s') or 0) / 1e6, 0)} MB/s for the 1 KiB objects; for "
-        f"{(results.get('ssd_blocks') or {}).get('objects', 0)} values of 1 MiB read 16 at a time from a "
-        "cold page cache, "
-        f"{fmt(((results.get('ssd_blocks') or {}).get('ssd_read_bytes_per_s') or 0) / 1e6, 0)} MB/s against "
-        f"{fmt(((results.get('ssd_blocks') or {}).get('direct_io_bytes_per_s') or 0) / 1e6, 0)} MB/s.",
-        "```\n" + tgt + "\n```",
-        notes(results),
-        "![Scale: lookup latency, put/get rate and metadata per object against the object count]"
-        f"(results/{'scale-quick' if results['quick'] else 'scale'}.png)",
-        f"Raw numbers: `benchmarks/results/{'scale-quick' if results['quick'] else 'scale'}.json`.",
-    ]
-    replace_docs_section(SECTION, blocks)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="up to 100K objects (< 3 min)")
@@ -732,8 +698,8 @@ def main(argv: list[str] | None = None) -> int:
     png = plot(results, RESULTS_DIR / ("scale-quick.png" if args.quick else "scale.png"))
     if png:
         log(f"wrote {png}")
-    if not args.quick and not args.no_docs:  # a smoke run leaves the section to the full run
-        update_docs(results, text, tgt)
+    if not args.quick and not args.no_docs:  # a smoke run leaves the page to the full run
+        log(f"updated {update_results_page()}")
     return 0
 
 

@@ -51,8 +51,7 @@ Targets (from issue 3): `server` put and get each >= 40% of the memcpy figure of
 batched lookup (lease=True) under 0.5 ms median.
 
 Writes `benchmarks/results/store.json` (`store-quick.json` with --quick) and, on a full run,
-the "Store throughput" section of docs/benchmarks.md (replacing only that section, or appending
-it; `--no-docs` skips this).
+regenerates docs/benchmarks.md from every result file (`--no-docs` skips this).
 """
 
 from __future__ import annotations
@@ -74,8 +73,8 @@ from typing import Any
 
 import numpy as np
 from common import (
-    DOCS_PATH, RESULTS_DIR, choose, fmt, machine_info, markdown_table, percentile, progress, provenance, pyplot,
-    replace_docs_section, say, write_json,
+    RESULTS_DIR, choose, fmt, machine_info, markdown_table, percentile, progress, pyplot, update_results_page, say,
+    write_json,
 )
 from plotting import COLORS, finish
 
@@ -90,7 +89,6 @@ WARMUP_ROUNDS = 3
 SERVER_MODULE = "kvpool.server.daemon"
 PUT_TARGET = 0.40  # of the memcpy figure
 LOOKUP_TARGET_MS = 0.5
-SECTION = "## Store throughput"
 # Backends reached through an external service: smaller working set (their pools live in that
 # service's memory, and a round-trip per batch makes rounds slower), see --dist-working-set.
 DISTRIBUTED = ("redis", "mooncake", "yuanrong")
@@ -571,43 +569,6 @@ def _target_lines(tg: dict[str, Any]) -> list[str]:
     return lines
 
 
-def update_docs(results: dict[str, Any], text_table: str, target_lines: list[str]) -> None:
-    """Write the "Store throughput" section of docs/benchmarks.md: the run's parameters, the table,
-    what each case measures, the targets' verdicts, and how to reproduce it."""
-    env, p = results["environment"], results["parameters"]
-    replace_docs_section(SECTION, [
-        provenance("store.py", env, f"numpy {env['numpy']}")
-        + f" Working set {p['working_set'] // MiB} MiB per round, {p['rounds']} rounds after {WARMUP_ROUNDS} "
-        f"warm-up rounds (memcpy: {p['rounds']} rounds before the first case and after each other case, pooled), "
-        f"batches of {BATCH} keys, median round; 1 GB = 10^9 bytes. Raw numbers: "
-        "`benchmarks/results/store.json`.",
-        text_table,
-        "\n".join([
-            "- memcpy: numpy copies in one process (the ceiling); shared_memory: a writer process copies "
-            "into a `multiprocessing.shared_memory` segment, a reader process copies out; local: the "
-            "in-process engine, put and get in the same process; server: a `kvpool server` daemon, a "
-            "writer client process puts, a reader client process gets.",
-            "- redis, mooncake, yuanrong: a real service started by `kvpool.testing.services` on 127.0.0.1 "
-            "(`redis-server`; `mooncake_master` with the spec's flags, TCP transport, the writer client "
-            "mounting the pool as its segment and staying alive until the reader is done; a datasystem "
-            "worker via `dscli`, one for both value sizes), a writer and a reader client process. "
-            f"Working set {p['distributed_working_set'] // MiB} MiB per round (column \"working set\"), "
-            "and their pools hold every round, so nothing is evicted while they are measured (redis' "
-            "sampled LRU and mooncake's ratio eviction drop values of the round being read in a pool "
-            "of two working sets). memcache: its client cannot start without the Ascend driver "
-            "(docs/backends.md).",
-            "- lookup64: `batch_exists` of 64 stored keys, repeated on the same keys "
-            f"({p['lookups']} times per mode), with a lease (as the connector looks up) and without.",
-        ]),
-        "Targets (issue 3):",
-        "\n".join(f"- {line}" for line in target_lines),
-        "![Store throughput per backend: put and get GB/s per value size, and the 64-key lookup]"
-        "(results/store.png)",
-        f"Reproduce: `.venv/bin/python benchmarks/store.py` ({results['runtime_s']:.0f} s here; "
-        "`--quick` for a smoke run).",
-    ])
-
-
 # Short names for the plot's axis (the table's LABELS are sentences).
 SHORT = {"memcpy": "memcpy", "shm": "shared_memory", "local": "local", "server": "server", "redis": "redis",
          "mooncake": "mooncake (TCP)", "yuanrong": "yuanrong", "memcache": "memcache"}
@@ -705,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated subset of {','.join(CASES[1:])} (default all; memcpy, the "
                          "reference, always runs; a subset never updates the docs)")
     ap.add_argument("--out", type=Path, default=None, help="JSON output path")
-    ap.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
+    ap.add_argument("--no-docs", action="store_true", help="do not regenerate docs/benchmarks.md")
     args = ap.parse_args(argv)
     cases = choose(ap, args.cases, CASES[1:], "case") if args.cases else list(CASES[1:])
     working_set = (args.working_set or (64 if args.quick else 256)) * MiB
@@ -823,8 +784,7 @@ def main(argv: list[str] | None = None) -> int:
     png = plot(results, out.with_suffix(".png"))
     print(f"wrote {out}" + (f" and {png}" if png else " (no plot: matplotlib not installed)"))
     if not args.quick and not args.no_docs and not failed and not args.cases:
-        update_docs(results, text, lines)
-        print(f"updated {DOCS_PATH} ({SECTION[3:]} section)")
+        print(f"updated {update_results_page()}")
     return 1 if failed else 0
 
 

@@ -28,7 +28,7 @@ about 1,500 tokens/s a core). Where the CPU emulates bf16 (AVX2), serve it in `-
 and give the slice the time that CPU needs: an AVX2 EPYC prefilled about 110 tokens/s per
 instance under this load, so the quick slice's 45 s left every request queued for minutes
 (TTFT p50 98 s), and even 400 s left the instances saturated (p90 25-50 s). A replay measures
-the pool at the load it is replayed at (docs/benchmarks.md, "Trace replay"): size
+the pool at the load it is replayed at (benchmarks/NOTES.md, "Trace replay"): size
 `--duration-s` so that the `prefix` configuration is not saturated.
 
 Configurations (the same schedule for each; two vLLM instances, one pinned to each core,
@@ -48,6 +48,10 @@ prefixes):
             that instance's prefill waits for it (a hundred ms and more here)
   mooncake  vLLM's `MooncakeStoreConnector` on a local `mooncake_master`, round robin; each
             instance mounts half of `--pool-size` as its segment, so the pool is as large
+  tiered    two hosts' pools in front of one distributed store, round robin: each instance a
+            `backend: local` host pool of `--host-pool-size` with `remote_backend: mooncake` on one
+            `mooncake_master` (each instance mounts half of `--pool-size`); a block one instance
+            computed reaches the other through the store, and from then on from its own pool
 
 Every configuration sends its requests through one `kvpool proxy --instance-*` (round_robin, or
 prefix_aware for `routed`): on this machine the proxy shares the two cores with the instances,
@@ -58,9 +62,10 @@ usage record) against the slice's own upper bound (an infinite cache shared by e
 TTFT p50/p90/mean, requests per second, tokens computed, and pool evictions. Then `kvpool plan`
 replays the same slice in cluster mode with the same capacities (two instances of
 `--local-blocks`, one pool of `--pool-size`; round_robin for `kvpool`, prefix_aware for
-`routed`), and its predicted hit rate is set against the measured one. Writes
-`benchmarks/results/trace.json` (`trace-quick.json`), `trace.png`, and on a full run the
-"Trace replay" section of docs/benchmarks.md.
+`routed`; two hosts with pools of `--host-pool-size` and a remote tier of `--pool-size` for
+`tiered`), and its predicted hit rate is set against the measured one. Writes
+`benchmarks/results/trace.json` (`trace-quick.json`), `trace.png`, and on a full run
+regenerates docs/benchmarks.md from every result file.
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ from typing import Any
 import httpx
 from common import (
     BLOCK_SIZE, REPO, RESULTS_DIR, choose, count_params, cpu_snapshot, cpu_split, fmt, log, machine_info,
-    markdown_table, package_version, percentile, progress, provenance, pyplot, random_token_ids, replace_docs_section,
+    markdown_table, package_version, percentile, progress, pyplot, random_token_ids, update_results_page,
     start_together, unwind_on_sigterm, vllm_server, wait_quiet, write_json,
 )
 from plotting import COLORS, finish, no_data
@@ -92,14 +97,14 @@ from kvpool.testing.launch import OpenAIServer, PoolServer, ProxyServer, stream_
 from kvpool.testing.model import SPECS, build_model
 from kvpool.testing.services import MooncakeMaster
 
-SECTION = "## Trace replay"
-CONFIG_ORDER = ("prefix", "roomy", "kvpool", "routed", "mooncake")
+CONFIG_ORDER = ("prefix", "roomy", "kvpool", "routed", "mooncake", "tiered")
 DESCRIPTIONS = {
     "prefix": "vLLM prefix cache only, round robin",
     "roomy": "vLLM prefix cache with room for the slice, prefix_aware (no pool)",
     "kvpool": "+ one shared kvpool server, round robin",
     "routed": "+ kvpool, kvpool proxy prefix_aware",
     "mooncake": "+ MooncakeStoreConnector, round robin",
+    "tiered": "+ a kvpool host pool per instance in front of Mooncake Store, round robin",
 }
 TRACES = {"conversation": "conversation_trace.jsonl", "synthetic": "synthetic_trace.jsonl"}
 ADMIN_TOKEN = "kvpool-trace-benchmark"  # the proxy's admin routes, for its routing counters
@@ -235,6 +240,17 @@ def start_deployment(name: str, model_dir: Path, workdir: Path, args: argparse.N
             env_extra = {"MOONCAKE_CONFIG_PATH": str(cfg_path), "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1"}
             configs = [{"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
                         "kv_connector_extra_config": {"lookup_rpc_port": rpc_base + i}} for i in range(2)]
+        elif name == "tiered":
+            dep.master = MooncakeMaster(logs / f"{name}-master")
+            cfg_path = dep.master.write_config(workdir / "mooncake-tiered.json",
+                                               global_segment_size=_bytes(args.pool_size) // 2,
+                                               local_buffer_size="256MB")
+            configs = [{
+                "kv_connector": "AscendStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"backend": "local", "local_cpu_size": args.host_pool_size,
+                                              "remote_backend": "mooncake", "mooncake_config_path": str(cfg_path),
+                                              "lookup_rpc_port": rpc_base + i},
+            } for i in range(2)]
         for i in range(2):
             dep.servers.append(vllm_server(
                 model_dir, served_model_name=SERVED_NAME, log_path=logs / f"{name}-vllm{i}.log", prefix_caching=True,
@@ -404,7 +420,7 @@ def run_trace(trace: str, model_dir: Path, workdir: Path, args: argparse.Namespa
             if dep is not None:
                 dep.stop()
     whole = sum(len(r["hash_ids"][: args.max_blocks]) for r in slice_) * args.block_tokens
-    plan = plan_prediction(slice_path, args, speedup, workdir)
+    plan = plan_prediction(slice_path, args, speedup, workdir, configs)
     plan["measured_block_hit_rate"] = {n: block_hit_rate(c["summary"], whole)
                                        for n, c in entry["configs"].items() if "summary" in c}
     entry["plan"] = plan
@@ -427,25 +443,52 @@ PLAN_POLICIES = {"kvpool": "round_robin", "routed": "prefix_aware"}
 ROUTED_LOAD_FACTOR = 1.0
 
 
-def plan_prediction(slice_path: Path, args: argparse.Namespace, speedup: float, workdir: Path) -> dict[str, Any]:
-    """`kvpool plan` in cluster mode on the replayed slice, with the replay's capacities: two
-    instances of `--local-blocks` blocks each, one pool of `--pool-size`; its service-time model
-    at this machine's speed in the trace's own (uncompressed) time."""
-    out = workdir / f"plan-{slice_path.stem}.json"
+def _plan(slice_path: Path, args: argparse.Namespace, speedup: float, out: Path, flags: list[str]) -> dict[str, Any]:
+    """`kvpool plan` in cluster mode on the replayed slice: two instances of `--local-blocks`
+    blocks, split traffic, its service-time model at this machine's speed in the trace's own
+    (uncompressed) time, and ``flags`` for the pools; its points, or why it failed."""
     kv_bytes = kv_bytes_per_token(args.dtype)
     cmd = [sys.executable, "-m", "kvpool.cli", "plan", str(slice_path),
-           "--kv-bytes-per-token", str(kv_bytes), "--memory", args.pool_size,
+           "--kv-bytes-per-token", str(kv_bytes),
            "--instances", "2", "--local-cache", str(args.local_blocks * args.block_tokens * kv_bytes),
-           "--policies", ",".join(PLAN_POLICIES.values()), "--traffic", "split", "--object-overhead", "1KB",
-           "--load-factor", str(args.routing_load_factor),
+           "--traffic", "split", "--load-factor", str(args.routing_load_factor),
            "--prefill-tokens-per-s", str(round(args.plan_prefill_tokens_per_s / speedup, 3)),
-           "--decode-ms-per-token", str(round(args.plan_decode_ms_per_token * speedup, 3)), "--json", str(out)]
+           "--decode-ms-per-token", str(round(args.plan_decode_ms_per_token * speedup, 3)), "--json", str(out), *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         return {"failed": (proc.stderr or proc.stdout)[-2000:], "command": cmd}
-    points = json.loads(out.read_text())["points"]
-    return {"command": cmd, "hit_rate": {p["policy"]: round(1 - p["rates"]["recomputed"], 4) for p in points},
-            "rates": {p["policy"]: p["rates"] for p in points}}
+    return {"command": cmd, "points": json.loads(out.read_text())["points"]}
+
+
+def plan_prediction(slice_path: Path, args: argparse.Namespace, speedup: float, workdir: Path,
+                    configs: list[str]) -> dict[str, Any]:
+    """`kvpool plan` with the replay's capacities: one shared pool of `--pool-size` (kvpool
+    server's 1 KiB per-object charge) for `kvpool` and `routed`, keyed by routing policy; and,
+    when `tiered` ran, a pool of `--host-pool-size` per host (the local backend charges nothing
+    per object) in front of a remote tier of `--pool-size`, under "tiered"."""
+    got = _plan(slice_path, args, speedup, workdir / f"plan-{slice_path.stem}.json",
+                ["--memory", args.pool_size, "--policies", ",".join(PLAN_POLICIES.values()), "--object-overhead", "1KB"])
+    out: dict[str, Any] = {"command": got["command"]}
+    if "failed" in got:
+        out["failed"] = got["failed"]
+    else:
+        out.update(hit_rate={p["policy"]: round(1 - p["rates"]["recomputed"], 4) for p in got["points"]},
+                   rates={p["policy"]: p["rates"] for p in got["points"]})
+    if "tiered" in configs:
+        got = _plan(slice_path, args, speedup, workdir / f"plan-{slice_path.stem}-tiered.json",
+                    ["--memory", args.host_pool_size, "--remote", args.pool_size, "--hosts", "2",
+                     "--policies", "round_robin"])
+        point = (got.get("points") or [None])[0]
+        out["tiered"] = {"command": got["command"], "failed": got["failed"]} if point is None else {
+            "command": got["command"], "hit_rate": round(1 - point["rates"]["recomputed"], 4), "rates": point["rates"]}
+    return out
+
+
+def predicted_hit_rate(plan: dict[str, Any], name: str) -> float | None:
+    """The planner's hit rate for configuration ``name``, where it models it."""
+    if name == "tiered":
+        return (plan.get("tiered") or {}).get("hit_rate")
+    return (plan.get("hit_rate") or {}).get(PLAN_POLICIES.get(name, ""))
 
 
 def block_hit_rate(summary: dict[str, Any], whole_block_tokens: int) -> float | None:
@@ -487,6 +530,11 @@ def targets(entry: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
         if predicted is not None and measured is not None:
             add(f"kvpool plan ({policy}) within 5 points of the measured {name} hit rate",
                 f"{predicted:.3f} predicted vs {measured:.3f} measured", abs(predicted - measured) <= 0.05)
+    predicted = (plan.get("tiered") or {}).get("hit_rate")
+    measured = (plan.get("measured_block_hit_rate") or {}).get("tiered")
+    if predicted is not None and measured is not None:
+        add("kvpool plan (two hosts, remote tier) within 5 points of the measured tiered hit rate",
+            f"{predicted:.3f} predicted vs {measured:.3f} measured", abs(predicted - measured) <= 0.05)
     return out
 
 
@@ -499,7 +547,7 @@ def diagnostics(entry: dict[str, Any]) -> list[str]:
         return []
     p = s["prefix"]
     out: list[str] = []
-    for name in ("roomy", "kvpool", "routed", "mooncake"):  # the target's ratio for every cache
+    for name in ("roomy", "kvpool", "routed", "mooncake", "tiered"):  # the target's ratio for every cache
         if name in s and s[name]["computed_tokens"]:
             t = s[name]["ttft_mean_ms"] / p["ttft_mean_ms"]
             c = s[name]["computed_tokens"] / p["computed_tokens"]
@@ -559,11 +607,12 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
         for i, v in enumerate(rates):  # the bars end within a few points of each other: say the number
             ax_hit.text(i, v / 2, f"{v:.3f}", ha="center", va="center", color="white", fontsize=9)
         ax_hit.axhline(entry["bound_hit_rate"], color="k", ls="--", lw=1, label="infinite-cache bound")
-        plan = (entry.get("plan") or {}).get("hit_rate") or {}
+        predicted = {n: predicted_hit_rate(entry.get("plan") or {}, n) for n in names}
+        shown = [n for n in names if predicted[n] is not None]
         for i, n in enumerate(names):  # the planner's prediction where it models the configuration
-            if PLAN_POLICIES.get(n) in plan:
-                ax_hit.scatter([i], [plan[PLAN_POLICIES[n]]], marker="_", s=600, color="tab:red", zorder=3,
-                               label="kvpool plan's prediction" if n == "kvpool" or "kvpool" not in names else None)
+            if predicted[n] is not None:
+                ax_hit.scatter([i], [predicted[n]], marker="_", s=600, color="tab:red", zorder=3,
+                               label="kvpool plan's prediction" if n == shown[0] else None)
         ax_hit.set_ylim(0, 1.05)
         ax_hit.set_ylabel("token hit rate (cached / prompt tokens)")
         s = entry["sampling"]
@@ -594,7 +643,7 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
     kind = "quick run" if results.get("quick") else "full run"
     return finish(plt, fig, f"Trace replay on two vLLM instances (benchmarks/trace.py, {kind}): prefix cache alone, "
                   "a local cache with room for the slice, a shared kvpool server, prefix-aware routing, "
-                  "Mooncake Store", results, path)
+                  "Mooncake Store, host pools in front of Mooncake Store", results, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -618,6 +667,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"`routed`'s load bound, in the proxy and the planner (default {ROUTED_LOAD_FACTOR}; "
                          f"the proxy's own: {ProxyConfig.routing_load_factor})")
     ap.add_argument("--pool-size", default="8GB", help="the shared pool (kvpool server --memory-size; Mooncake: in total)")
+    ap.add_argument("--host-pool-size", default="256MB",
+                    help="`tiered`: each instance's host pool (local_cpu_size), smaller than the slice's working set")
     ap.add_argument("--plan-prefill-tokens-per-s", type=float, default=1500.0,
                     help="the planner's service-time model: one instance's prefill speed here (one core)")
     ap.add_argument("--plan-decode-ms-per-token", type=float, default=30.0,
@@ -630,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet-wait-s", type=float, default=60.0, help="before each replay, wait up to this long for idle CPUs")
     ap.add_argument("--workdir", help="logs, sockets (default: a new temp dir)")
     ap.add_argument("--out", type=Path, help="results JSON (default benchmarks/results/trace.json; trace-quick.json)")
-    ap.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
+    ap.add_argument("--no-docs", action="store_true", help="do not regenerate docs/benchmarks.md")
     args = ap.parse_args(argv)
     unwind_on_sigterm()
     args.conversations = args.conversations or (3 if args.quick else 6)
@@ -660,7 +711,6 @@ def main(argv: list[str] | None = None) -> int:
             write_json(out_path, results)
     finally:
         write_json(out_path, results)
-    blocks = [provenance("trace.py", results["environment"], f"vLLM {results['environment']['vllm']}")]
     for trace, entry in results["traces"].items():
         text = table(entry)
         print(f"\n{trace}: {entry['sampling']['requests']} requests, bound {entry['bound_hit_rate']:.3f}\n{text}")
@@ -670,21 +720,12 @@ def main(argv: list[str] | None = None) -> int:
         notes = diagnostics(entry)
         for line in notes:
             print(f"  {line}")
-        s = entry["sampling"]
-        blocks += [f"### {trace} trace: {s['requests']} requests of the {s['conversations']} largest conversations "
-                   f"(of {s['of_trace_requests']}), {s['trace_span_s']:.0f} s compressed {s['speedup']:.0f}x; "
-                   f"infinite-cache bound {entry['bound_hit_rate']:.3f}, {entry['unique_blocks']} unique blocks", text,
-                   "\n".join([f"- {'met' if ok else '**not met**'}: {what} ({value})" for what, value, ok in checks]
-                             + [f"- {line}" for line in notes])]
         entry["targets"] = [{"target": w, "value": v, "met": ok} for w, v, ok in checks]
         entry["diagnostics"] = notes
     write_json(out_path, results)
     png = plot(results, out_path.with_suffix(".png"))
-    if png is not None:
-        blocks.append("![Trace replay: each configuration's hit rate against the bound and the planner, and every "
-                      f"request's TTFT](results/{png.name})")
     if not args.quick and not args.no_docs:
-        replace_docs_section(SECTION, blocks)
+        log(f"updated {update_results_page()}")
     log(f"wrote {out_path}" + (f" and {png}" if png else ""))
     return 0
 
