@@ -166,6 +166,20 @@ class KeyScheme:
         return [prefix + h + layer for prefix, layer in self._all_rank_parts]
 
 
+def block_of(key: str) -> tuple[int, bytes] | None:
+    """The KV cache group and block hash a key of this format names (any shard, stage or
+    layer); None for a key of another format."""
+    parts = key.rsplit("@", 3)
+    if len(parts) == 4 and parts[3][:1] == "l" and parts[3][1:].isdigit():  # layerwise: @l{layer}
+        parts = key.rsplit("@", 4)[:-1]
+    if len(parts) < 3 or parts[-2][:1] != "g" or not parts[-2][1:].isdigit():
+        return None
+    try:
+        return int(parts[-2][1:]), bytes.fromhex(parts[-1])
+    except ValueError:
+        return None
+
+
 def prefill_stage_schemes(scheme: KeyScheme, num_layers: int, prefill_pp_size: int,
                           partition: Sequence[int]) -> list[tuple[KeyScheme, range]]:
     """Where a decode node without PP puts a block so that PP prefill stages find it.

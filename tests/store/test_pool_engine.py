@@ -816,3 +816,26 @@ def test_a_reported_corruption_drops_only_a_damaged_object(make_engine) -> None:
     assert engine.stats()["corrupt_objects"] == 1
     engine.release(bad)  # idempotent on a dropped object
     assert engine.put(C, "bad", [payload("bad", 256)]) is ErrorCode.OK  # not put-if-absent any more
+
+
+def test_the_engine_notes_what_leaves_the_pool_once_watched(make_engine) -> None:
+    # What the `local` backend tells the connector's KV events (`take_removed`).
+    engine = make_engine(memory_size=4096, eviction_high_watermark_ratio=1.0)
+    value = [np.zeros(1024, dtype=np.uint8)]
+    assert engine.put("c", "before", value) is ErrorCode.OK
+    engine.remove("before")
+    assert engine.take_drops() == []  # not watched yet: nothing kept
+    engine.watch_drops()
+    for i in range(5):  # four fit: the fifth evicts the oldest
+        assert engine.put("c", f"k{i}", value) is ErrorCode.OK
+    assert engine.remove("k4") is ErrorCode.OK
+    assert engine.take_drops() == ["k0", "k4"] and engine.take_drops() == []
+
+
+def test_an_eviction_to_the_ssd_tier_keeps_the_block_in_the_pool(make_engine, make_disk) -> None:
+    engine = make_engine(memory_size=4096, disk=make_disk(), eviction_high_watermark_ratio=1.0)
+    engine.watch_drops()
+    value = [np.zeros(1024, dtype=np.uint8)]
+    for i in range(5):
+        assert engine.put("c", f"k{i}", value) is ErrorCode.OK
+    assert engine.take_drops() == [] and engine.exists(["k0"]) == [True]

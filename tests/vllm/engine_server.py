@@ -18,6 +18,8 @@ Protocol: one JSON object per line.
   finished request any more, i.e. until the connector reported its saves done and its blocks
   were freed. So a request's saves are in the pool before the next request looks it up.
 - {"reset_prefix_cache": true} -> {"results": [], "reset": bool}: empty vLLM's prefix cache.
+- {"pool_keys": true} -> {"results": [], "pool_keys": [...]}: the keys in the worker's `local`
+  pool (an engine with TP=1: its worker runs in this process).
 - end of input: shut down and exit.
 """
 
@@ -51,6 +53,20 @@ def _drain(llm) -> None:
             raise RuntimeError(f"requests still held by vLLM after {DRAIN_TIMEOUT_S:.0f} s: {list(sched.requests)}")
         llm.llm_engine.step()
         time.sleep(0.002)
+
+
+def _pool_keys() -> list[str]:
+    """The keys in this process's worker's `local` pool (kvpool's worker half, alone or among a
+    MultiConnector's connectors)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector = get_kv_transfer_group()
+    for c in getattr(connector, "_connectors", [connector]):
+        worker = getattr(c, "_worker", None)
+        engine = getattr(getattr(worker, "backend", None), "engine", None)
+        if engine is not None:
+            return sorted(engine._debug_snapshot()["objects"])
+    raise RuntimeError("no kvpool worker with a local pool in this process")
 
 
 def _groups(llm) -> dict | None:
@@ -102,6 +118,11 @@ def run_engine(spec: dict) -> None:
     print("READY", flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
+        if cmd.get("pool_keys"):
+            _drain(llm)
+            out.write(json.dumps({"results": [], "pool_keys": _pool_keys()}) + "\n")
+            out.flush()
+            continue
         if cmd.get("reset_prefix_cache"):
             _drain(llm)
             out.write(json.dumps({"results": [], "reset": bool(llm.reset_prefix_cache())}) + "\n")

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from kvpool.testing.launch import IN_PROCESS_WORKER_ENV, OpenAIServer, PoolServer, private_temp_env
+from kvpool.testing.proc import free_ports
 
 HERE = Path(__file__).parent
 BLOCK = 128
@@ -69,6 +70,49 @@ def pooled_config(stack: contextlib.ExitStack, tmp: Path, backend: str, **extra)
     sock = str(tmp / "pool.sock")
     stack.enter_context(PoolServer(sock, memory_size="512MB", log_path=tmp / "pool.log"))
     return kvpool_config(backend="server", server_socket=sock, **extra)
+
+
+def kv_events_config() -> dict:
+    """vLLM's `--kv-events-config` publishing over ZMQ on loopback ports of this run's own, with
+    a replay buffer (`replay_kv_events` reads it)."""
+    pub, replay = free_ports(2)
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{pub}",
+            "replay_endpoint": f"tcp://127.0.0.1:{replay}", "topic": "kv"}
+
+
+def replay_kv_events(config: dict, quiet_s: float = 0.3, timeout_s: float = 30.0) -> list:
+    """Every event the engine published since it started, decoded with vLLM's own classes, in
+    order: its publisher's replay buffer, read until two reads agree (the publisher sends from a
+    thread of its own, so the last events may still be on their way)."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    ctx = zmq.Context.instance()
+    deadline = time.monotonic() + timeout_s
+    last: list | None = None
+    while True:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(config["replay_endpoint"])
+        try:
+            sock.send_multipart([b"", (0).to_bytes(8, "big")])
+            events: list = []
+            while True:
+                if not sock.poll(int(timeout_s * 1000)):
+                    raise RuntimeError("the KV-event publisher's replay did not answer")
+                frames = sock.recv_multipart()
+                _, _, seq, payload = frames
+                if int.from_bytes(seq, "big", signed=True) == -1:
+                    break
+                events.extend(decoder.decode(payload).events)
+        finally:
+            sock.close()
+        if events == last or time.monotonic() > deadline:
+            return events
+        last = events
+        time.sleep(quiet_s)
 
 
 def kvpool_config(role: str = "kv_both", policy: str = "recompute", **extra) -> dict:
@@ -268,6 +312,10 @@ class Engine:
         `kv_transfer_params` go with every request, as an API request's would."""
         return self._call({"prompts": prompts, "max_tokens": max_tokens, "kv_transfer_params": kv_transfer_params},
                           timeout)["results"]
+
+    def pool_keys(self, timeout: float = 60) -> list[str]:
+        """The keys in the engine's `local` pool (TP=1), once its requests' IO is done."""
+        return self._call({"pool_keys": True}, timeout)["pool_keys"]
 
     def reset_prefix_cache(self, timeout: float = 60) -> None:
         """Empty vLLM's own prefix cache (not the pool)."""

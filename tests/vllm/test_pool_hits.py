@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness import BLOCK, Engine, kvpool_config, tokens
+from harness import BLOCK, Engine, kv_events_config, kvpool_config, replay_kv_events, tokens
+from kvpool.keys import block_of
 
 pytestmark = pytest.mark.vllm
 
@@ -43,9 +44,11 @@ MODES = {
 def pooled(request, model_dir):
     """vLLM with kvpool and no prefix cache: round 2 can only hit through the pool.
 
-    Yields the mode, both rounds' results, kvpool's counters of each round, and the engine.
+    Yields the mode, both rounds' results, kvpool's counters of each round, and the engine, which
+    publishes vLLM's KV events (`e.spec["kv_events_config"]`).
     """
-    with Engine(model_dir, kv_transfer_config=kvpool_config(**MODES[request.param])) as e:
+    with Engine(model_dir, kv_transfer_config=kvpool_config(**MODES[request.param]),
+                kv_events_config=kv_events_config()) as e:
         rounds, counters = [], []
         for _ in range(2):
             since = e.mark()
@@ -135,3 +138,28 @@ def test_a_request_that_asks_for_it_saves_its_answer_and_the_next_turn_hits_it(r
     # vLLM's own prefix cache kept the answer's blocks too: the same split, the same numbers.
     assert second["num_cached_tokens"] == ref_second["num_cached_tokens"] == 2 * BLOCK, mode
     _same(ref_second, second)
+
+
+def test_kv_events_rebuild_the_pools_contents(pooled):
+    """A subscriber of vLLM's KV events (its own classes, its publisher's replay buffer) that
+    applies the pool's events (ownership "kvpool") in order holds what the pool holds: no block
+    missing, none left over. The pool's drops, which this pool never has, are unit-tested."""
+    mode, _, _, engine = pooled
+    keys = engine.pool_keys()
+    events = replay_kv_events(engine.spec["kv_events_config"])
+    view: set = set()
+    for event in events:
+        if getattr(event, "ownership", None) != "kvpool":
+            continue  # vLLM's own prefix cache's events (none here: it is off)
+        blocks = {(event.group_idx, h) for h in event.block_hashes}
+        if type(event).__name__ == "BlockStored":
+            assert event.medium == "CPU" and event.block_size == BLOCK and len(event.token_ids) == BLOCK
+            view |= blocks
+        else:
+            view -= blocks
+
+    def published(h: bytes) -> object:  # as vLLM's events carry a hash: an int, unless told otherwise
+        return int.from_bytes(h, "big") & ((1 << 64) - 1) if any(isinstance(b, int) for _, b in view) else h
+
+    pool = {(group, published(h)) for group, h in map(block_of, keys)}
+    assert pool and view == pool, (mode, len(view), len(pool))

@@ -333,6 +333,11 @@ class Backend(abc.ABC):
         if old is not None:
             old.close()
 
+    def take_removed(self) -> list[str] | None:
+        """Keys that left the store since the last call (eviction, removal), oldest first, for
+        stores that can tell (the first call starts the watch); None for a store that cannot."""
+        return None
+
     def close(self) -> None:
         """Release the backend's resources; flushes what its tiers promise to keep."""
         if self._state.guard is not None:

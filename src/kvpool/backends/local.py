@@ -53,6 +53,11 @@ class LocalBackend(Backend):
     def _store_stats(self) -> dict[str, float]:
         return self.engine.stats()
 
+    def take_removed(self) -> list[str]:
+        # The engine notes drops only once asked: nothing is kept for a pool nobody watches.
+        self.engine.watch_drops()
+        return self.engine.take_drops()
+
     def _close(self) -> None:
         self.engine.close()
 

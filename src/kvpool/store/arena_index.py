@@ -18,6 +18,7 @@ one lock (store/engine.py says why there is only one).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import math
@@ -104,6 +105,9 @@ class ArenaIndex:
         self.pending_keys: dict[str, int] = {}
         # Evicted objects on their way to disk; readers are served from here meanwhile.
         self.spill: dict[str, Spilled] = {}
+        # Keys that left the pool (`drop` without a spill to the SSD), while someone watches
+        # (`PoolEngine.watch_drops`): the newest `maxlen`, so nobody draining it costs nothing more.
+        self.drops: collections.deque[str] | None = None
         self._handles = itertools.count(1)
         self._generations = itertools.count(1)
         self.leases = LeaseBook(config, self.alloc.capacity, self.object_charge, self.sync_held, stats)
@@ -303,8 +307,18 @@ class ArenaIndex:
             entry = Spilled(self.arena[obj.offset : obj.offset + obj.size].tobytes(), obj.checksum)
             self.spill[obj.key] = entry
             out = (obj.key, entry)
+        if self.drops is not None and not (spill and self.keeps_spills):  # else it moved down a tier
+            self.drops.append(obj.key)
         self.alloc.free(obj.offset, obj.size + self.meta_charge(obj.key))
         return out
+
+    def gauges(self) -> dict[str, int]:
+        """The memory tier's gauges for /stats and /metrics."""
+        alloc, policy = self.alloc, self.policy
+        return dict(memory_used=alloc.used, memory_capacity=alloc.capacity, memory_largest_free=alloc.largest_free(),
+                    object_count=len(self.objects), pending_allocations=len(self.pending), spilling=len(self.spill),
+                    leases=len(self.leases.index), lease_ops=self.leases.ops, evict_steps=policy.steps,
+                    evictable_objects=policy.count, evictable_bytes=policy.bytes)
 
     def evictable_keys(self) -> list[str]:
         """The policy's keys in its order, checking its links on the way (tests)."""

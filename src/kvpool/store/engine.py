@@ -49,6 +49,7 @@ memory hit; the disk tier never calls back into the engine.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -604,25 +605,30 @@ class PoolEngine:
             self._leases.prune(self._clock())
             return self._leases.holding(owner)
 
+    def watch_drops(self, limit: int = 1 << 16) -> None:
+        """From now on, note every key that leaves the pool: removed, dropped as corrupt, or
+        evicted from memory where no SSD tier takes it (an eviction to the SSD tier keeps it in
+        the pool; the SSD tier's own evictions are not noted). The newest ``limit`` wait for
+        `take_drops`."""
+        with self._lock:
+            if self._index.drops is None:
+                self._index.drops = collections.deque(maxlen=limit)
+
+    def take_drops(self) -> list[str]:
+        """The keys noted since the last call (`watch_drops`), oldest first."""
+        with self._lock:
+            drops = self._index.drops
+            if not drops:
+                return []
+            out = list(drops)
+            drops.clear()
+            return out
+
     def stats(self) -> dict[str, int | float]:
         """Counters and gauges for /stats and /metrics."""
-        index = self._index
         with self._lock:
             out: dict[str, int | float] = dict(self._stats)
-            out.update(
-                memory_used=index.alloc.used,
-                memory_capacity=index.alloc.capacity,
-                memory_largest_free=index.alloc.largest_free(),
-                object_count=len(index.objects),
-                pending_allocations=len(index.pending),
-                spilling=len(index.spill),
-                clients=len(self._clients),
-                leases=len(self._leases.index),
-                lease_ops=self._leases.ops,
-                evict_steps=index.policy.steps,
-                evictable_objects=index.policy.count,
-                evictable_bytes=index.policy.bytes,
-            )
+            out.update(self._index.gauges(), clients=len(self._clients))
         out.update(self._below.stats())
         return out
 

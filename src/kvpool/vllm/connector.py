@@ -17,11 +17,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvpool.config import load_config
+from kvpool.vllm.events import PoolEventReport
 from kvpool.vllm.metadata import KVPoolMetadata
 from kvpool.vllm.stats import KVPoolStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -111,6 +113,9 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
 
+    def get_kv_connector_kv_cache_events(self) -> PoolEventReport | None:
+        return self._worker.get_kv_events()
+
     def get_kv_connector_stats(self) -> KVPoolStats | None:
         # Both roles: vLLM adds the scheduler's (prompt tokens by source) to the workers'.
         half = self._worker if self._worker is not None else self._scheduler
@@ -157,6 +162,9 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._scheduler.update_connector_output(connector_output)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self._scheduler.take_events()
 
     def has_pending_block_frees(self) -> bool:
         return self._scheduler.has_pending_block_frees()

@@ -35,6 +35,7 @@ from kvpool.config import KVPoolConfig
 from kvpool.errors import ConfigError
 from kvpool.tracefile import BlockHashLog
 from kvpool.vllm.control import DEFAULT, RequestControl, request_control
+from kvpool.vllm.events import PoolEventLog, events_enabled, pool_medium
 from kvpool.vllm.groups import NULL_BLOCK_ID, PoolGroup, loads_by_request, pool_groups, state_chunking_problem
 from kvpool.vllm.lookup import LookupClient
 from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
@@ -42,6 +43,7 @@ from kvpool.vllm.stats import KVPoolStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -77,11 +79,15 @@ class _RequestState:
     control: RequestControl = DEFAULT  # what the request asked of the pool (`control.py`)
 
 
+def _held(group: PoolGroup, ids: list[int], span: range) -> list[int]:
+    """The positions in `span` a group has a block at: a sliding, chunked or Mamba group's table
+    holds vLLM's null block where the KV or state is gone."""
+    return [i for i in span if i < len(ids) and not (group.frees_early and ids[i] == NULL_BLOCK_ID)]
+
+
 def _blocks(group: PoolGroup, hashes: list[bytes], ids: list[int], span: range) -> list[tuple[bytes, int]]:
-    """(block hash, vLLM block id) of the positions in `span` a group has a block at: a sliding,
-    chunked or Mamba group's table holds vLLM's null block where the KV or state is gone."""
-    return [(hashes[i], ids[i]) for i in span
-            if i < len(ids) and not (group.frees_early and ids[i] == NULL_BLOCK_ID)]
+    """(block hash, vLLM block id) of the positions in `span` a group has a block at (`_held`)."""
+    return [(hashes[i], ids[i]) for i in _held(group, ids, span)]
 
 
 def _task(req_id: str, group: int, pairs: list[tuple[bytes, int]], **kw: Any) -> BlockTask:
@@ -136,6 +142,10 @@ class PoolScheduler:
         dp_rank = vllm_config.parallel_config.data_parallel_rank
         self._client = LookupClient(config.lookup_rpc_port, dp_rank) if config.loads else None
         self._hash_log = BlockHashLog(config.block_hash_log, self.block_size) if config.block_hash_log else None
+        # KV events for the pool's blocks (`kvpool.vllm.events`), when vLLM publishes events.
+        parallel = vllm_config.parallel_config
+        self._events = PoolEventLog(parallel.tensor_parallel_size * parallel.pipeline_parallel_size, self.block_size,
+                                    pool_medium(config.backend)) if events_enabled(vllm_config) else None
         self._plans: dict[str, _LoadPlan] = {}
         self._local_blocks: dict[str, int] = {}  # request -> blocks vLLM's prefix cache supplies
         self._requests: dict[str, _RequestState] = {}
@@ -298,6 +308,8 @@ class PoolScheduler:
                     or last >= len(req.block_hashes)):
                 continue
             by_group.setdefault(group, []).append((req.block_hashes[last], block_id))
+            if self._events is not None:
+                self._events.planned(group, req.block_hashes, [last], req.all_token_ids)
         if by_group:
             state.has_io = True
         return [_task(req.request_id, group, pairs, save_now=save_now) for group, pairs in by_group.items()]
@@ -343,7 +355,10 @@ class PoolScheduler:
             if not group.positional:
                 continue  # its states are saved where vLLM names them (_plan_state_saves)
             ids = state.block_ids[group.index]
-            pairs = _blocks(group, hashes, ids, range(start, end))
+            held = _held(group, ids, range(start, end))
+            pairs = [(hashes[i], ids[i]) for i in held]
+            if pairs and self._events is not None:
+                self._events.planned(group.index, hashes, held, req.all_token_ids)
             if pairs:
                 # Sync loads (single-group models only) may fail after this step's saves were planned.
                 meta.saves.append(_task(req.request_id, group.index, pairs, save_now=group.frees_early,
@@ -373,6 +388,8 @@ class PoolScheduler:
         return True, None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._events is not None:
+            self._events.reported(getattr(connector_output, "kv_cache_events", None))
         for req_id in connector_output.finished_sending or ():
             self._awaiting_free.discard(req_id)
         for req_id in connector_output.finished_recving or ():
@@ -397,6 +414,10 @@ class PoolScheduler:
                 if first is not None:
                     state.saved_upto = first
                     state.pool_limit = first if state.pool_limit is None else min(state.pool_limit, first)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The pool's KV events ready since the last call, for vLLM's publisher."""
+        return self._events.take() if self._events is not None else []
 
     def get_stats(self) -> KVPoolStats | None:
         """This interval's prompt tokens by source (counted at allocation: a preempted request

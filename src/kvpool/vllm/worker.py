@@ -25,6 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -44,6 +45,7 @@ from kvpool.device.copy import Copier, DirectCopier, load_direct, make_copier
 from kvpool.device.layout import KVLayout
 from kvpool.errors import ConfigError, ErrorCode, is_stored
 from kvpool.keys import KeyScheme, model_key_name, prefill_stage_schemes
+from kvpool.vllm.events import STORED, Marker, PoolEventReport, dropped_markers, events_enabled
 from kvpool.vllm.groups import PoolGroup, alignment_blocks, loads_by_request, longest_hit, pool_groups
 from kvpool.vllm.lookup import Hit, LookupServer
 from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
@@ -173,6 +175,10 @@ class PoolWorker:
         self._failed_recving: set[str] = set()  # several groups: async loads that failed, by request
         self._awaiting_free: set[str] = set()
         self._stats = KVPoolStats()
+        # KV events (`kvpool.vllm.events`): the blocks whose part this worker stored, appended by
+        # the transfer thread, drained by vLLM's thread each step; None when vLLM publishes none.
+        self._stored: collections.deque[Marker] | None = (collections.deque() if events_enabled(vllm_config)
+                                                           else None)
         self._log_stats = KVPoolStats()
         self._last_log = time.monotonic()
         self._reported_depth = 0  # transfer_queue_depth at the last report
@@ -504,7 +510,12 @@ class PoolWorker:
         self._finish_layer_loads()
         saved_layers, self._layers_saved = self._layers_saved, set()
         # Each group's first rank of a shard writes it (a Mamba state is every rank's own).
-        saves = [t for t in self._untainted(meta.saves) if self.groups[t.group].scheme.is_writer]
+        untainted = self._untainted(meta.saves)
+        saves = [t for t in untainted if self.groups[t.group].scheme.is_writer]
+        if self._stored is not None:  # a rank that writes nothing of a block has its part stored
+            for t in untainted:
+                if not self.groups[t.group].scheme.is_writer:
+                    self._stored.extend((STORED, t.group, h) for h in t.block_hashes)
         # The step's last call: its failures taint only the next step's saves computed over them.
         self._last_step_load_errors, self._step_load_errors = self._step_load_errors, set()
         if not saves:
@@ -571,16 +582,26 @@ class PoolWorker:
         return kept
 
     def _save(self, task: BlockTask, ready=None) -> None:
-        for scheme, layers in self.groups[task.group].put_targets:
-            self._save_values(task, scheme, layers, ready)
+        # A block is in the pool once every target (a prefill PP stage's layers, or all) holds it.
+        results = [self._save_values(task, scheme, layers, ready)
+                   for scheme, layers in self.groups[task.group].put_targets]
+        self._note_stored(task, [all(r) for r in zip(*results)] if results else [])
 
     def _save_layer(self, task: BlockTask, layer: int, ready=None) -> None:
         assert self.scheme is not None
-        self._save_values(task, self.scheme, range(layer, layer + 1), ready,
-                          count_blocks=layer == self.scheme.layers - 1)
+        last = layer == self.scheme.layers - 1
+        stored = self._save_values(task, self.scheme, range(layer, layer + 1), ready, count_blocks=last)
+        if last:  # a block is in the pool once its last layer is
+            self._note_stored(task, stored)
+
+    def _note_stored(self, task: BlockTask, stored: list[bool]) -> None:
+        if self._stored is not None:
+            self._stored.extend((STORED, task.group, h) for h, ok in zip(task.block_hashes, stored) if ok)
 
     def _save_values(self, task: BlockTask, scheme: KeyScheme, layers: range, ready=None,
-                     count_blocks: bool = True) -> None:
+                     count_blocks: bool = True) -> list[bool]:
+        """Save the task's values of ``scheme``'s ``layers``; per block, whether all of them are
+        in the pool now."""
         assert self.backend is not None
         io = self.groups[task.group]
         t0 = time.perf_counter()
@@ -593,7 +614,7 @@ class PoolWorker:
             logger.warning("kvpool save of %d blocks for %s failed: %s", len(task.block_ids), task.req_id, e)
             self._count(save_failed_blocks=len(task.block_ids) if count_blocks else 0)
             self._observe("save", time.perf_counter() - t0, [int(ErrorCode.RPC_FAIL)] * len(task.block_ids) if count_blocks else ())
-            return
+            return [False] * len(task.block_ids)
         skipped = sum(1 for c in codes if c == ErrorCode.OBJECT_ALREADY_EXISTS)
         failed = sum(1 for c in codes if not is_stored(c))
         if failed:
@@ -611,6 +632,8 @@ class PoolWorker:
                     save_time_s=seconds, save_skipped_blocks=skipped_blocks,
                     save_failed_blocks=failed_blocks)
         self._observe("save", seconds, [c for c in codes if not is_stored(c)] if count_blocks else ())
+        per = len(codes) // max(1, len(task.block_ids))  # a block's values: one, or one per head
+        return [all(is_stored(c) for c in codes[i * per : (i + 1) * per]) for i in range(len(task.block_ids))]
 
     def handle_preemptions(self, meta: KVPoolMetadata) -> None:
         # A preempted request's blocks are freed and may be rewritten in this very step: its
@@ -661,6 +684,18 @@ class PoolWorker:
             for code in codes:
                 if code != ErrorCode.OK:
                     self._stats.fail(f"{op}_failures", _code_name(code), 1)
+
+    def get_kv_events(self) -> PoolEventReport | None:
+        """This step's report for vLLM's KV events (None when vLLM publishes none): the blocks
+        whose part this worker stored, and those its pool dropped. An empty report too: every
+        worker counts toward the step's."""
+        if self._stored is None:
+            return None
+        markers = []
+        while self._stored:
+            markers.append(self._stored.popleft())
+        removed = self.backend.take_removed() if self.backend is not None else None
+        return PoolEventReport(markers + dropped_markers(removed or ()))
 
     def get_stats(self) -> KVPoolStats | None:
         if self.backend is not None:

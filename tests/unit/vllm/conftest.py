@@ -61,13 +61,14 @@ def make_worker(monkeypatch) -> Iterator[WorkerFactory]:
                 tp: tuple[int, int] = (0, 1), pp: tuple[int, int] = (0, 1), kv_heads: int = 2,
                 seed: int = 0, model: dict[str, Any] | None = None,
                 kv_cache_config: KVCacheConfig | None = None,
-                kv_caches: dict[str, torch.Tensor] | None = None) -> tuple[PoolWorker, dict[str, torch.Tensor], DictBackend]:
+                kv_caches: dict[str, torch.Tensor] | None = None,
+                vllm_config: Any = None) -> tuple[PoolWorker, dict[str, torch.Tensor], DictBackend]:
         backend = backend if backend is not None else DictBackend(shared=tp[1] > 1 or pp[1] > 1)
         # The worker imports these at construction time, so patching the module is enough.
         monkeypatch.setattr(parallel_state, "get_tp_group", lambda: SimpleNamespace(rank_in_group=tp[0], world_size=tp[1]))
         monkeypatch.setattr(parallel_state, "get_pp_group", lambda: SimpleNamespace(rank_in_group=pp[0], world_size=pp[1]))
         monkeypatch.setattr(worker_mod, "create_backend", lambda config, client_name=None: backend)
-        worker = PoolWorker(make_vllm_config(kv_heads=kv_heads, **(model or {})), load_config(extra, role),
+        worker = PoolWorker(vllm_config or make_vllm_config(kv_heads=kv_heads, **(model or {})), load_config(extra, role),
                             kv_cache_config or make_kv_cache_config())
         workers.append(worker)
         caches = kv_caches if kv_caches is not None else make_kv_caches(seed)

@@ -200,7 +200,7 @@ class DictBackend(Backend):
     """An in-memory backend: key -> the concatenated bytes of a block's buffers.
 
     A put of an existing key leaves the stored bytes alone and answers OBJECT_ALREADY_EXISTS;
-    `fail_get` keys read as missing; `get_gate`/`put_gate`, when set, hold reads/writes until the
+    `fail_get` keys read as missing, `fail_put` keys are refused (the store is full); `get_gate`/`put_gate`, when set, hold reads/writes until the
     test opens them, so a test can observe the worker while a transfer is in flight.
     """
 
@@ -211,6 +211,7 @@ class DictBackend(Backend):
         self.pinned = False  # whether lookups find hits pinned in this process (as `local`'s are)
         self.data: dict[str, bytes] = {}
         self.fail_get: set[str] = set()
+        self.fail_put: set[str] = set()
         self.raise_on_get = False
         self.raise_on_put = False
         self.get_gate: threading.Event | None = None
@@ -236,6 +237,9 @@ class DictBackend(Backend):
         for key, bufs in zip(keys, values, strict=True):
             if key in self.data:
                 codes.append(int(ErrorCode.OBJECT_ALREADY_EXISTS))
+                continue
+            if key in self.fail_put:
+                codes.append(int(ErrorCode.NO_AVAILABLE_HANDLE))
                 continue
             self.data[key] = b"".join(np.ascontiguousarray(b).tobytes() for b in bufs)
             codes.append(int(ErrorCode.OK))
