@@ -9,9 +9,9 @@ modelled as an LRU over cached blocks: when a request is admitted its blocks bec
 recent, its first block the very most recent (vLLM frees a finished request's blocks tail
 first, so a prompt's tail is evicted before its shared head). A request's hits are its leading
 run in the chosen instance's local cache, then, from the first block it lacks, the leading run
-its host's pool holds (``PoolModel.serve``: memory, then SSD, then the remote tier), as the connector asks the pool only for
-the blocks vLLM did not find itself. Caches are updated when a request arrives: the next
-arrival sees them.
+its host's pool holds (``PoolModel.serve``: memory, then SSD, then the remote tier), as the
+connector asks the pool only for the blocks vLLM did not find itself. Caches are updated when a
+request arrives: the next arrival sees them.
 
 The router (``routing.Router``, the one ``kvpool proxy`` runs) is given each instance's load,
 its requests in flight, from a service-time model: a request occupies its instance from its
