@@ -1,7 +1,8 @@
 """Readers for the files under deploy/, shared by the tests of this folder: the Dockerfile's
 instructions, systemd units and environment files (expanded the way systemd expands them),
-the Kubernetes manifests, and the command lines in all of them parsed by kvpool's own
-parsers. Nothing here builds an image, talks to systemd or to a cluster."""
+the Kubernetes manifests (as files, and as `kubectl kustomize` renders the kustomizations), and
+the command lines in all of them parsed by kvpool's own parsers. Nothing here builds an image,
+talks to systemd or to a cluster."""
 
 from __future__ import annotations
 
@@ -9,14 +10,17 @@ import argparse
 import dataclasses
 import fnmatch
 import json
+import os
 import re
 import shlex
+import shutil
 import subprocess
 from collections.abc import Iterator, Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 try:
@@ -29,6 +33,9 @@ from kvpool.cli.main import build_parser
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
+K8S_GPU = DEPLOY / "k8s-gpu"
+DOCKERFILE = DEPLOY / "Dockerfile"
+DOCKERFILE_CUDA = DEPLOY / "Dockerfile.cuda"
 SYSTEMD = DEPLOY / "systemd"
 DOC = ROOT / "docs" / "deploy.md"
 
@@ -188,7 +195,7 @@ class Instruction:
         return value
 
 
-def dockerfile(path: Path = DEPLOY / "Dockerfile") -> list[Instruction]:
+def dockerfile(path: Path = DOCKERFILE) -> list[Instruction]:
     """Instructions in order: continuation lines joined, comment lines dropped (as Docker does,
     also inside a continued instruction)."""
     out: list[Instruction] = []
@@ -324,10 +331,16 @@ def expand_exec(line: str, env: Mapping[str, str], specifiers: Mapping[str, str]
 WORKLOADS = ("Deployment", "DaemonSet", "StatefulSet")
 
 
+KUSTOMIZATION = "kustomization.yaml"
+
+
 def manifests() -> list[tuple[str, dict[str, Any]]]:
-    """(file name, document) for every YAML document in deploy/k8s/, in file order."""
+    """(file name, document) for every YAML document in deploy/k8s/, in file order (not the
+    kustomization, which lists the files and is no object of the cluster's)."""
     out = []
     for path in sorted(K8S.glob("*.yaml")):
+        if path.name == KUSTOMIZATION:
+            continue
         for doc in yaml.safe_load_all(path.read_text()):
             if doc:
                 out.append((path.name, doc))
@@ -355,16 +368,43 @@ def containers(workload: Mapping[str, Any], init: bool = True) -> Iterator[dict[
     yield from spec["containers"]
 
 
-def image_defaults() -> tuple[list[str], list[str]]:
+def image_defaults(path: Path = DOCKERFILE) -> tuple[list[str], list[str]]:
     """The image's ENTRYPOINT and CMD."""
     entry = cmd = None
-    for ins in dockerfile():
+    for ins in dockerfile(path):
         if ins.keyword == "ENTRYPOINT":
             entry = ins.exec_form()
         elif ins.keyword == "CMD":
             cmd = ins.exec_form()
     assert entry is not None and cmd is not None
     return entry, cmd
+
+
+def kubectl() -> str:
+    """kubectl's path, for `kubectl kustomize` (which renders offline). Without it the test is
+    skipped, with the reason; under CI=true it fails instead: CI never skips for a missing tool."""
+    path = shutil.which("kubectl")
+    if path is None:
+        why = "kubectl is not installed, so the kustomizations in deploy/ cannot be rendered"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{why} (CI must have it: it is how deploy/k8s-gpu/ is checked)", pytrace=False)
+        pytest.skip(why)
+    return path
+
+
+@cache
+def _kustomize(directory: Path) -> str:
+    res = subprocess.run([kubectl(), "kustomize", str(directory)], capture_output=True, text=True,
+                         timeout=120, cwd="/")
+    assert res.returncode == 0, f"kubectl kustomize {directory}: {res.stderr}"
+    return res.stdout
+
+
+def rendered(directory: Path) -> list[tuple[str, dict[str, Any]]]:
+    """("kind/name", document) for every object `kubectl kustomize DIRECTORY` renders; a fresh
+    copy at each call (the checks may change what they read)."""
+    docs = [doc for doc in yaml.safe_load_all(_kustomize(directory)) if doc]
+    return [(f"{doc['kind']}/{doc['metadata']['name']}", doc) for doc in docs]
 
 
 def container_argv(container: Mapping[str, Any]) -> list[str]:

@@ -3,7 +3,9 @@ one workload each and target ports it declares; probes and mounts name what exis
 pool's socket and shared memory are the same node directories, private to the pool's user, in
 the DaemonSet and in the vLLM pods; the proxy's instances are the StatefulSet's pods; the
 commands are ones kvpool's parsers, `mooncake_master` and (for vLLM) the multi-host test
-accept. No cluster is needed."""
+accept. The checks that take `rendering` run twice: on the files, and on the GPU overlay as
+`kubectl kustomize deploy/k8s-gpu` renders it (test_kustomize.py checks what the overlay changes).
+No cluster is needed."""
 
 from __future__ import annotations
 
@@ -13,16 +15,26 @@ from pathlib import PurePosixPath
 
 import pytest
 
+import deployfiles
 import kvpool.backends.mooncake as mooncake
-from deployfiles import K8S, comment_above, container_argv, container_env, containers, doc_vllm_argv, flag_value
+from deployfiles import K8S, K8S_GPU, comment_above, container_argv, container_env, containers, doc_vllm_argv, flag_value
 from deployfiles import flag_values, flags_of, image_name, manifests, memory_bytes, mooncake_master_flags, named
-from deployfiles import of_kind, parse_kvpool, pod_spec
+from deployfiles import of_kind, parse_kvpool, pod_spec, rendered
 from kvpool.config import ServerSettings, from_flags, load_config, parse_size
 from kvpool.proxy.config import config_from_args as proxy_config
 
 NAMESPACE = "kvpool"
 WORKLOADS = ("Deployment", "DaemonSet", "StatefulSet")
-MANIFESTS = manifests()
+
+
+@pytest.fixture(params=["files", "k8s-gpu"])
+def rendering(request, monkeypatch) -> str:
+    """What the checks read (every reader of deployfiles goes through `manifests()`): the files
+    of deploy/k8s/, or the objects of the GPU overlay, deploy/k8s-gpu/, as kustomize renders them."""
+    if request.param == "k8s-gpu":
+        docs = rendered(K8S_GPU)
+        monkeypatch.setattr(deployfiles, "manifests", lambda: docs)
+    return request.param
 
 
 def workloads() -> list[dict]:
@@ -72,6 +84,12 @@ def volume(workload: dict, name: str) -> dict:
     return found[0]
 
 
+def memory_volumes_bytes(workload: dict) -> int:
+    """What the pod's memory-backed emptyDirs may hold (their sizeLimit), charged to its memory."""
+    return sum(memory_bytes(v["emptyDir"]["sizeLimit"]) for v in pod_spec(workload).get("volumes", [])
+               if v.get("emptyDir", {}).get("medium") == "Memory")
+
+
 def mounted_volume_at(workload: dict, container: dict, path: str) -> dict:
     """The volume that holds `path` in `container` (the mount with the longest matching prefix)."""
     best = None
@@ -85,10 +103,11 @@ def mounted_volume_at(workload: dict, container: dict, path: str) -> dict:
 # ---- every document ------------------------------------------------------------------------------
 
 
-def test_every_document_is_a_named_object_in_the_kvpool_namespace():
-    assert MANIFESTS, "no manifests"
+def test_every_document_is_a_named_object_in_the_kvpool_namespace(rendering):
+    docs = deployfiles.manifests()
+    assert docs, "no manifests"
     seen = Counter()
-    for name, doc in MANIFESTS:
+    for name, doc in docs:
         assert {"apiVersion", "kind", "metadata"} <= set(doc), name
         meta = doc["metadata"]
         if doc["kind"] == "Namespace":
@@ -107,7 +126,7 @@ def test_every_container_runs_the_one_image():
     assert f"-t {image_name()}" in (K8S.parents[1] / "docs" / "deploy.md").read_text()
 
 
-def test_every_workload_selects_its_own_pods_and_runs_unprivileged():
+def test_every_workload_selects_its_own_pods_and_runs_unprivileged(rendering):
     for w in workloads():
         labels = w["spec"]["template"]["metadata"]["labels"]
         assert labels_match(w["spec"]["selector"]["matchLabels"], labels), w["metadata"]["name"]
@@ -120,7 +139,7 @@ def test_every_workload_selects_its_own_pods_and_runs_unprivileged():
                 assert flag_value(argv, "-o") == str(pod_spec(w)["securityContext"]["runAsUser"]), argv
 
 
-def test_every_service_targets_ports_of_the_one_workload_it_selects():
+def test_every_service_targets_ports_of_the_one_workload_it_selects(rendering):
     for svc in of_kind("Service"):
         chosen = selected_workloads(svc)
         assert len(chosen) == 1, (svc["metadata"]["name"], [w["metadata"]["name"] for w in chosen])
@@ -133,7 +152,7 @@ def test_every_service_targets_ports_of_the_one_workload_it_selects():
         assert selected_workloads(svc) == [sts]
 
 
-def test_every_probe_names_a_declared_port_or_runs_a_command_that_parses():
+def test_every_probe_names_a_declared_port_or_runs_a_command_that_parses(rendering):
     for w, c in all_containers():
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = c.get(kind)
@@ -149,14 +168,14 @@ def test_every_probe_names_a_declared_port_or_runs_a_command_that_parses():
             assert action["port"] in ports_of(w), (c["name"], kind, action)
 
 
-def test_the_servers_have_probes():
+def test_the_servers_have_probes(rendering):
     for w, c in all_containers():
         if c in pod_spec(w).get("initContainers", []):
             continue
         assert "livenessProbe" in c and "readinessProbe" in c, c["name"]
 
 
-def test_every_mount_names_a_volume_of_its_pod_and_every_volume_is_mounted():
+def test_every_mount_names_a_volume_of_its_pod_and_every_volume_is_mounted(rendering):
     for w in workloads():
         volumes = {v["name"]: v for v in pod_spec(w).get("volumes", [])}
         mounted = set()
@@ -191,7 +210,7 @@ def server_container() -> tuple[dict, dict]:
     return ds, next(c for c in containers(ds, init=False) if c["name"] == "kvpool-server")
 
 
-def test_the_host_pool_server_command_parses_and_its_socket_is_on_the_socket_volume():
+def test_the_host_pool_server_command_parses_and_its_socket_is_on_the_socket_volume(rendering):
     ds, c = server_container()
     args = parse_kvpool(container_argv(c))
     assert args.cmd == "server"
@@ -209,7 +228,7 @@ def test_the_host_pool_server_command_parses_and_its_socket_is_on_the_socket_vol
         assert flag_value(c[probe]["exec"]["command"], "--socket") == settings.socket_path
 
 
-def test_the_host_pools_directories_are_made_private_to_the_pools_user_before_it_starts():
+def test_the_host_pools_directories_are_made_private_to_the_pools_user_before_it_starts(rendering):
     ds, c = server_container()
     init = pod_spec(ds)["initContainers"]
     assert len(init) == 1
@@ -221,7 +240,7 @@ def test_the_host_pools_directories_are_made_private_to_the_pools_user_before_it
     assert flag_value(argv, "-o") == str(pod_spec(ds)["securityContext"]["runAsUser"])
 
 
-def test_vllm_on_the_host_pool_mounts_the_servers_node_directories_at_the_same_paths():
+def test_vllm_on_the_host_pool_mounts_the_servers_node_directories_at_the_same_paths(rendering):
     ds, server = server_container()
     socket = from_flags(parse_kvpool(container_argv(server)), ServerSettings).socket_path
     (w, c), = [(w, c) for w, c in vllm_containers() if kv_config(container_argv(c))["kv_connector_extra_config"]["backend"] == "server"]
@@ -243,7 +262,7 @@ def master() -> tuple[dict, dict, list[str]]:
     return dep, c, container_argv(c)
 
 
-def test_the_master_command_uses_flags_it_has_and_serves_its_declared_port():
+def test_the_master_command_uses_flags_it_has_and_serves_its_declared_port(rendering):
     dep, c, argv = master()
     assert argv[0] == "mooncake_master"
     flags = {a.split("=", 1)[0].lstrip("-") for a in argv[1:]}
@@ -259,7 +278,7 @@ def mooncake_json() -> dict:
     return json.loads(named("ConfigMap", "mooncake-config")["data"]["mooncake.json"])
 
 
-def test_mooncake_json_loads_and_names_the_masters_service(monkeypatch, tmp_path):
+def test_mooncake_json_loads_and_names_the_masters_service(rendering, monkeypatch, tmp_path):
     raw = mooncake_json()
     assert "local_hostname" not in raw  # kvpool takes the pod's address (vllm-mooncake.yaml says why)
     # No cluster DNS here: the default address lookup is what tests/vllm/test_multihost.py checks.
@@ -274,15 +293,17 @@ def test_mooncake_json_loads_and_names_the_masters_service(monkeypatch, tmp_path
     assert ports_of(master()[0])[port["targetPort"]] == port["port"]
 
 
-def test_vllm_on_mooncake_reads_the_configmap_and_has_memory_for_its_segment():
+def test_vllm_on_mooncake_reads_the_configmap_and_has_memory_for_its_segment(rendering):
     (w, c), = [(w, c) for w, c in vllm_containers() if kv_config(container_argv(c))["kv_connector_extra_config"]["backend"] == "mooncake"]
     path = container_env(c)["MOONCAKE_CONFIG_PATH"]
     vol = mounted_volume_at(w, c, path)
     assert vol["configMap"]["name"] == "mooncake-config"
     assert PurePosixPath(path).name in named("ConfigMap", "mooncake-config")["data"]
     segment = parse_size("global_segment_size", mooncake_json()["global_segment_size"])
-    kv_cache = int(container_env(c)["VLLM_CPU_KVCACHE_SPACE"]) << 30
-    assert memory_bytes(c["resources"]["limits"]["memory"]) >= segment + kv_cache
+    # On top of vLLM's own: vLLM-CPU's KV cache (a CPU build only) and a memory-backed /dev/shm
+    # (the GPU overlay's), which is charged to the pod's memory too.
+    kv_cache = int(container_env(c).get("VLLM_CPU_KVCACHE_SPACE", 0)) << 30
+    assert memory_bytes(c["resources"]["limits"]["memory"]) >= segment + kv_cache + memory_volumes_bytes(w)
     # The init container checks the same config, with the same file.
     (doctor,) = pod_spec(w)["initContainers"]
     args = parse_kvpool(container_argv(doctor))
@@ -292,7 +313,7 @@ def test_vllm_on_mooncake_reads_the_configmap_and_has_memory_for_its_segment():
     assert mounted_volume_at(w, doctor, path) == vol
 
 
-def test_the_proxy_fronts_the_statefulsets_pods_by_their_stable_names():
+def test_the_proxy_fronts_the_statefulsets_pods_by_their_stable_names(rendering):
     dep = named("Deployment", "kvpool-proxy")
     (c,) = containers(dep)
     argv = container_argv(c)
@@ -306,7 +327,7 @@ def test_the_proxy_fronts_the_statefulsets_pods_by_their_stable_names():
     assert config.prefillers == config.decoders == ()
 
 
-def test_the_proxys_liveness_does_not_depend_on_the_instances():
+def test_the_proxys_liveness_does_not_depend_on_the_instances(rendering):
     (c,) = containers(named("Deployment", "kvpool-proxy"))
     assert "tcpSocket" in c["livenessProbe"]  # /health is 503 while no instance is healthy
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
@@ -315,7 +336,7 @@ def test_the_proxys_liveness_does_not_depend_on_the_instances():
 # ---- vLLM --------------------------------------------------------------------------------------
 
 
-def test_every_vllm_pod_uses_only_flags_the_multihost_test_ran_and_a_config_that_loads(tmp_path):
+def test_every_vllm_pod_uses_only_flags_the_multihost_test_ran_and_a_config_that_loads(rendering, tmp_path):
     ran = flags_of(doc_vllm_argv(tmp_path))
     pods = vllm_containers()
     assert len(pods) == 2
@@ -352,8 +373,8 @@ def test_a_disagreement_between_the_manifests_would_be_caught(mutation, monkeypa
         return out
 
     monkeypatch.setattr(deployfiles, "manifests", broken)
-    check = {"socket": test_vllm_on_the_host_pool_mounts_the_servers_node_directories_at_the_same_paths,
-             "port": test_every_service_targets_ports_of_the_one_workload_it_selects,
+    check = {"socket": lambda: test_vllm_on_the_host_pool_mounts_the_servers_node_directories_at_the_same_paths("files"),
+             "port": lambda: test_every_service_targets_ports_of_the_one_workload_it_selects("files"),
              "image": test_every_container_runs_the_one_image}[mutation]
     with pytest.raises(AssertionError):
         check()
