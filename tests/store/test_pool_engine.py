@@ -832,10 +832,15 @@ def test_the_engine_notes_what_leaves_the_pool_once_watched(make_engine) -> None
     assert engine.take_drops() == ["k0", "k4"] and engine.take_drops() == []
 
 
-def test_an_eviction_to_the_ssd_tier_keeps_the_block_in_the_pool(make_engine, make_disk) -> None:
-    engine = make_engine(memory_size=4096, disk=make_disk(), eviction_high_watermark_ratio=1.0)
+def test_an_eviction_to_the_ssd_tier_keeps_the_block_in_the_pool_and_one_from_it_does_not(make_engine, make_disk) -> None:
+    disk = make_disk(quota_bytes=3 * DiskTier.entry_size("k0", 1024), policy="fifo")
+    engine = make_engine(memory_size=4096, disk=disk, eviction_high_watermark_ratio=1.0, disk_write_through=False)
     engine.watch_drops()
     value = [np.zeros(1024, dtype=np.uint8)]
-    for i in range(5):
+    for i in range(5):  # memory holds four: the fifth spills k0 to the SSD
         assert engine.put("c", f"k{i}", value) is ErrorCode.OK
     assert engine.take_drops() == [] and engine.exists(["k0"]) == [True]
+    for i in range(5, 9):  # four more spills: the SSD's three files make room, oldest first
+        assert engine.put("c", f"k{i}", value) is ErrorCode.OK
+    assert sorted(engine.take_drops()) == ["k0", "k1"]
+    assert engine.exists(["k0", "k1", "k2"]) == [False, False, True]

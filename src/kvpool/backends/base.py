@@ -334,8 +334,8 @@ class Backend(abc.ABC):
             old.close()
 
     def take_removed(self) -> list[str] | None:
-        """Keys that left the store since the last call (eviction, removal), oldest first, for
-        stores that can tell (the first call starts the watch); None for a store that cannot."""
+        """Keys that left the store since the last call (eviction, removal), for stores that can
+        tell (the first call starts the watch); None for a store that cannot."""
         return None
 
     def close(self) -> None:

@@ -105,8 +105,8 @@ class ArenaIndex:
         self.pending_keys: dict[str, int] = {}
         # Evicted objects on their way to disk; readers are served from here meanwhile.
         self.spill: dict[str, Spilled] = {}
-        # Keys that left the pool (`drop` without a spill to the SSD), while someone watches
-        # (`PoolEngine.watch_drops`): the newest `maxlen`, so nobody draining it costs nothing more.
+        # Keys dropped from memory (for any reason), while someone watches (`PoolEngine.watch_drops`,
+        # which tells which of them left the pool): the newest `maxlen`.
         self.drops: collections.deque[str] | None = None
         self._handles = itertools.count(1)
         self._generations = itertools.count(1)
@@ -307,7 +307,7 @@ class ArenaIndex:
             entry = Spilled(self.arena[obj.offset : obj.offset + obj.size].tobytes(), obj.checksum)
             self.spill[obj.key] = entry
             out = (obj.key, entry)
-        if self.drops is not None and not (spill and self.keeps_spills):  # else it moved down a tier
+        if self.drops is not None:
             self.drops.append(obj.key)
         self.alloc.free(obj.offset, obj.size + self.meta_charge(obj.key))
         return out

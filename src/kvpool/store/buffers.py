@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from kvpool.errors import ErrorCode, StoreError
 from kvpool.store import streamcopy
 
 
@@ -181,3 +182,16 @@ def _scatter(src: Any, bufs: Sequence[Any], h: Any) -> None:
             pos += o.size
             if h is not None:
                 h.update(o)
+
+
+def byte_views(data: Any) -> list[memoryview]:
+    """One buffer or a list of buffers as flat byte-format memoryviews (no copy); StoreError
+    INVALID_PARAMS for one that is not contiguous."""
+    views = []
+    for item in data if isinstance(data, (list, tuple)) else (data,):
+        view = memoryview(item)
+        if not view.c_contiguous:
+            raise StoreError(ErrorCode.INVALID_PARAMS,
+                             "disk put got a non-contiguous buffer: pass contiguous arrays/bytes")
+        views.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
+    return views

@@ -48,6 +48,7 @@ place meanwhile.
 
 from __future__ import annotations
 
+import collections
 import errno
 import fcntl
 import hashlib
@@ -57,7 +58,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
@@ -78,7 +79,8 @@ from kvpool.store.disk_format import (
     unpack_header,
 )
 from kvpool.store.quota import POLICIES, DiskPolicy, QuotaIndex
-from kvpool.store.tierdir import TierDir
+from kvpool.store.buffers import byte_views
+from kvpool.store.tierdir import TierDir, pread_into
 
 logger = logging.getLogger(__name__)
 
@@ -125,36 +127,6 @@ def _lock_dir(tier_dir: TierDir) -> int:
 
 
 
-def _as_bytes_views(data: Buffer | Sequence[Buffer]) -> list[memoryview]:
-    """Flatten one buffer or a list of buffers into byte-format memoryviews."""
-    if isinstance(data, (list, tuple)):
-        items: Iterable[object] = data
-    else:
-        items = (data,)
-    views = []
-    for item in items:
-        view = memoryview(item)  # type: ignore[arg-type]
-        if not view.c_contiguous:
-            raise StoreError(
-                ErrorCode.INVALID_PARAMS,
-                "disk put got a non-contiguous buffer: pass contiguous arrays/bytes",
-            )
-        views.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
-    return views
-
-
-def _pread_into(fd: int, dest: np.ndarray, offset: int) -> int:
-    """Read from ``offset`` until ``dest`` is full or the file ends; the bytes read."""
-    view = memoryview(dest).cast("B")
-    got = 0
-    while got < len(view):  # a read may return fewer bytes than asked for
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n <= 0:
-            break
-        got += n
-    return got
-
-
 class _FoundSize(int):
     """The size of a file found at start-up that no read has checked yet, as the index holds it
     (``DiskTier.contains_checked``). The type is the mark: one shared instance per distinct
@@ -194,6 +166,7 @@ class DiskTier:
             raise
         self.policy: DiskPolicy = policy
         self._lock = threading.Lock()  # the index lock (module docstring): memory only
+        self._removed: collections.deque[str] | None = None  # `watch_removals`
         self._names = threading.Lock()  # the name lock: renames, unlinks, identity checks
         # Keys out of the index whose files are not deleted yet (`_delete_doomed`).
         self._doomed: set[str] = set()
@@ -289,7 +262,7 @@ class DiskTier:
         another thread is waited for (up to ``INFLIGHT_WAIT_S``): OK only once a file of it
         landed, else this put writes it itself, so an OK is never backed by a write that failed.
         """
-        views = _as_bytes_views(data)
+        views = byte_views(data)
         key_bytes = key.encode("utf-8")
         payload_len = sum(v.nbytes for v in views)
         size = HEADER_SIZE + len(key_bytes) + payload_len
@@ -492,7 +465,7 @@ class DiskTier:
                 if whole and payload_len != dest.nbytes:
                     raise StoreError(ErrorCode.OBJECT_NOT_FOUND,
                                      f"key={key!r} on the disk tier is {payload_len} bytes now, not {dest.nbytes}")
-                got = _pread_into(fd, dest, start) if payload_len == dest.nbytes else 0
+                got = pread_into(fd, dest, start) if payload_len == dest.nbytes else 0
             except OSError as exc:
                 self._unreadable(key, loc, exc, fd)
             problem = file_problem(parsed, head[HEADER_SIZE:], got, file_size > start + got, key)
@@ -606,6 +579,24 @@ class DiskTier:
     def _doom_locked(self, keys: list[str]) -> None:
         """Keys just taken out of the index: their files are to be deleted (`_delete_doomed`)."""
         self._doomed.update(keys)
+        if self._removed is not None:
+            self._removed.extend(keys)
+
+    def watch_removals(self, limit: int) -> None:
+        """From now on, note the keys the tier lets go (evicted, removed, found corrupt), the
+        newest ``limit`` of them, for `take_removed`."""
+        with self._lock:
+            if self._removed is None:
+                self._removed = collections.deque(maxlen=limit)
+
+    def take_removed(self) -> list[str]:
+        """The keys noted since the last call (`watch_removals`), oldest first."""
+        with self._lock:
+            if not self._removed:
+                return []
+            out = list(self._removed)
+            self._removed.clear()
+            return out
 
     def _checked(self, key: str) -> None:
         """A read of ``key``'s file passed every check: it is no longer a `_FoundSize`."""

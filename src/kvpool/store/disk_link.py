@@ -291,6 +291,14 @@ class DiskLink:
 
     # ---- removal, stats, shutdown ------------------------------------------------------------
 
+    def watch_removals(self, limit: int) -> None:
+        if self.disk is not None:
+            self.disk.watch_removals(limit)
+
+    def take_removed(self) -> list[str]:
+        """Keys the SSD tier let go since the last call (`DiskTier.take_removed`)."""
+        return self.disk.take_removed() if self.disk is not None else []
+
     def remove(self, key: str) -> bool:
         """Delete ``key``'s SSD copy (call unlocked); whether there was one."""
         return self.disk is not None and self.disk.remove(key) is ErrorCode.OK

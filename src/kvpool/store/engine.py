@@ -606,23 +606,25 @@ class PoolEngine:
             return self._leases.holding(owner)
 
     def watch_drops(self, limit: int = 1 << 16) -> None:
-        """From now on, note every key that leaves the pool: removed, dropped as corrupt, or
-        evicted from memory where no SSD tier takes it (an eviction to the SSD tier keeps it in
-        the pool; the SSD tier's own evictions are not noted). The newest ``limit`` wait for
-        `take_drops`."""
+        """From now on, note the keys that leave the pool (evicted from the last tier that held
+        them, removed, dropped as corrupt), the newest ``limit`` between two `take_drops`."""
         with self._lock:
             if self._index.drops is None:
                 self._index.drops = collections.deque(maxlen=limit)
+                self._below.watch_removals(limit)
 
     def take_drops(self) -> list[str]:
-        """The keys noted since the last call (`watch_drops`), oldest first."""
+        """The keys that left the pool since the last call (`watch_drops`): of the keys that left
+        memory or the SSD tier meanwhile, those found in neither now (an eviction from memory to
+        the SSD keeps a key in the pool; one stored again is back)."""
         with self._lock:
             drops = self._index.drops
-            if not drops:
+            if drops is None:
                 return []
-            out = list(drops)
+            left = list(dict.fromkeys([*drops, *self._below.take_removed()]))
             drops.clear()
-            return out
+            objects = self._index.objects
+            return [k for k in left if k not in objects and not self._below.holds(k)]
 
     def stats(self) -> dict[str, int | float]:
         """Counters and gauges for /stats and /metrics."""

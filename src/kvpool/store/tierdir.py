@@ -20,6 +20,7 @@ import os
 import stat
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 FILE_MODE = 0o600  # every file the tier makes
 DIR_MODE = 0o700  # every shard directory it makes
@@ -160,3 +161,16 @@ class TierDir:
     def where(self, shard: str | None, name: str) -> str:
         """The entry's path, for messages only."""
         return os.path.join(self.path, name) if shard is None else os.path.join(self.path, shard, name)
+
+
+def pread_into(fd: int, dest: Any, offset: int) -> int:
+    """Read from ``offset`` of ``fd`` until ``dest`` (a writable buffer) is full or the file
+    ends; the bytes read."""
+    view = memoryview(dest).cast("B")
+    got = 0
+    while got < len(view):  # a read may return fewer bytes than asked for
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            break
+        got += n
+    return got
