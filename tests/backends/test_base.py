@@ -9,7 +9,8 @@ import pytest
 
 from kvpool.backends import seal
 from kvpool.backends.base import STATS, Backend, Reconnect, gather, scatter, spans, total_size
-from kvpool.errors import STORED, BackendUnavailable, ErrorCode, is_stored
+from kvpool.backends.net import parse_host_port, split_host_port
+from kvpool.errors import STORED, BackendUnavailable, ConfigError, ErrorCode, is_stored
 
 OK, EXISTS = ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS
 NOT_FOUND, INVALID, RPC_FAIL = ErrorCode.OBJECT_NOT_FOUND, ErrorCode.INVALID_PARAMS, ErrorCode.RPC_FAIL
@@ -231,3 +232,20 @@ def test_an_unsealed_object_under_the_plain_key_is_a_miss():
     b.data["k"] = bytes(1000)
     assert b.batch_exists(["k"]) == [False]
     assert b.batch_get_into(["k"], [[np.zeros(1000, np.uint8)]]) == [NOT_FOUND]
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("127.0.0.1:50088", ("127.0.0.1", 50088)),
+    ("master.example:8000", ("master.example", 8000)),
+    ("[::1]:50088", ("::1", 50088)),
+])
+def test_one_rule_reads_host_port(text, expected):
+    assert parse_host_port("k", text) == expected
+    assert split_host_port(text) is not None
+
+
+@pytest.mark.parametrize("text", ["50088", ":50088", "::1:50088", "host:", "host:port", "host:70000", "[::1]"])
+def test_one_rule_refuses_what_is_not_host_port(text):
+    # An IPv6 address without brackets is refused: its last colon may be the address's own.
+    with pytest.raises(ConfigError, match="host:port"):
+        parse_host_port("master_server_address", text)

@@ -12,13 +12,24 @@ from kvpool.errors import ConfigError
 _TCP_URL = re.compile(r"^tcp://(?P<host>[^:/\s]+|\[[0-9a-fA-F:]+\]):(?P<port>[0-9]{1,5})$")
 
 
+def split_host_port(value: str) -> tuple[str, str] | None:
+    """The one rule for "host:port" wherever kvpool reads one (a store's address, a proxy's
+    instance): split at the last colon, IPv6 in brackets ("[::1]:8000", kept as given); None
+    without a colon or a host, or for an IPv6 address without brackets, whose last colon may be
+    its own."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or (":" in host and not (host.startswith("[") and host.endswith("]"))):
+        return None
+    return host, port
+
+
 def parse_host_port(key: str, value: Any) -> tuple[str, int]:
     """"host:port" (IPv6 as "[::1]:port") -> (host, port)."""
-    expected = 'host:port of the service, e.g. "127.0.0.1:50088"'
-    if not isinstance(value, str) or ":" not in value:
+    expected = 'host:port of the service, e.g. "127.0.0.1:50088" (IPv6: "[::1]:50088")'
+    split = split_host_port(value) if isinstance(value, str) else None
+    if split is None:
         raise ConfigError(key, value, expected)
-    host, _, port = value.rpartition(":")
-    host = host.strip("[]")
+    host, port = split[0].strip("[]"), split[1]
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(key, value, expected)
     return host, int(port)

@@ -47,6 +47,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response
 
+from kvpool.backends.net import split_host_port
 from kvpool.errors import ConfigError
 from kvpool.proxy.config import (
     ADMIN_TOKEN_ENV,
@@ -155,10 +156,10 @@ def _parse_instances(body: Any) -> tuple[Role, list[Endpoint]]:
             raise ValueError(f'"instances" lists {len(items)} entries; at most {MAX_INSTANCES_PER_REQUEST} '
                              "in one request")
         for item in items:
-            host, sep, port = item.rpartition(":")
-            if not sep or not host or (":" in host and not host.startswith("[")):
+            split = split_host_port(item)
+            if split is None:
                 raise ValueError(f'"instances" entry {item!r} is not "host:port" (IPv6: "[addr]:port")')
-            pairs.append((f'"instances" entry {item!r}', host, port))
+            pairs.append((f'"instances" entry {item!r}', *split))
     elif "host" in body and "port" in body:
         if not isinstance(body["port"], int) or isinstance(body["port"], bool):
             raise ValueError(f'"port" must be an integer 1-65535, not {body["port"]!r:.50}')
