@@ -667,23 +667,45 @@ def scale_key_figure(run: Run) -> str:
 # ---- trace ----------------------------------------------------------------------------------
 
 
+def trace_configs(run: Run) -> set[str]:
+    return {name for t in (run.data.get("traces") or {}).values() for name in (t.get("configs") or {})}
+
+
+def trace_runs(runs: Sequence[Run]) -> list[Run]:
+    """The trace runs the page shows: the newest full run of the most configurations, then every
+    full run newer than it (a run of a few new configurations adds to it, replaces nothing)."""
+    full = full_runs(runs, "trace")
+    if not full:
+        return []
+    main = max(full, key=lambda r: (len(trace_configs(r)), r.date, r.name))
+    return [main, *sorted((r for r in full if (r.date, r.name) > (main.date, main.name)), key=lambda r: r.date)]
+
+
 def trace_section(runs: Sequence[Run]) -> list[str]:
-    run = newest(full_runs(runs, "trace"))
-    if run is None:
+    shown = trace_runs(runs)
+    if not shown:
         return [TRACE_INTRO, ""]
-    rows, slices = [], []
-    for trace, t in (run.data.get("traces") or {}).items():
-        sampling = t.get("sampling") or {}
-        slices.append(f"- {trace}: {count(sampling.get('requests'))} requests of "
-                      f"{count(sampling.get('conversations'))} conversations, infinite-cache bound "
-                      f"{num(t.get('bound_hit_rate'), 3)}, {count(t.get('unique_blocks'))} unique blocks")
-        for name, cfg in (t.get("configs") or {}).items():
-            s = cfg.get("summary") or {}
-            rows.append([trace, f"`{name}`", num(s.get("hit_rate"), 3), num(s.get("of_bound"), 3),
-                         count(s.get("computed_tokens")), ms(s.get("ttft_p50_ms")), ms(s.get("ttft_p90_ms")),
-                         ms(s.get("ttft_mean_ms"))])
-    header = ["trace", "config", "token hit rate", "of bound", "tokens computed", "TTFT p50 ms", "p90 ms", "mean ms"]
-    return [TRACE_INTRO, "", *slices, "", *table(header, rows, "llrrrrrr"), *section_end(run, "Trace replay")]
+    out = [TRACE_INTRO, ""]
+    for run in shown:
+        rows, slices = [], []
+        for trace, t in (run.data.get("traces") or {}).items():
+            sampling = t.get("sampling") or {}
+            slices.append(f"- {trace}: {count(sampling.get('requests'))} requests of "
+                          f"{count(sampling.get('conversations'))} conversations, infinite-cache bound "
+                          f"{num(t.get('bound_hit_rate'), 3)}, {count(t.get('unique_blocks'))} unique blocks")
+            for name, cfg in (t.get("configs") or {}).items():
+                s = cfg.get("summary") or {}
+                rows.append([trace, f"`{name}`", num(s.get("hit_rate"), 3), num(s.get("of_bound"), 3),
+                             count(s.get("computed_tokens")), ms(s.get("ttft_p50_ms")), ms(s.get("ttft_p90_ms")),
+                             ms(s.get("ttft_mean_ms"))])
+        header = ["trace", "config", "token hit rate", "of bound", "tokens computed", "TTFT p50 ms", "p90 ms",
+                  "mean ms"]
+        if run is not shown[0]:  # the same slices, sampled alike
+            out += [f"A later run of {', '.join(f'`{c}`' for c in sorted(trace_configs(run)))}:", ""]
+        else:
+            out += [*slices, ""]
+        out += [*table(header, rows, "llrrrrrr"), *section_end(run, "Trace replay")]
+    return out
 
 
 def trace_target_results(run: Run) -> dict[str, list[tuple[str, Mapping[str, Any]]]]:
@@ -767,6 +789,9 @@ def other_targets(runs: Sequence[Run]) -> list[str]:
         if benchmark == "hybrid":
             for run in hybrid_runs(runs):
                 rows += hybrid_targets(run)
+        elif benchmark == "trace":
+            for run in trace_runs(runs):
+                rows += trace_targets(run)
         elif benchmark in TARGET_WRITERS and (run := newest(full_runs(runs, benchmark))) is not None:
             rows += TARGET_WRITERS[benchmark](run)
     if not rows:
@@ -780,12 +805,15 @@ def index(runs: Sequence[Run]) -> list[str]:
     ranked = sorted(runs, key=lambda r: r.name)
     ranked.sort(key=lambda r: r.date, reverse=True)  # stable: newest first, then by name
     ranked.sort(key=lambda r: order.get(r.benchmark or "", len(order)))  # grouped in page order
-    rows = [[run_link(r) + (" (quick)" if r.quick else ""), r.benchmark or DASH, date_label(r), commit_label(r),
-             cpu_label(r), KEY_FIGURES[r.benchmark](r) if r.benchmark in KEY_FIGURES else DASH] for r in ranked]
+    rows = [[run_link(r), r.benchmark or DASH, date_label(r), commit_label(r),
+             cpu_label(r), KEY_FIGURES[r.benchmark](r) if r.benchmark in KEY_FIGURES else DASH]
+            for r in ranked if not r.quick]
+    quick = ", ".join(run_link(r) for r in ranked if r.quick)
     return ["## Every run", "",
-            para("One row per file in `benchmarks/results/`, by benchmark, newest first; `(quick)` marks a smoke "
-                 "run, `*` a commit whose tree had uncommitted changes."), "",
-            *table(["run", "benchmark", "date (UTC)", "commit", "CPU", "key figure"], rows, "llllll"), ""]
+            para("One row per full run in `benchmarks/results/`, by benchmark, newest first; `*` marks a commit "
+                 "whose tree had uncommitted changes."), "",
+            *table(["run", "benchmark", "date (UTC)", "commit", "CPU", "key figure"], rows, "llllll"), "",
+            *([f"Smoke runs (`--quick`), whose figures are not results: {quick}.", ""] if quick else [])]
 
 
 def render(results_dir: Path = RESULTS_DIR) -> str:
@@ -839,14 +867,11 @@ TTFT_HOW_TO_RUN = """### How to run
 make bench                                   # every benchmark in full (one to two hours), then this page
 make bench-quick                             # each one's --quick smoke run (NAME-quick.json), then this page
 .venv/bin/python benchmarks/ttft.py --quick  # one benchmark: 1K and 4K, one prompt each (~10 min)
-.venv/bin/python benchmarks/replot.py        # redraw every plot from the saved JSON
-.venv/bin/python benchmarks/results_page.py  # rewrite this page from the saved JSON
+.venv/bin/python benchmarks/results_page.py  # rewrite this page (replot.py redraws the plots)
 ```
 
 The Mooncake peer needs the `mooncake` extra and Debian's `libibverbs1` (`make setup` installs
-both; without them the script records Mooncake as unavailable and measures the rest). A full
-TTFT run takes 30–60 minutes on two cores; `--configs`, `--sizes`, `--reps` and `--rounds`
-select what runs, `--help` lists the rest."""
+both). A full TTFT run takes 30–60 minutes on two cores; `--help` lists what selects its parts."""
 
 TTFT_WHAT_IS_MEASURED = f"""### What is measured
 
@@ -904,7 +929,9 @@ bandwidth. Run `.venv/bin/python benchmarks/scale.py`."""
 TRACE_INTRO = """`benchmarks/trace.py` replays slices of conversation traces on two vLLM instances behind one
 `kvpool proxy`: `prefix` (vLLM's prefix cache alone), `roomy` (a prefix cache large enough for
 the slice: hits that move no bytes), `kvpool` (one shared pool), `routed` (the same, routed by
-prefix) and `mooncake`. Run `.venv/bin/python benchmarks/trace.py`."""
+prefix), `mooncake`, and `tiered` (a host pool per instance in front of Mooncake Store, as on two
+hosts). `kvpool plan` predicts each pool's hit rate from the same slice. Run
+`.venv/bin/python benchmarks/trace.py`."""
 
 DEVICE_INTRO = """`benchmarks/device.py` checks the staged data path on an accelerator (CUDA, NPU or XPU; torch
 only): paged KV caches in vLLM's GPU layouts saved into a real pool engine and loaded back,
