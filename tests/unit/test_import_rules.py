@@ -1,6 +1,6 @@
 """The layering rule, enforced: every import inside kvpool goes down the layers, never up.
 
-    errors, paths            what everything may use
+    errors, paths, versions  what everything may use (versions: the vLLM releases kvpool supports)
     keys, store, routing,    pool keys; the engine (allocator, index, leases, eviction, disk tier);
     tracefile                request routing policies (pure); the request-trace format
     config                   the schemas and their parser
@@ -25,7 +25,7 @@ import kvpool
 
 SRC = Path(kvpool.__file__).parent
 LAYERS = [
-    {"errors", "paths"},
+    {"errors", "paths", "versions"},
     {"keys", "store", "routing", "tracefile"},
     {"config"},
     {"metrics"},

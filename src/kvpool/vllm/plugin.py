@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import logging
 
-logger = logging.getLogger(__name__)
+from kvpool.versions import release_lines, supported
 
-SUPPORTED_VLLM = ("0.32",)
+logger = logging.getLogger(__name__)
 
 
 def register() -> None:
     from vllm import __version__ as vllm_version
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    if not vllm_version.startswith(SUPPORTED_VLLM):
-        logger.warning("kvpool is tested with vLLM %s; this is vLLM %s", "/".join(SUPPORTED_VLLM), vllm_version)
+    if not supported(vllm_version):
+        logger.warning("kvpool supports vLLM %s; this is vLLM %s (`make test-compat` tests each supported "
+                       "release)", release_lines(), vllm_version)
     for name in ("KVPoolConnector", "AscendStoreConnector"):
         if name in KVConnectorFactory._registry:
             continue
