@@ -92,7 +92,7 @@ def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert info.value.code == 0
     out = capsys.readouterr().out
     for flag in ("--kv-bytes-per-token", "--memory", "--ssd", "--instances", "--sweep-instances", "--json", "--plot",
-                 "--eviction-policy", "--hosts", "--remote"):
+                 "--eviction-policy", "--hosts", "--remote", "--model", "--kv-cache-dtype"):
         assert flag in out
 
 
@@ -140,3 +140,44 @@ def test_hosts_need_instances(trace: Path, capsys: pytest.CaptureFixture[str]) -
     assert "--hosts=3" in capsys.readouterr().err
     assert main(["plan", str(trace), "--kv-bytes-per-token", "1KB", "--remote", "lots"]) == 2
     assert "--remote='lots'" in capsys.readouterr().err
+
+
+def _model(tmp_path: Path, name: str, cfg: dict) -> str:
+    path = tmp_path / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_kv_bytes_per_token_from_a_models_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpool.plan.modelkv import kv_bytes_per_token
+
+    dense = _model(tmp_path, "dense", {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                                       "hidden_size": 4096, "torch_dtype": "bfloat16"})  # Llama-3-8B's shape
+    assert kv_bytes_per_token(dense)[0] == 2 * 32 * 8 * 128 * 2 == 128 * 1024
+    assert kv_bytes_per_token(dense, "fp8")[0] == 64 * 1024
+    mla = _model(tmp_path, "mla", {"num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                                   "num_attention_heads": 128, "hidden_size": 7168, "dtype": "bfloat16"})
+    assert kv_bytes_per_token(mla)[0] == 61 * 576 * 2  # one latent per layer, not K and V
+    hybrid = _model(tmp_path, "hybrid", {"text_config": {
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 2,
+        "num_hidden_layers": 6, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+        "hidden_size": 2048, "dtype": "bfloat16"}})
+    assert kv_bytes_per_token(hybrid)[0] == 2 * 3 * 2 * 256 * 2  # the three attention layers only
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(line) + "\n" for line in LINES))
+    assert main(["plan", str(trace), "--model", dense, "--memory", "100%", "--jobs", "1"]) == 0
+    assert f"{dense}: 131072 KV bytes per token (2 x 32 attention layers x 8 KV heads x 128 x 2 B (bfloat16))" \
+        in capsys.readouterr().out
+
+
+def test_a_model_the_planner_cannot_read_is_named(tmp_path: Path, trace: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(trace), "--model", str(tmp_path / "missing")]) == 2
+    assert "--model=" in capsys.readouterr().err
+    odd = _model(tmp_path, "odd", {"num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 64,
+                                   "dtype": "int4"})
+    assert main(["plan", str(trace), "--model", odd]) == 2
+    assert "--kv-cache-dtype" in capsys.readouterr().err  # the fix it names
+    assert main(["plan", str(trace), "--model", odd, "--kv-bytes-per-token", "1KB"]) == 2
+    assert "not both" in capsys.readouterr().err

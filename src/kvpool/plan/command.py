@@ -17,6 +17,7 @@ from kvpool.store.quota import POLICIES as SSD_POLICIES
 
 from kvpool.plan import report
 from kvpool.plan.cluster import TRAFFIC, ServiceModel
+from kvpool.plan.modelkv import KV_CACHE_DTYPES, kv_bytes_per_token
 from kvpool.plan.sweep import ClusterSpec, PoolSpec, run_plan
 from kvpool.tracefile import DEFAULT_BLOCK_SIZE, Trace, read_trace
 
@@ -31,8 +32,13 @@ def _escaped(text: str) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="request trace, one JSON line per request (docs/plan.md: the format)")
-    p.add_argument("--kv-bytes-per-token", required=True,
-                   help='KV bytes one token takes in the pool, all layers, e.g. "160KB" (binary units)')
+    p.add_argument("--kv-bytes-per-token",
+                   help='KV bytes one token takes in the pool, all layers, e.g. "160KB" (binary units); or --model')
+    p.add_argument("--model", metavar="DIR",
+                   help="a model directory (Hugging Face layout): the KV bytes per token from its config.json "
+                        "(attention layers' K and V, or MLA's latent; docs/plan.md)")
+    p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                   help="with --model: vLLM's --kv-cache-dtype (auto: the model's dtype)")
     p.add_argument("--block-size", type=int, default=None,
                    help=f"tokens per hash id in the trace (default: what its lines say, else {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--memory", default=None,
@@ -114,8 +120,14 @@ def _positive(flag: str, value: float, expected: str) -> None:
 
 def build(args: argparse.Namespace) -> tuple[dict, list]:
     """Validate the flags, read the trace and run the plan: (settings, points)."""
-    per_token = parse_size("--kv-bytes-per-token", args.kv_bytes_per_token)
-    _positive("--kv-bytes-per-token", per_token, 'a positive byte count, e.g. "160KB"')
+    if (args.kv_bytes_per_token is None) == (args.model is None):
+        raise ConfigError("--kv-bytes-per-token", args.kv_bytes_per_token or "unset",
+                          'one of --kv-bytes-per-token (e.g. "160KB") or --model DIR, not both')
+    if args.model is not None:
+        per_token, counted = kv_bytes_per_token(args.model, args.kv_cache_dtype)
+    else:
+        per_token, counted = parse_size("--kv-bytes-per-token", args.kv_bytes_per_token), "given"
+        _positive("--kv-bytes-per-token", per_token, 'a positive byte count, e.g. "160KB"')
     if args.block_size is not None:
         _positive("--block-size", args.block_size, "a positive int of tokens, e.g. 512")
     for flag, value in (("--high-watermark", args.high_watermark), ("--eviction-ratio", args.eviction_ratio)):
@@ -166,7 +178,8 @@ def build(args: argparse.Namespace) -> tuple[dict, list]:
                               args.load_factor, args.sweep_instances, traffic, args.hosts)
     jobs = args.jobs or os.cpu_count() or 1
     points = run_plan(trace, spec, memories, ssds, cluster, jobs, remotes)
-    settings = {"kv_bytes_per_token": per_token, "block_bytes": block_bytes, "working_set_bytes": working_set,
+    settings = {"kv_bytes_per_token": per_token, "kv_bytes_counted": counted, "block_bytes": block_bytes,
+                "working_set_bytes": working_set,
                 "pool": asdict(spec), "cluster": None if cluster is None else asdict(cluster)}
     return {"trace": trace, "settings": settings}, points
 
@@ -199,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvpool plan: {exc}", file=sys.stderr)
         return 2
     trace, settings = built["trace"], built["settings"]
+    if args.model is not None:
+        print(f"{args.model}: {settings['kv_bytes_per_token']} KV bytes per token ({settings['kv_bytes_counted']})")
     print(f"{args.trace}: {len(trace.requests)} requests, {trace.block_refs} block references, "
           f"{trace.unique_blocks} unique blocks of {settings['block_bytes']} bytes "
           f"(working set {report.size_text(settings['working_set_bytes'])})")
