@@ -801,19 +801,25 @@ def other_targets(runs: Sequence[Run]) -> list[str]:
 
 
 def index(runs: Sequence[Run]) -> list[str]:
+    """One row per benchmark (so the page stays short however many runs there are): its full
+    runs, newest first, each with its date, CPU and commit; then its smoke runs."""
     order = {b: i for i, (b, _) in enumerate(SECTIONS)}
     ranked = sorted(runs, key=lambda r: r.name)
     ranked.sort(key=lambda r: r.date, reverse=True)  # stable: newest first, then by name
-    ranked.sort(key=lambda r: order.get(r.benchmark or "", len(order)))  # grouped in page order
-    rows = [[run_link(r), r.benchmark or DASH, date_label(r), commit_label(r),
-             cpu_label(r), KEY_FIGURES[r.benchmark](r) if r.benchmark in KEY_FIGURES else DASH]
-            for r in ranked if not r.quick]
-    quick = ", ".join(run_link(r) for r in ranked if r.quick)
+    by_benchmark: dict[str, list[Run]] = {}
+    for r in ranked:
+        by_benchmark.setdefault(r.benchmark or DASH, []).append(r)
+    rows = []
+    for benchmark in sorted(by_benchmark, key=lambda b: order.get(b, len(order))):
+        group = by_benchmark[benchmark]
+        full = "; ".join(f"{run_link(r)} ({date_label(r)[:10]}, {cpu_label(r)}, {commit_label(r)})"
+                         for r in group if not r.quick)
+        rows.append([benchmark, full or DASH, ", ".join(run_link(r) for r in group if r.quick) or DASH])
     return ["## Every run", "",
-            para("One row per full run in `benchmarks/results/`, by benchmark, newest first; `*` marks a commit "
-                 "whose tree had uncommitted changes."), "",
-            *table(["run", "benchmark", "date (UTC)", "commit", "CPU", "key figure"], rows, "llllll"), "",
-            *([f"Smoke runs (`--quick`), whose figures are not results: {quick}.", ""] if quick else [])]
+            para("Every file in `benchmarks/results/`, by benchmark, newest first, with its date (UTC), CPU and "
+                 "commit (`*`: the tree had uncommitted changes); smoke runs (`--quick`) apart: their figures "
+                 "are not results."), "",
+            *table(["benchmark", "full runs", "smoke runs"], rows, "lll"), ""]
 
 
 def render(results_dir: Path = RESULTS_DIR) -> str:
