@@ -1,6 +1,7 @@
 """The layering rule, enforced: every import inside kvpool goes down the layers, never up.
 
-    errors, paths, versions  what everything may use (versions: the vLLM releases kvpool supports)
+    errors, paths, versions, backoff   what everything may use (the vLLM releases kvpool supports;
+                             the doubling delay after failures)
     keys, store, routing,    pool keys; the engine (allocator, index, leases, eviction, disk tier);
     tracefile                request routing policies (pure); the request-trace format
     config                   the schemas and their parser
@@ -25,7 +26,7 @@ import kvpool
 
 SRC = Path(kvpool.__file__).parent
 LAYERS = [
-    {"errors", "paths", "versions"},
+    {"errors", "paths", "versions", "backoff"},
     {"keys", "store", "routing", "tracefile"},
     {"config"},
     {"metrics"},

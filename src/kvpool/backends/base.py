@@ -36,6 +36,7 @@ import numpy as np
 
 from kvpool.backends import seal
 from kvpool.backends.guard import GUARD_COUNTERS, Guard, GuardSettings, Timeout
+from kvpool.backoff import Backoff
 from kvpool.errors import ErrorCode, KVPoolError
 from kvpool.errors import CHECKSUM_MISMATCH, EXISTS, INTERNAL, INVALID, INVALID_KEY, NOT_FOUND, OK  # the codes as ints
 from kvpool.errors import RPC_FAIL, RPC_TIMEOUT
@@ -83,12 +84,11 @@ class Reconnect:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._connect = connect
         self._clock = clock  # injectable so tests can move time
-        self.first_s, self.cap_s = first_s, cap_s
         self._lock = threading.Lock()
         self._up = False
         self._closed = False
         self._next_try = 0.0
-        self._delay = first_s
+        self._backoff = Backoff(first_s, cap_s)
         self.failures = 0  # connects that failed, for stats
 
     @property
@@ -122,10 +122,10 @@ class Reconnect:
 
     def confirm(self) -> None:
         """A call went through: the next outage starts from the shortest backoff again."""
-        if self._delay != self.first_s and self._up:
+        if self._backoff.failing and self._up:
             with self._lock:
                 if self._up:
-                    self._delay = self.first_s
+                    self._backoff.reset()
 
     def close(self) -> None:
         """Never connect again (the backend is closed)."""
@@ -152,8 +152,7 @@ class Reconnect:
         return ok
 
     def _backoff_locked(self) -> None:
-        self._next_try = self._clock() + self._delay
-        self._delay = min(self._delay * 2, self.cap_s)
+        self._next_try = self._clock() + self._backoff.failed()
 
 
 class _State:

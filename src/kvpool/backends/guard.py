@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from kvpool.backoff import Backoff
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -110,7 +112,7 @@ class Guard:
         self._closed = False
         self._state = CLOSED
         self._in_a_row = 0
-        self._cooldown = settings.cooldown_s
+        self._cooldown = Backoff(settings.cooldown_s, settings.cooldown_max_s)
         self._reopen_at = 0.0
         self._probing = False
         self._local = threading.local()
@@ -293,10 +295,11 @@ class Guard:
         if self._state == OPEN:
             return
         self._state = OPEN
-        self._reopen_at = now + self._cooldown
+        cooldown = self._cooldown.failed()
+        self._reopen_at = now + cooldown
         self.counters["breaker_opened"] += 1
         logger.warning("kvpool %s: %s; not asking the store for %.1f s (lookups miss, loads recompute, "
-                       "saves are dropped), then probing it", self.name, why, self._cooldown)
+                       "saves are dropped), then probing it", self.name, why, cooldown)
 
     def _run_probe(self) -> None:
         self.counters["probes"] += 1
@@ -310,8 +313,7 @@ class Guard:
             self._probing = False
             if ok:
                 self._state, self._in_a_row = CLOSED, 0
-                self._cooldown = self.settings.cooldown_s
+                self._cooldown.reset()
                 logger.warning("kvpool %s: the store answers again; using it", self.name)
             else:
-                self._cooldown = min(self._cooldown * 2, self.settings.cooldown_max_s)
-                self._reopen_at = self._clock() + self._cooldown
+                self._reopen_at = self._clock() + self._cooldown.failed()

@@ -51,6 +51,7 @@ from typing import NamedTuple
 
 import msgspec
 
+from kvpool.backoff import Backoff
 from kvpool.config import MAX_SOCKET_PATH
 from kvpool.errors import ConfigError
 from kvpool.paths import check_socket_dir, open_private_lock, runtime_dir
@@ -236,7 +237,7 @@ class LookupClient:
         self._direct = direct
         self._sock: socket.socket | None = None
         self._skip_until = 0.0  # time.monotonic(): lookups before it are misses without asking
-        self._backoff_s = 0.0  # 0: the breaker is closed
+        self._backoff = Backoff(LOOKUP_BACKOFF_S, LOOKUP_BACKOFF_MAX_S)
         self.skipped = 0  # lookups answered as misses by the open breaker
 
     def _socket(self) -> socket.socket:
@@ -290,11 +291,11 @@ class LookupClient:
             self._drop()
             return MISS
         except TimeoutError:
-            self._backoff_s = min(max(2 * self._backoff_s, LOOKUP_BACKOFF_S), LOOKUP_BACKOFF_MAX_S)
-            self._skip_until = time.monotonic() + self._backoff_s
+            wait = self._backoff.failed()
+            self._skip_until = time.monotonic() + wait
             logger.warning("kvpool lookup on %s: no answer in %d ms (worker rank 0 stuck, e.g. on a hung "
                            "store); the next %.0f s of lookups are misses without asking",
-                           self.path, LOOKUP_TIMEOUT_MS, self._backoff_s)
+                           self.path, LOOKUP_TIMEOUT_MS, wait)
             self._drop()
             return MISS
         except UntrustedPeer as e:
@@ -305,10 +306,10 @@ class LookupClient:
             logger.warning("kvpool lookup on %s failed (%s); treating as a miss", self.path, e)
             self._drop()
             return MISS
-        if self._backoff_s:
+        if self._backoff.failing:
             logger.info("kvpool lookup on %s answers again; %d lookups were misses meanwhile",
                         self.path, self.skipped)
-            self._backoff_s = 0.0
+            self._backoff.reset()
         return hit
 
     def close(self) -> None:
