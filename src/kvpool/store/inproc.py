@@ -30,24 +30,32 @@ Buffer = Any
 _SERIAL = CopyEngine(1)  # copies on the calling thread
 
 
+def _views(keys: Sequence[str], buffers: Sequence[Sequence[Buffer]],
+           writable: bool) -> tuple[list[ErrorCode], list[list[np.ndarray]], list[int]]:
+    """Each key's buffers as uint8 views: (codes, INVALID_PARAMS where a buffer is unusable;
+    the views; the indices of the keys whose buffers all are)."""
+    codes: list[ErrorCode] = [ErrorCode.OK] * len(keys)
+    views: list[list[np.ndarray]] = [[] for _ in keys]
+    wanted: list[int] = []
+    for i, (key, bufs) in enumerate(zip(keys, buffers)):
+        try:
+            views[i] = [as_u8(b, writable=writable) for b in bufs]
+            wanted.append(i)
+        except (TypeError, ValueError) as exc:
+            logger.warning("%s(key=%r): bad buffer (%s); pass %scontiguous uint8 arrays",
+                           "get_into" if writable else "put", key, exc, "writable " if writable else "")
+            codes[i] = ErrorCode.INVALID_PARAMS
+    return codes, views, wanted
+
+
 def batch_put(engine: PoolEngine, client_id: str, keys: Sequence[str],
               values: Sequence[Sequence[Buffer]]) -> list[ErrorCode]:
     """Store the concatenation of each value's buffers under its key. A key already stored or
     being written is OK: objects are immutable, so the other copy has the same bytes. One
     failing key does not stop the others."""
-    n = len(keys)
-    if n != len(values):
-        return [ErrorCode.INVALID_PARAMS] * n
-    codes: list[ErrorCode] = [ErrorCode.OK] * n
-    sources: list[list[np.ndarray]] = [[] for _ in range(n)]
-    wanted: list[int] = []
-    for i, (key, bufs) in enumerate(zip(keys, values)):
-        try:
-            sources[i] = [as_u8(b) for b in bufs]
-            wanted.append(i)
-        except (TypeError, ValueError) as exc:
-            logger.warning("put(key=%r): bad buffer (%s); pass contiguous uint8 arrays", key, exc)
-            codes[i] = ErrorCode.INVALID_PARAMS
+    if len(keys) != len(values):
+        return [ErrorCode.INVALID_PARAMS] * len(keys)
+    codes, sources, wanted = _views(keys, values, writable=False)
     results = engine.batch_allocate(client_id, [keys[i] for i in wanted],
                                     [sum(s.size for s in sources[i]) for i in wanted])
     arena = np.frombuffer(engine.arena, dtype=np.uint8)
@@ -79,19 +87,9 @@ def batch_get_into(engine: PoolEngine, client_id: str, keys: Sequence[str],
     given), validated and released in one more. INVALID_PARAMS when the sizes do not add up;
     LEASE_EXPIRED when a copy may be torn (its buffers then hold garbage: a miss). One failing
     key does not stop the others."""
-    n = len(keys)
-    if n != len(buffers):
-        return [ErrorCode.INVALID_PARAMS] * n
-    codes: list[ErrorCode] = [ErrorCode.OK] * n
-    outs: list[list[np.ndarray]] = [[] for _ in range(n)]
-    wanted: list[int] = []
-    for i, (key, bufs) in enumerate(zip(keys, buffers)):
-        try:
-            outs[i] = [as_u8(b, writable=True) for b in bufs]
-            wanted.append(i)
-        except (TypeError, ValueError) as exc:
-            logger.warning("get_into(key=%r): bad buffer (%s); pass writable contiguous uint8 arrays", key, exc)
-            codes[i] = ErrorCode.INVALID_PARAMS
+    if len(keys) != len(buffers):
+        return [ErrorCode.INVALID_PARAMS] * len(keys)
+    codes, outs, wanted = _views(keys, buffers, writable=True)
     leases: dict[int, Lease] = {}
     for i, got in zip(wanted, engine.batch_acquire(client_id, [keys[i] for i in wanted])):
         if isinstance(got, ErrorCode):

@@ -34,6 +34,11 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, 
 
 from kvpool.keys import block_of
 
+try:
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+except ImportError:  # a vLLM that publishes hashes as they are
+    maybe_convert_block_hash = None
+
 logger = logging.getLogger(__name__)
 
 STORED = 0
@@ -59,11 +64,7 @@ def pool_medium(backend: str) -> str:
 
 def _external(block_hash: bytes) -> Any:
     """The hash as vLLM's events carry it (bytes, or an int where vLLM is told to)."""
-    try:
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-    except ImportError:  # a vLLM that publishes hashes as they are
-        return block_hash
-    return maybe_convert_block_hash(block_hash)
+    return block_hash if maybe_convert_block_hash is None else maybe_convert_block_hash(block_hash)
 
 
 def _event(cls: type, **fields: Any) -> KVCacheEvent:
