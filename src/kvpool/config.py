@@ -115,6 +115,23 @@ def _size_bytes(key: str, value: Any) -> int:
     raise ConfigError(key, value, SIZE_EXPECTED)
 
 
+# A shorter admin token (the proxy's, the server's controller's) is refused: it could be guessed.
+ADMIN_TOKEN_MIN_LENGTH = 16
+
+
+def admin_token_from(env: Mapping[str, str], name: str) -> str | None:
+    """The admin token in environment variable ``name``; None when unset or empty (the admin
+    routes are off)."""
+    token = env.get(name, "")
+    if not token:
+        return None
+    if len(token) < ADMIN_TOKEN_MIN_LENGTH or not token.isascii() or not token.isprintable() or " " in token:
+        raise ConfigError(name, f"a {len(token)}-character value",
+                          f"expected at least {ADMIN_TOKEN_MIN_LENGTH} printable ASCII characters without "
+                          "spaces, e.g. from: python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+    return token
+
+
 def parse_size(key: str, value: Any) -> int:
     """A byte size as Mooncake writes them: an int, or "1GB" / "1024MB" / "1048576KB" / "1073741824B".
 

@@ -27,8 +27,10 @@ import functools
 import hashlib
 import json
 import os
+import re
 from collections.abc import Sequence
 
+_HEX = re.compile(r"(?:[0-9a-f]{2})+")
 # Keys are ASCII and bounded so every backend (Yuanrong: 1024 bytes) can store them unchanged.
 _MODEL_NAME_MAX = 96
 
@@ -166,18 +168,28 @@ class KeyScheme:
         return [prefix + h + layer for prefix, layer in self._all_rank_parts]
 
 
+def key_parts(key: str) -> tuple[str, str, str] | None:
+    """A key of this format cut around its block hash: (what comes before it, the hash in hex,
+    what comes after it), e.g. ``("m@fp@tp0/1@pp0/1@g0@", "ab12...", "@l3")``; None for a key of
+    another format. Every key of one block is its parts' first and last around the same hash."""
+    head, _, last = key.rpartition("@")
+    suffix = ""
+    if last[:1] == "l" and last[1:].isdigit():  # layerwise: @l{layer}
+        suffix = "@" + last
+        head, _, last = head.rpartition("@")
+    group = head.rpartition("@")[2]
+    if not head or group[:1] != "g" or not group[1:].isdigit() or not _HEX.fullmatch(last):
+        return None
+    return head + "@", last, suffix
+
+
 def block_of(key: str) -> tuple[int, bytes] | None:
     """The KV cache group and block hash a key of this format names (any shard, stage or
     layer); None for a key of another format."""
-    parts = key.rsplit("@", 3)
-    if len(parts) == 4 and parts[3][:1] == "l" and parts[3][1:].isdigit():  # layerwise: @l{layer}
-        parts = key.rsplit("@", 4)[:-1]
-    if len(parts) < 3 or parts[-2][:1] != "g" or not parts[-2][1:].isdigit():
+    parts = key_parts(key)
+    if parts is None:
         return None
-    try:
-        return int(parts[-2][1:]), bytes.fromhex(parts[-1])
-    except ValueError:
-        return None
+    return int(parts[0].rsplit("@", 2)[1][1:]), bytes.fromhex(parts[1])
 
 
 def prefill_stage_schemes(scheme: KeyScheme, num_layers: int, prefill_pp_size: int,

@@ -29,16 +29,18 @@ def sock_path(sock_dir: str) -> str:
 
 @pytest.fixture
 def start_server(sock_path: str, sock_dir: str) -> Iterator[Callable[..., PoolServer]]:
-    """`start_server(*flags, expect_ready=True, socket_path=None, entry=...)`: a `kvpool server`
-    with these flags (16MB unless they size it), its log in sock_dir; killed at teardown."""
+    """`start_server(*flags, expect_ready=True, socket_path=None, entry=..., env=None)`: a `kvpool
+    server` with these flags (16MB unless they size it) and these variables added to the
+    environment, its log in sock_dir; killed at teardown."""
     servers: list[PoolServer] = []
 
     def factory(*flags: str, expect_ready: bool = True, socket_path: str | None = None,
-                entry: tuple[str, ...] = ("-m", "kvpool.server.daemon")) -> PoolServer:
+                entry: tuple[str, ...] = ("-m", "kvpool.server.daemon"),
+                env: dict[str, str] | None = None) -> PoolServer:
         sized = any(a.startswith(("--memory", "--global")) for a in flags)
         server = PoolServer(socket_path or sock_path, memory_size=None if sized else "16MB", extra_args=flags,
                             log_path=os.path.join(sock_dir, f"server{len(servers)}.log"), entry=entry,
-                            startup_timeout_s=15.0)
+                            startup_timeout_s=15.0, env={**os.environ, **env} if env else None)
         servers.append(server)
         return server.start(wait=expect_ready)
 

@@ -42,6 +42,7 @@ def _base(name: str, tmp: Path) -> list[str]:
     return {
         "server": ["--socket", "/proc/kvpool-none/pool.sock", "--global_segment_size", "4MB"],
         "stats": ["--socket", str(tmp / "no-server.sock"), "--count", "2"],
+        "ctl": ["--url", "http://127.0.0.1:1", "usage"],
         "proxy": ["--host", "256.0.0.1", "--port", "0", "--instance-hosts", "127.0.0.1", "--instance-ports", "1"],
         "doctor": [],
         "plan": [str(trace), "--kv-bytes-per-token", "1KB", "--memory", "1GB", "--jobs", "1"],

@@ -482,12 +482,13 @@ def remove_pool_values(socket_path: str, keys: list[str]) -> list[int]:
 
 @contextlib.contextmanager
 def instances_on_one_pool(model: str, tmp: Path, count: int, lookup_port_base: int,
-                          pool_args: tuple[str, ...] = ()):
+                          pool_args: tuple[str, ...] = (), pool_env: dict[str, str] | None = None):
     """A `kvpool server` and `count` vLLM OpenAI servers (PD-mixed, prefix caching on, the model
     run in the engine core's process) using it, started together; yields (pool, servers) and
-    stops them all, whatever happened."""
+    stops them all, whatever happened. ``pool_env``: variables added to the pool's environment."""
     sock = str(tmp / "pool.sock")
-    pool = PoolServer(sock, memory_size="512MB", log_path=tmp / "pool.log", extra_args=list(pool_args))
+    pool = PoolServer(sock, memory_size="512MB", log_path=tmp / "pool.log", extra_args=list(pool_args),
+                      env={**os.environ, **pool_env} if pool_env else None)
     servers = [
         OpenAIServer(model, served_model_name="model", block_size=BLOCK, prefix_caching=True, dtype="float32",
                      max_num_batched_tokens=512, log_path=tmp / f"instance{i}.log", startup_timeout_s=600,

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -27,7 +29,9 @@ import httpx
 import pytest
 
 from harness import BLOCK, instances_on_one_pool, tokens, whole
+from kvpool.keys import model_key_name
 from kvpool.metrics import catalog
+from kvpool.server.metrics import ADMIN_TOKEN_ENV
 from kvpool.testing.launch import ProxyServer, stream_completion
 from kvpool.testing.metrics import dashboard_problems, families, scrape_problems, value
 
@@ -45,7 +49,8 @@ FOLLOW_UP = [tokens(100, seed=9111), tokens(100, seed=9112)]
 @pytest.fixture(scope="module")
 def mixed_deployment(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("routing")
-    with instances_on_one_pool(model_dir, tmp, 2, 9120, pool_args=("--metrics_port", "0")) as (pool, servers):
+    with instances_on_one_pool(model_dir, tmp, 2, 9120, pool_args=("--metrics_port", "0"),
+                               pool_env={ADMIN_TOKEN_ENV: TOKEN}) as (pool, servers):
         proxy = ProxyServer([], [], instance_ports=[s.port for s in servers], log_path=tmp / "proxy.log",
                             extra_args=["--routing-policy", "prefix_aware", "--log-level", "warning"],
                             env={**os.environ, "KVPOOL_PROXY_ADMIN_TOKEN": TOKEN})
@@ -170,3 +175,33 @@ def test_every_catalog_series_is_on_the_live_pool_proxy_and_instances(mixed_depl
     routed = scrape(proxy.base_url)
     assert scrape_problems(routed, catalog.PROXY) == []
     assert value(routed, "kvpool_proxy_instance_healthy", role="mixed") == 2
+
+
+def test_kvpool_ctl_looks_up_pins_and_clears_what_the_instances_saved(mixed_deployment, model_dir):
+    """`kvpool ctl` against the live pool: the prompt's block hashes it computes are the ones the
+    instance saved under (its lookup finds every whole block), a pin holds them, and after a
+    clear of the model the other instance, which never saw the prompt, computes it all."""
+    _, servers, pool = mixed_deployment
+    url = "http://127.0.0.1:" + pool.log().split("metrics http://127.0.0.1:")[1].split()[0]
+    prompt = tokens(300, seed=9401)
+    blocks = whole(prompt) // BLOCK
+
+    def ctl(*args: str) -> dict:
+        done = subprocess.run([sys.executable, "-m", "kvpool.cli", "ctl", "--url", url, *args], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, ADMIN_TOKEN_ENV: TOKEN})
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    prompt_args = ("--model", model_dir, "--block-size", str(BLOCK), "--token-ids", ",".join(map(str, prompt)))
+    assert servers[0].complete(prompt, max_tokens=2).cached_tokens == 0
+    deadline = time.monotonic() + 30  # the instance saves after it answers
+    while (found := ctl("lookup", *prompt_args))["hit_blocks"] < blocks and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert found["blocks"] == blocks and found["hit_blocks"] == blocks, found
+    (layout,) = found["layouts"].values()
+    assert layout["groups"]["g0"]["memory"] == blocks
+    assert ctl("pin", *prompt_args, "--ttl", "10m")["pinned"] == blocks
+    assert ctl("usage")["models"][model_key_name(model_dir)]["pinned_objects"] == blocks
+    assert ctl("clear", "--model", model_dir)["removed"] >= blocks
+    assert ctl("lookup", *prompt_args)["hit_blocks"] == 0
+    assert servers[1].complete(prompt, max_tokens=2).cached_tokens == 0

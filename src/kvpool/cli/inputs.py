@@ -51,21 +51,29 @@ def within(deadline_s: float, what: str, fn: Callable[[], T]) -> T:
 def http_get(url: str, timeout_s: float, max_bytes: int = MAX_HTTP_BYTES) -> bytes:
     """The body of GET ``url``: all of it within ``timeout_s`` (bytes trickling in do not extend
     it) and at most ``max_bytes``."""
+    status, body = http_request(url, timeout_s, max_bytes=max_bytes)
+    if status >= 400:
+        raise InputError(f"{url}: HTTP {status}")
+    return body
 
-    def get() -> bytes:
-        body = bytearray()
-        with httpx.Client(timeout=timeout_s, trust_env=False) as client, client.stream("GET", url) as resp:
-            resp.raise_for_status()
+
+def http_request(url: str, timeout_s: float, method: str = "GET", body: bytes | None = None,
+                 headers: dict[str, str] | None = None, max_bytes: int = MAX_HTTP_BYTES) -> tuple[int, bytes]:
+    """The status and body of one request to ``url``, whatever the status: all of the body within
+    ``timeout_s`` (bytes trickling in do not extend it) and at most ``max_bytes``."""
+
+    def call() -> tuple[int, bytes]:
+        out = bytearray()
+        with httpx.Client(timeout=timeout_s, trust_env=False) as client, \
+                client.stream(method, url, content=body, headers=headers) as resp:
             for chunk in resp.iter_raw():
-                body += chunk
-                if len(body) > max_bytes:
+                out += chunk
+                if len(out) > max_bytes:
                     raise InputError(f"{url}: the answer is larger than {max_bytes} bytes; is this the right URL?")
-        return bytes(body)
+            return resp.status_code, bytes(out)
 
     try:
-        return within(timeout_s, url, get)
-    except httpx.HTTPStatusError as exc:
-        raise InputError(f"{url}: HTTP {exc.response.status_code}") from None
+        return within(timeout_s, url, call)
     except httpx.HTTPError as exc:
         raise InputError(f"{url}: {type(exc).__name__}: {exc or 'no answer'}") from None
 

@@ -13,6 +13,8 @@ from importlib.metadata import PackageNotFoundError, version
 COMMANDS: dict[str, tuple[str, str]] = {
     "server": ("run the host-shared pool daemon (backend: server)", "kvpool.server.daemon"),
     "stats": ("show a running server's usage, hit rate and clients", "kvpool.cli.stats"),
+    "ctl": ("a running server's controller: look a prompt up, pin it, clear a model, usage per model",
+            "kvpool.cli.ctl"),
     "proxy": ("run the proxy: PD disaggregation (prefill, then decode) or routing of PD-mixed instances",
               "kvpool.proxy.config"),
     "doctor": ("check a deployment's config, files and services before vLLM starts", "kvpool.cli.doctor"),

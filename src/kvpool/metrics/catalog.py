@@ -86,6 +86,9 @@ TIERS = ("memory", "disk")
 SERVER_OPS = ("hello", "ping", "exists", "lookup", "allocate", "commit", "abort", "acquire", "release", "remove",
               "get_stats")
 
+# The controller's calls (`kvpool.server.control.REQUESTS`), as the ``op`` of kvpool_controller_calls.
+CONTROL_OPS = ("usage", "lookup", "pin", "unpin", "clear")
+
 SERVER: tuple[Series, ...] = (
     Series("kvpool_build_info", "gauge", "Always 1: kvpool's version and the component serving this endpoint",
            "server", ("version", "component")),
@@ -162,6 +165,12 @@ SERVER: tuple[Series, ...] = (
             "pops): grows with requests, not with the pool's size", "lease_ops"),
     _server("kvpool_eviction_steps", "counter", "Objects eviction looked at: one per victim with lru (held objects "
             "are never in its list); with s3fifo also each object it moved from one queue to another", "evict_steps"),
+    _server("kvpool_pinned_objects", "gauge", "Objects the operator pinned in memory through the controller "
+            "(until their TTL)", "pinned_objects"),
+    _server("kvpool_controller_calls", "counter", "Controller calls answered, by call (each that changes the pool "
+            "is logged too)", {(op,): f"control_{op}" for op in CONTROL_OPS}, ("op",)),
+    _server("kvpool_controller_refusals", "counter", "Controller calls refused: no admin token configured, or a "
+            "missing or wrong one", "control_refused"),
     Series("kvpool_request_duration_seconds", "histogram", "Time the server took to answer a request, by "
            "protocol operation (from the request read to the reply written)", "server", ("op",),
            {"op": SERVER_OPS}, buckets=TRANSFER_BUCKETS),

@@ -31,7 +31,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 
-from kvpool.config import int_arg
+from kvpool.config import ADMIN_TOKEN_MIN_LENGTH, admin_token_from, int_arg
 from kvpool.errors import ConfigError
 
 
@@ -54,8 +54,6 @@ class Endpoint:
 
 # The environment variable that holds the token for the admin routes (``/instances*``).
 ADMIN_TOKEN_ENV = "KVPOOL_PROXY_ADMIN_TOKEN"
-# A shorter token is refused: it could be guessed.
-ADMIN_TOKEN_MIN_LENGTH = 16
 
 
 # The routing policy of PD-mixed mode when none is given: send a request where its prefix most
@@ -178,18 +176,6 @@ def _host(key: str, value: object) -> str:
 def validate_endpoint(key: str, host: object, port: object) -> Endpoint:
     """One instance's host and port, validated (as given to POST /instances/add)."""
     return Endpoint(_host(key, host), _port(key, port))
-
-
-def admin_token_from(env: Mapping[str, str]) -> str | None:
-    """The admin token from ``env``; None when unset or empty (admin routes disabled)."""
-    token = env.get(ADMIN_TOKEN_ENV, "")
-    if not token:
-        return None
-    if len(token) < ADMIN_TOKEN_MIN_LENGTH or not token.isascii() or not token.isprintable() or " " in token:
-        raise ConfigError(ADMIN_TOKEN_ENV, f"a {len(token)}-character value",
-                          f"expected at least {ADMIN_TOKEN_MIN_LENGTH} printable ASCII characters without "
-                          "spaces, e.g. from: python -c 'import secrets; print(secrets.token_urlsafe(32))'")
-    return token
 
 
 def endpoints(role: str, hosts: Sequence[str], ports: Sequence[object]) -> tuple[Endpoint, ...]:
@@ -335,7 +321,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
                           f"{len(prefillers)} prefiller(s) and {len(decoders)} decoder(s)",
                           "PD-mixed instances or prefill/decode instances, not both: give --instance-* alone "
                           "(mixed), or --prefiller-* with --decoder-* (PD disaggregation), and run one proxy each")
-    admin_token = admin_token_from(os.environ if env is None else env)
+    admin_token = admin_token_from(os.environ if env is None else env, ADMIN_TOKEN_ENV)
     if admin_token is None and not instances and not (prefillers and decoders):
         # Such a proxy would start and answer every request 503: nothing could ever be added.
         raise ConfigError("--instance-hosts/--prefiller-hosts/--decoder-hosts",

@@ -53,7 +53,7 @@ from typing import Any
 
 import msgspec
 
-from kvpool.config import ServerSettings, add_flags, flag_name, from_flags
+from kvpool.config import ServerSettings, add_flags, admin_token_from, flag_name, from_flags
 from kvpool.errors import ConfigError, ErrorCode, KVPoolError
 from kvpool.paths import check_socket_dir, open_private_lock
 from kvpool.server import peers
@@ -62,7 +62,8 @@ from kvpool.server import shm
 from kvpool.server.pidwatch import PidWatch
 from kvpool.store.engine import PoolEngine
 from kvpool.store.records import Allocation, Lease, LookupLease
-from kvpool.server.metrics import MetricsServer, ServerMetrics
+from kvpool.server.control import Controller
+from kvpool.server.metrics import ADMIN_TOKEN_ENV, MetricsServer, ServerMetrics
 
 logger = logging.getLogger("kvpool.server")
 
@@ -215,6 +216,7 @@ class Server:
         self.engine: PoolEngine | None = None
         self.arena: shm.Arena | None = None
         self.metrics: MetricsServer | None = None
+        self.controller: Controller | None = None
         self.prom = ServerMetrics(self.stats)
         self._lock_fd: int | None = None
         self._listener: socket.socket | None = None
@@ -264,9 +266,11 @@ class Server:
                                               object_overhead_bytes=_OBJECT_OVERHEAD_BYTES,
                                               max_key_bytes=P.MAX_KEY_BYTES)
             self.engine = PoolEngine(engine_config, arena=memoryview(self.arena.array))
+            self.controller = Controller(self.engine)
             if cfg.metrics_port is not None:
                 try:
-                    self.metrics = MetricsServer(cfg.metrics_host, cfg.metrics_port, self.stats, self.prom)
+                    self.metrics = MetricsServer(cfg.metrics_host, cfg.metrics_port, self.stats, self.prom,
+                                                 self.controller, admin_token_from(os.environ, ADMIN_TOKEN_ENV))
                 except OSError as exc:
                     raise ConfigError("metrics_port", cfg.metrics_port,
                                       f"a free TCP port on {cfg.metrics_host} ({exc.strerror})") from None
@@ -787,6 +791,8 @@ class Server:
         """Engine counters plus the server's own, for GetStats, /stats and /metrics."""
         assert self.engine is not None and self.arena is not None
         out: dict[str, Any] = dict(self.engine.stats())
+        if self.controller is not None:
+            out.update(self.controller.stats())
         with self._state:
             out.update(self._counters)
             out["connected_clients"] = self._handshaken

@@ -1,13 +1,17 @@
-"""The server's HTTP endpoint: Prometheus `/metrics`, JSON `/stats`, `/healthz`.
+"""The server's HTTP endpoint: Prometheus `/metrics`, JSON `/stats`, `/healthz`, and the
+controller's `/v1/*` routes (`server/control.py`).
 
 It binds ``--metrics-host`` (127.0.0.1 unless told otherwise, for a scraper on another host):
-the numbers reveal what a host caches, and there is no auth. The series are the catalog's
+the numbers reveal what a host caches, and there is no auth for them. The controller's routes
+change the pool, so they need ``Authorization: Bearer <token>`` with the token the server was
+started with in :data:`ADMIN_TOKEN_ENV`, and are off (403) without one. The series are the catalog's
 (``kvpool.metrics.catalog.SERVER``): those read from the stats at scrape time, the request
 duration histogram the daemon observes, the build info and prometheus_client's process series.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import socket
@@ -19,6 +23,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvpool.metrics import catalog
+from kvpool.server.control import REQUESTS, Controller, RequestError
 from kvpool.metrics.prom import Histogram, StatsCollector, build_info, create, new_registry
 
 logger = logging.getLogger(__name__)
@@ -29,6 +34,9 @@ _BY_NAME = catalog.by_name("server")
 # peer that sends nothing (any local user may connect) or a scraper that vanished mid-request
 # keeps a thread and an fd of the server forever. A scrape takes milliseconds.
 REQUEST_TIMEOUT_S = 30.0
+# The environment variable holding the controller's admin token.
+ADMIN_TOKEN_ENV = "KVPOOL_SERVER_ADMIN_TOKEN"
+MAX_BODY_BYTES = 8 << 20  # a controller call's JSON: 65536 block hashes take about 4.6 MB
 
 
 class ServerMetrics:
@@ -46,6 +54,23 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+_POST_ROUTES = tuple(name for name, kind in REQUESTS.items() if kind is not None)
+
+
+def _denied(controller: Controller | None, token: str | None, authorization: str) -> tuple[int, str] | None:
+    """None when a controller call with this Authorization header may go on, else the status
+    and message it gets."""
+    if controller is None or token is None:
+        return 403, (f"the controller is off; start kvpool server with {ADMIN_TOKEN_ENV} set to a secret token "
+                     "(16+ characters) and send it as 'Authorization: Bearer <token>'")
+    scheme, _, credential = authorization.partition(" ")
+    # compare_digest: the time taken does not tell how much of a guess was right.
+    if scheme.lower() == "bearer" and hmac.compare_digest(credential.strip().encode(), token.encode()):
+        return None
+    return 401, (f"the controller needs 'Authorization: Bearer <token>' with the token in the server's "
+                 f"{ADMIN_TOKEN_ENV}; this request has none or a wrong one")
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
@@ -60,7 +85,8 @@ class MetricsServer:
     any free port)."""
 
     def __init__(self, host: str, port: int, stats_fn: Callable[[], Mapping[str, Any]],
-                 metrics: ServerMetrics) -> None:
+                 metrics: ServerMetrics, controller: Controller | None = None,
+                 admin_token: str | None = None) -> None:
         fetch = stats_fn
 
         class Handler(BaseHTTPRequestHandler):
@@ -74,13 +100,54 @@ class MetricsServer:
                     self._send(200, CONTENT_TYPE_LATEST, metrics.exposition())
                 elif path == "/stats":
                     self._send(200, "application/json", json.dumps(fetch(), sort_keys=True).encode())
+                elif path == "/v1/usage":
+                    self._control("usage", "GET")
                 else:
-                    self._send(404, "text/plain; charset=utf-8", b"not found: try /metrics, /stats, /healthz\n")
+                    self._send(404, "text/plain; charset=utf-8",
+                               b"not found: try /metrics, /stats, /healthz or the controller's /v1/* routes\n")
+
+            def do_POST(self) -> None:  # noqa: N802
+                path = self.path.split("?", 1)[0]
+                name = path.removeprefix("/v1/")
+                if path.startswith("/v1/") and name in _POST_ROUTES:
+                    self._control(name, "POST")
+                else:
+                    self._error(404, f"no route POST {path[:100]}; the controller's are "
+                                     f"{', '.join('/v1/' + r for r in _POST_ROUTES)} and GET /v1/usage")
+
+            def _control(self, name: str, method: str) -> None:
+                # The token is checked before the body is read: a stranger cannot make us read it.
+                denied = _denied(controller, admin_token, self.headers.get("Authorization", ""))
+                if denied is not None:
+                    if controller is not None:
+                        controller.note_refused()
+                    self._error(*denied)
+                    return
+                assert controller is not None
+                body = b""
+                if method == "POST":
+                    length = self.headers.get("Content-Length", "")
+                    if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+                        self._error(413 if length.isdigit() else 411,
+                                    f"a JSON body with a Content-Length of at most {MAX_BODY_BYTES} bytes is needed")
+                        return
+                    body = self.rfile.read(int(length))
+                try:
+                    answer = controller.call(name, body)
+                except RequestError as exc:
+                    self._error(400, str(exc))
+                    return
+                self._send(200, "application/json", json.dumps(answer, sort_keys=True).encode())
+
+            def _error(self, status: int, message: str) -> None:
+                self._send(status, "application/json", json.dumps({"error": message}).encode())
 
             def _send(self, status: int, ctype: str, body: bytes) -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
+                if status == 401:
+                    self.send_header("WWW-Authenticate", "Bearer")
                 self.end_headers()
                 self.wfile.write(body)
 

@@ -255,6 +255,11 @@ class DiskTier:
         with self._lock:
             return self._order.keys()
 
+    def items(self) -> list[tuple[str, int]]:
+        """(key, bytes its file takes) of the stored keys, in eviction order."""
+        with self._lock:
+            return self._order.items()
+
     def put(self, key: str, data: Buffer | Sequence[Buffer]) -> ErrorCode:
         """Store ``data`` (one buffer or a list written back-to-back) under ``key``.
 

@@ -61,6 +61,7 @@ from kvpool.keys import valid_key
 from kvpool.store import engine_debug, inproc
 from kvpool.store.arena_index import ArenaIndex, Spill
 from kvpool.store.buffers import checksum
+from kvpool.store.controls import Controls
 from kvpool.store.disk_link import CLOSE_STALL_S, DiskLink
 from kvpool.store.engine_config import EngineConfig
 from kvpool.store.inproc import Buffer
@@ -121,6 +122,7 @@ class PoolEngine:
         self._lock = threading.Lock()
         self._unpinned = threading.Condition(self._lock)  # signalled when the disk writer unpins
         self._below = DiskLink(self._index, config.disk, self._lock, self._unpinned, clock)
+        self.controls = Controls(self, self._index, self._below, self._lock, clock)  # the operator's pins
         self._clients: dict[str, float] = {}
         self._closed = False
         self._stop = threading.Event()

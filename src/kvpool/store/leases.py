@@ -120,11 +120,14 @@ class LeaseBook:
 
     # ---- leases --------------------------------------------------------------------------------
 
-    def add(self, obj: PoolObject, client_id: str, now: float, lookup: bool = False) -> tuple[int, float] | ErrorCode:
+    def add(self, obj: PoolObject, client_id: str, now: float, lookup: bool = False,
+            ttl_s: float | None = None, accounted: bool = True) -> tuple[int, float] | ErrorCode:
         """A new lease: (lease id, expires_at); NO_AVAILABLE_HANDLE when the owner holds
         client_max_leases already. A lookup lease that could not pin would protect nothing, so
-        it is not made (also NO_AVAILABLE_HANDLE)."""
-        owner = self.owner(client_id)
+        it is not made (also NO_AVAILABLE_HANDLE). ``ttl_s`` replaces the lease TTL, and an
+        unaccounted lease counts against no owner's quota (the operator's pins,
+        `store/controls.py`, which keep their own bound)."""
+        owner = self.owner(client_id) if accounted else ""
         pins = True
         if owner:
             usage = self.owners.get(owner)
@@ -137,7 +140,7 @@ class LeaseBook:
                 if lookup:
                     return ErrorCode.NO_AVAILABLE_HANDLE
         lease_id = next(self._ids)
-        expires_at = now + self.ttl_s
+        expires_at = now + (self.ttl_s if ttl_s is None else ttl_s)
         state = obj.lease_state
         if state is None:
             state = obj.lease_state = LeaseTable()
