@@ -98,7 +98,20 @@ MAX_MODEL_LEN = 8448  # 8192 prompt tokens + 1 generated, rounded up to whole bl
 SIZES = {"1K": 1024, "4K": 4096, "8K": 8192}
 WARM_UP_TOKENS = 4096  # at most: an unchunked server's warm-up need not be a whole 8K prefill
 CONFIG_ORDER = ("vllm", "kvpool", "kvpool_serial", "kvpool_staged", "kvpool_layerwise", "kvpool_server",
-                "kvpool_tiered", "example", "mooncake")
+                "kvpool_tiered", "example", "mooncake", "offloading", "simple_offload", "lmcache", "lmcache_mp")
+# vLLM's own CPU-offloading connectors, each with a 4 GB host pool like kvpool's server: (config
+# name, connector, extra config, whether it needs vLLM's prefix cache on: SimpleCPUOffloadConnector
+# turns itself off without it).
+VLLM_OFFLOADERS = (
+    ("offloading", "OffloadingConnector", {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 4 << 30}, False),
+    ("simple_offload", "SimpleCPUOffloadConnector", {"cpu_bytes_to_use": 4 << 30}, True),
+)
+# LMCache (the `lmcache` package, installed by `make bench` into LMCACHE_SITE without its CUDA-only
+# dependencies, since its wheel requires cupy and cuFile): its connector in vLLM, with a 4 GB CPU
+# tier, and its multi-process connector.
+LMCACHE_SITE = Path(__file__).resolve().parents[1] / ".venv" / "lmcache-site"
+LMCACHE_ENV = {"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": "4",
+               "LMCACHE_USE_EXPERIMENTAL": "True"}
 PART_NEW_TOKENS = 1024  # `part`: the prompt from a cache, then this many new tokens
 # The targets: (name, text, ratio key in `ratios`, sizes it applies to, the bound).
 TARGETS = [
@@ -168,6 +181,9 @@ class ServerPlan:
     max_num_batched_tokens: int | None = None
     # Why the `ext` request is not tried on this configuration (None: it is).
     skip_ext: str | None = None
+    # A connector that works only beside vLLM's prefix cache (its tier holds what that cache
+    # lets go): the cache is emptied before every hit, so the hit comes from the connector.
+    empty_prefix_cache: bool = False
 
 
 def mooncake_probe() -> tuple[str | None, str | None, str | None]:
@@ -260,6 +276,18 @@ def build_plans(workdir: Path, configs: list[str], mooncake: tuple[str | None, s
         }, setup=tiered_setup)
     if "example" in configs:
         plans["example"] = example_plan(workdir / "example-storage")
+    for name, connector, extra, beside_prefix_cache in VLLM_OFFLOADERS:
+        if name in configs:
+            plans[name] = ServerPlan(name, prefix_caching=beside_prefix_cache, kv_transfer_config={
+                "kv_connector": connector, "kv_role": "kv_both", "kv_connector_extra_config": extra},
+                env={"VLLM_SERVER_DEV_MODE": "1"} if beside_prefix_cache else {},
+                empty_prefix_cache=beside_prefix_cache)
+    lmcache_env = {**LMCACHE_ENV, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(LMCACHE_SITE), os.environ.get("PYTHONPATH", "")) if p)}
+    for name, connector in (("lmcache", "LMCacheConnectorV1"), ("lmcache_mp", "LMCacheMPConnector")):
+        if name in configs:
+            plans[name] = ServerPlan(name, prefix_caching=False, kv_transfer_config={
+                "kv_connector": connector, "kv_role": "kv_both"}, env=lmcache_env)
     if "mooncake" in configs and mooncake[0] is not None:
         cfg_path = workdir / "mooncake.json"
         n_starts = [0]
@@ -368,6 +396,18 @@ def measure_one(srv: OpenAIServer, prompt: list[int], index: int) -> tuple[dict[
     }, r.token_ids
 
 
+def pause(plan: ServerPlan, server: OpenAIServer, wait_s: float) -> None:
+    """The wait before a hit; for a connector beside vLLM's prefix cache, that cache emptied
+    first (vLLM refuses while the connector still copies blocks out of it: asked again)."""
+    if plan.empty_prefix_cache:
+        deadline = time.monotonic() + 30
+        while not server.client.post("/reset_prefix_cache").json().get("success"):
+            if time.monotonic() > deadline:
+                raise RuntimeError("vLLM's prefix cache could not be emptied in 30 s")
+            time.sleep(0.1)
+    time.sleep(wait_s)
+
+
 def run_config(plan: ServerPlan, sizes: list[str], reps: int, model_dir: Path, workdir: Path,
                args: argparse.Namespace) -> dict[str, Any]:
     """All sizes for one configuration: {size: {cold, hit, ext: [samples], status, ...}}.
@@ -427,17 +467,17 @@ def run_config(plan: ServerPlan, sizes: list[str], reps: int, model_dir: Path, w
                         snap = cpu_snapshot()
                         cold, generated = measure_one(runner.server, prompt, index)
                         got["cold"] = [cold]
-                        time.sleep(args.wait_s)
+                        pause(plan, runner.server, args.wait_s)
                         phase = "hit"
                         got["hit"] = [measure_one(runner.server, prompt, index)[0]]
                         if entry["ext_status"] == "ok":
                             phase = "ext"
                             for _ in range(args.ext_repeats):
-                                time.sleep(args.wait_s)
+                                pause(plan, runner.server, args.wait_s)
                                 got.setdefault("ext", []).append(
                                     measure_one(runner.server, prompt + generated[:1], index)[0])
                         if entry["ext_status"] == "ok" and n + PART_NEW_TOKENS < MAX_MODEL_LEN:
-                            time.sleep(args.wait_s)
+                            pause(plan, runner.server, args.wait_s)
                             phase = "part"
                             new = make_prompt(PART_NEW_TOKENS, 5000 + index, vocab)
                             got["part"] = [measure_one(runner.server, prompt + new, index)[0]]

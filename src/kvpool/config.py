@@ -38,6 +38,7 @@ import msgspec.inspect as mi
 from kvpool.errors import ConfigError
 from kvpool.paths import default_server_socket, validate_offload_path
 from kvpool.store import DiskTier, EngineConfig
+from kvpool.store.controls import MAX_PIN_S
 from kvpool.store.policy import DISK_POLICIES, MEMORY_POLICIES, DiskPolicy, MemoryPolicy
 
 Meta = msgspec.Meta
@@ -673,6 +674,10 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
         "also save the blocks a request fills while decoding, so that a conversation's next turn "
         "(whose prompt holds this answer) hits them; a request may ask for it, or refuse it, in its "
         "kv_transfer_params"))] = False
+    request_pin_max_s: Annotated[float, Meta(ge=1e-3, le=MAX_PIN_S, extra={"kind": "seconds", "zero": (
+        "requests may not pin")}, description=(
+        "the longest a request may keep its prompt's blocks in the host pool's memory with `pin_s` "
+        "in its kv_transfer_params (a longer one is cut to this); `local` and `server` only"))] = 0.0
     prefill_pp_size: Annotated[int, Meta(ge=1, le=MAX_PP_SIZE, description=(
         "PP size of the prefill nodes a decode node puts for"))] | None = None
     prefill_pp_layer_partition: Annotated[tuple[Annotated[int, Meta(ge=1, le=MAX_LAYERS)], ...], Meta(

@@ -125,3 +125,19 @@ def test_kvpool_ctl_against_the_server(pool, monkeypatch, capsys):
     monkeypatch.setenv(ADMIN_TOKEN_ENV, "wrong-token-wrong-token")
     assert main(["ctl", "--url", base, "usage"]) == 1
     assert "HTTP 401" in capsys.readouterr().err
+
+
+def test_a_client_pins_through_the_socket(pool, make_client):
+    # A request's pin_s reaches the server this way (`ServerBackend.batch_pin`).
+    base, keys = pool
+    client = make_client(name="pinner")
+    assert client.pin(keys[:3] + ["m@never-stored"], 120.0) == [0, 0, 0, -704]
+    assert _call(base, "/v1/usage")[1]["total"]["pinned_objects"] == 3
+    from kvpool.backends.pool_server import ServerBackend
+
+    backend = ServerBackend(client.socket_path, "pin-backend")
+    try:
+        assert backend.batch_pin(keys[3:5], 60.0) == [0, 0]
+    finally:
+        backend.close()
+    assert _call(base, "/v1/usage")[1]["total"]["pinned_objects"] == 5

@@ -130,6 +130,7 @@ def full_extra(ssd: str) -> dict:
         "producer_is_to_load": "true",
         "save_sync": "true",
         "save_decode_cache": "yes",
+        "request_pin_max_s": "1h",
         "prefill_pp_size": "2",
         "prefill_pp_layer_partition": "30,31",
         "discard_partial_chunks": "true",
@@ -191,6 +192,7 @@ def test_every_key_parses_from_strings(tmp_path):
         producer_is_to_load=True,
         save_sync=True,
         save_decode_cache=True,
+        request_pin_max_s=3600.0,
         prefill_pp_size=2,
         prefill_pp_layer_partition=(30, 31),
         discard_partial_chunks=True,
@@ -236,7 +238,8 @@ def test_native_json_types_parse_the_same(tmp_path):
     ssd = real_dir(tmp_path)
     native = {
         "lookup_rpc_port": 1, "load_async": True, "consumer_is_to_load": True, "consumer_is_to_put": False,
-        "producer_is_to_load": True, "save_sync": True, "save_decode_cache": True, "prefill_pp_size": 2, "prefill_pp_layer_partition": [30, 31],
+        "producer_is_to_load": True, "save_sync": True, "save_decode_cache": True, "request_pin_max_s": 3600,
+        "prefill_pp_size": 2, "prefill_pp_layer_partition": [30, 31],
         "discard_partial_chunks": True, "inject_load_failure_every": 3, "stats_log_interval_s": 5,
         "transfer_path": "staged", "staging_buffer_size": 64 * MiB, "use_layerwise": True, "share_across_tp": True,
         "copy_threads": 2,

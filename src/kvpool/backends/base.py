@@ -174,6 +174,7 @@ class Backend(abc.ABC):
     """
 
     name: str = "base"
+    can_pin: bool = False  # whether `batch_pin` keeps keys in memory (host pools: `_pin`)
     # Reconnect backoff (`Reconnect`): the first retry of a store that is down, and the cap.
     retry_first_s: float = 0.5
     retry_cap_s: float = 5.0
@@ -332,6 +333,15 @@ class Backend(abc.ABC):
         if old is not None:
             old.close()
 
+    def batch_pin(self, keys: Sequence[str], ttl_s: float) -> list[int] | None:
+        """Keep ``keys`` in the store's memory for ``ttl_s`` seconds (a request's ``pin_s``): a
+        code per key, RPC_FAIL for each while the store is down; None from a store that cannot
+        pin (the distributed stores: their memory is their own)."""
+        if not self.can_pin:
+            return None
+        codes = self._call("pin", self._pin, [k for k in keys], ttl_s)
+        return codes if codes is not None else [RPC_FAIL] * len(keys)
+
     def take_removed(self) -> list[str] | None:
         """Keys that left the store since the last call (eviction, removal), for stores that can
         tell (the first call starts the watch); None for a store that cannot."""
@@ -346,6 +356,9 @@ class Backend(abc.ABC):
         self._state.copies.close()
 
     # ---- hooks ------------------------------------------------------------------------------
+
+    def _pin(self, keys: list[str], ttl_s: float) -> list[int]:
+        raise NotImplementedError  # only where can_pin
 
     @abc.abstractmethod
     def _exists(self, keys: list[str], lease: bool) -> list[bool]:

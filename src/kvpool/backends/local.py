@@ -17,6 +17,7 @@ class LocalBackend(Backend):
     """An in-process `PoolEngine`; its SSD tier, if any, is what survives a restart."""
 
     name = "local"
+    can_pin = True
 
     def __init__(self, settings: LocalSettings, client_name: str) -> None:
         self._client = client_name
@@ -49,6 +50,9 @@ class LocalBackend(Backend):
 
     def _get_into(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
         return [int(c) for c in self.engine.batch_get_into(self._client, keys, values, self._copies)]
+
+    def _pin(self, keys: list[str], ttl_s: float) -> list[int]:
+        return [int(c) for c in self.engine.controls.pin(keys, ttl_s)]
 
     def _store_stats(self) -> dict[str, float]:
         return self.engine.stats()

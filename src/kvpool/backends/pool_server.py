@@ -26,6 +26,7 @@ class ServerBackend(Backend):
     """A `PoolClient` behind the Backend protocol."""
 
     name = "server"
+    can_pin = True
 
     def __init__(self, socket_path: str, client_name: str, **client_kwargs: object) -> None:
         # Without a server this still succeeds (the client logs one warning): vLLM then runs
@@ -48,6 +49,9 @@ class ServerBackend(Backend):
 
     def _get_into(self, keys: list[str], values: list[list[np.ndarray]]) -> list[int]:
         return self.client.get_into(keys, values, self._copies, self._buffers)
+
+    def _pin(self, keys: list[str], ttl_s: float) -> list[int]:
+        return self.client.pin(keys, ttl_s)
 
     def _store_stats(self) -> dict[str, float]:
         """The server's numeric counters (none while it is unreachable)."""

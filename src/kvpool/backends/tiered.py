@@ -31,6 +31,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
@@ -79,6 +80,9 @@ class TieredBackend(Backend):
     @property
     def capabilities(self) -> Capabilities:
         return self.host.capabilities
+
+    def batch_pin(self, keys: Sequence[str], ttl_s: float) -> list[int] | None:
+        return self.host.batch_pin(keys, ttl_s)  # pins keep bytes in this host's memory
 
     # ---- hooks ------------------------------------------------------------------------------
 

@@ -374,6 +374,15 @@ class PoolClient:
         return codes
 
     def remove(self, keys: Sequence[str]) -> list[int]:
+        return self._per_key(keys, P.Remove)
+
+    def pin(self, keys: Sequence[str], ttl_s: float) -> list[int]:
+        """Keep ``keys`` in the server's memory for ``ttl_s`` seconds: a code per key (OK,
+        OBJECT_NOT_FOUND, NO_AVAILABLE_HANDLE past the pins' share; RPC_FAIL when unreachable)."""
+        return self._per_key(keys, lambda batch: P.Pin(batch, ttl_s))
+
+    def _per_key(self, keys: Sequence[str], request: Callable[[list[str]], P.Message]) -> list[int]:
+        """A code per key of a request that answers one per key, sent in batches of valid keys."""
         codes = [RPC_FAIL] * len(keys)
         todo = [(i, k) for i, k in enumerate(keys) if valid_key(k, P.MAX_KEY_BYTES)]
         for i, k in enumerate(keys):
@@ -381,7 +390,7 @@ class PoolClient:
                 codes[i] = int(ErrorCode.INVALID_KEY)
         for batch in _chunks(todo):
             try:
-                reply = self._call(P.Remove([k for _, k in batch]), P.Codes, len(batch))
+                reply = self._call(request([k for _, k in batch]), P.Codes, len(batch))
             except _Down:
                 break
             for (i, _), c in zip(batch, self._codes_of(reply, len(batch))):

@@ -693,6 +693,8 @@ class Server:
             return P.Codes([int(engine.ping(cid))])
         if isinstance(req, P.Remove):
             return P.Codes([int(engine.remove(k)) for k in req.keys])
+        if isinstance(req, P.Pin):
+            return P.Codes([int(c) for c in engine.controls.pin(req.keys, req.ttl_s)])
         if isinstance(req, P.GetStats):
             return P.StatsReply(self.stats(), self.client_list())
         if isinstance(req, P.Hello):

@@ -24,6 +24,8 @@ from typing import Annotated, Union
 
 import msgspec
 
+from kvpool.store.controls import MAX_PIN_S
+
 # 2 added Lookup. A server speaks every version in SUPPORTED_VERSIONS (a client that says 1
 # never sends Lookup); a client speaks PROTOCOL_VERSION, so servers are upgraded first.
 PROTOCOL_VERSION = 2
@@ -133,11 +135,19 @@ class Remove(Message):
     keys: Keys
 
 
+class Pin(Message):
+    """Keep these objects in memory for ``ttl_s`` seconds (a request's ``pin_s``); the answer is
+    a code per key (`kvpool.store.controls`)."""
+
+    keys: Keys
+    ttl_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_PIN_S)]
+
+
 class GetStats(Message):
     """Engine counters plus server facts (clients, arena, uptime)."""
 
 
-Request = Union[Hello, Ping, Exists, Lookup, Allocate, Commit, Abort, Acquire, Release, Remove, GetStats]
+Request = Union[Hello, Ping, Exists, Lookup, Allocate, Commit, Abort, Acquire, Release, Remove, Pin, GetStats]
 
 
 # ---- replies ----------------------------------------------------------------------------

@@ -12,11 +12,12 @@ be able to fail an engine step).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from kvpool.config import REQUEST_PARAMS_KEY as PARAMS_KEY
+from kvpool.store.controls import MAX_PIN_S
 
 
 class RequestControl(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -26,6 +27,9 @@ class RequestControl(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     skip_save: bool = False  # save none of this request's blocks (a prompt that must not be pooled)
     # Save the blocks this request fills while it decodes (null: the `save_decode_cache` setting).
     save_decode: bool | None = None
+    # Keep the prompt's blocks in the host pool's memory this many seconds after they are saved
+    # or loaded (at most the `request_pin_max_s` setting; 0 there: not at all).
+    pin_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_PIN_S)] = 0.0
 
 
 DEFAULT = RequestControl()
@@ -44,5 +48,5 @@ def request_control(kv_transfer_params: Any) -> tuple[RequestControl, str | None
         return msgspec.convert(given, RequestControl, strict=True), None
     except msgspec.ValidationError as exc:
         return DEFAULT, (f"kv_transfer_params.{PARAMS_KEY}={given!r:.200} is invalid: {exc}; expected an "
-                         f"object of {', '.join(SWITCHES)} (true or false); the request was served "
+                         f"object of {', '.join(SWITCHES)} (pin_s: seconds, the others true or false); the request was served "
                          f"with the instance's defaults")

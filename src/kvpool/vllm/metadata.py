@@ -27,6 +27,9 @@ class BlockTask:
     # holds a block that failed to load in this step (or, among these, in the last one) is
     # dropped: its KV may have been computed from wrong bytes.
     prior_block_ids: list[int] = dataclasses.field(default_factory=list)
+    # Once moved, keep these blocks in the host pool's memory this many seconds (the request's
+    # `pin_s`, cut to `request_pin_max_s`); 0: no pin.
+    pin_s: float = 0.0
 
 
 @dataclasses.dataclass

@@ -77,6 +77,7 @@ class _RequestState:
     load_start: int = 0  # the first block of its last load (several groups: where a failure rewinds to)
     reused_upto: int = 0  # blocks [0, reused_upto) came from vLLM's cache or the pool, not computed here
     control: RequestControl = DEFAULT  # what the request asked of the pool (`control.py`)
+    pin_s: float = 0.0  # its blocks' pin once moved: its `pin_s` as the instance allows it
 
 
 def _held(group: PoolGroup, ids: list[int], span: range) -> list[int]:
@@ -152,6 +153,7 @@ class PoolScheduler:
         self._pending_loads: list[BlockTask] = []
         self._finished_state_saves: list[BlockTask] = []  # Mamba states of requests that just finished
         self._warned_hash_size = False
+        self._warned_pin = False
         self._checked_chunking = False
         self.chunking_problem: str | None = None  # why this model's states are not pooled, once known
         self._finished_with_io: list[str] = []
@@ -196,6 +198,12 @@ class PoolScheduler:
             state.control, problem = request_control(request.kv_transfer_params)
             if problem:
                 logger.warning("kvpool: request %s: %s", request.request_id, problem)
+            state.pin_s = min(state.control.pin_s, self.config.request_pin_max_s)
+            if state.control.pin_s and not state.pin_s and not self._warned_pin:
+                self._warned_pin = True
+                logger.warning("kvpool: request %s asked to pin its blocks (pin_s=%s), which this instance does not "
+                               "allow (request_pin_max_s is 0); served without the pin", request.request_id,
+                               state.control.pin_s)
         return state.control
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -230,7 +238,7 @@ class PoolScheduler:
             pairs = _blocks(group, hashes, state.block_ids[group.index], group.load_span(plan.start_block, end))
             if pairs:
                 self._pending_loads.append(_task(request.request_id, group.index, pairs, is_async=plan.is_async,
-                                                 in_step=plan.is_async and self._load_in_step))
+                                                 in_step=plan.is_async and self._load_in_step, pin_s=state.pin_s))
         state.saved_upto = max(state.saved_upto, end)
         state.reused_upto = max(state.reused_upto, end)
         state.load_start = plan.start_block
@@ -312,7 +320,8 @@ class PoolScheduler:
                 self._events.planned(group, req.block_hashes, [last], req.all_token_ids)
         if by_group:
             state.has_io = True
-        return [_task(req.request_id, group, pairs, save_now=save_now) for group, pairs in by_group.items()]
+        return [_task(req.request_id, group, pairs, save_now=save_now, pin_s=state.pin_s)
+                for group, pairs in by_group.items()]
 
     def register_finished_partial_tail(self, request: Request, entries: list[tuple[int, int, int]]) -> bool:
         """A finishing request's last prompt state that vLLM kept in its own table block (the
@@ -362,7 +371,8 @@ class PoolScheduler:
             if pairs:
                 # Sync loads (single-group models only) may fail after this step's saves were planned.
                 meta.saves.append(_task(req.request_id, group.index, pairs, save_now=group.frees_early,
-                                        prior_block_ids=ids[:start] if self._step_has_sync_loads else []))
+                                        prior_block_ids=ids[:start] if self._step_has_sync_loads else [],
+                                        pin_s=state.pin_s))
         state.saved_upto = end
         state.has_io = True
 

@@ -43,7 +43,7 @@ from kvpool.backends.registry import REGISTRY
 from kvpool.config import KVPoolConfig
 from kvpool.device.copy import Copier, DirectCopier, load_direct, make_copier
 from kvpool.device.layout import KVLayout
-from kvpool.errors import ConfigError, ErrorCode, is_stored
+from kvpool.errors import NOT_FOUND, OK, ConfigError, ErrorCode, is_stored
 from kvpool.keys import KeyScheme, model_key_name, prefill_stage_schemes
 from kvpool.vllm.events import STORED, Marker, PoolEventReport, dropped_markers, events_enabled
 from kvpool.vllm.groups import PoolGroup, alignment_blocks, loads_by_request, longest_hit, pool_groups
@@ -161,6 +161,7 @@ class PoolWorker:
         # Layerwise loads run beside the transfer thread, so a save in progress never delays the
         # layer the forward pass is waiting for.
         self._layer_loader: TransferThread | None = None
+        self._warned_pin = False
         self._layer_loads: _LayerLoads | None = None
         self._layers_saved: set[int] = set()  # layers of this step already queued by save_kv_layer
         self._lock = threading.Lock()  # guards the sets below, shared with the transfer thread
@@ -488,6 +489,9 @@ class PoolWorker:
         io = self.groups[task.group]
         self._count(load_blocks=ok if count_blocks else 0, load_bytes=ok * io.layout.layer_block_bytes * layers,
                     load_time_s=seconds, load_failed_blocks=len(failed) if count_blocks else 0)
+        if task.pin_s and count_blocks and ok:  # off the step's path: the loads are what it waits for
+            moved = [b not in failed for b in task.block_ids]
+            self._transfer.submit(SAVE, task.req_id, lambda: self._pin(task, [io.scheme], moved))
         return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -583,9 +587,11 @@ class PoolWorker:
 
     def _save(self, task: BlockTask, ready=None) -> None:
         # A block is in the pool once every target (a prefill PP stage's layers, or all) holds it.
-        results = [self._save_values(task, scheme, layers, ready)
-                   for scheme, layers in self.groups[task.group].put_targets]
-        self._note_stored(task, [all(r) for r in zip(*results)] if results else [])
+        targets = self.groups[task.group].put_targets
+        results = [self._save_values(task, scheme, layers, ready) for scheme, layers in targets]
+        stored = [all(r) for r in zip(*results)] if results else []
+        self._note_stored(task, stored)
+        self._pin(task, [scheme for scheme, _ in targets], stored)
 
     def _save_layer(self, task: BlockTask, layer: int, ready=None) -> None:
         assert self.scheme is not None
@@ -593,6 +599,23 @@ class PoolWorker:
         stored = self._save_values(task, self.scheme, range(layer, layer + 1), ready, count_blocks=last)
         if last:  # a block is in the pool once its last layer is
             self._note_stored(task, stored)
+            self._pin(task, [self.scheme], stored)
+
+    def _pin(self, task: BlockTask, schemes: Sequence[KeyScheme], moved: Sequence[bool]) -> None:
+        """Keep the task's moved blocks (every value of each: its layers, heads, PP targets) in
+        the host pool's memory for its request's ``pin_s``."""
+        hashes = [h for h, ok in zip(task.block_hashes, moved) if ok]
+        if not task.pin_s or not hashes:
+            return
+        assert self.backend is not None
+        keys = [k for scheme in schemes for layer in (range(scheme.layers) if scheme.layers else (None,))
+                for k in scheme.keys(hashes, layer)]
+        codes = self.backend.batch_pin(keys, task.pin_s)
+        if (codes is None or any(c not in (OK, NOT_FOUND) for c in codes)) and not self._warned_pin:
+            self._warned_pin = True  # a pool without room for pins, or a store that cannot pin: said once
+            logger.warning("kvpool: request %s asked to pin its blocks for %s s; %s", task.req_id, task.pin_s,
+                           f"the {self.backend.name} backend cannot pin (a distributed store keeps its own memory)"
+                           if codes is None else f"the pool answered {_code_name(next(c for c in codes if c not in (OK, NOT_FOUND)))}")
 
     def _note_stored(self, task: BlockTask, stored: list[bool]) -> None:
         if self._stored is not None:

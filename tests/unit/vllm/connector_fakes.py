@@ -205,8 +205,10 @@ class DictBackend(Backend):
     """
 
     name = "dict"
+    can_pin = True  # as the host pools: `pins` holds each pinned key's TTL
 
     def __init__(self, shared: bool = False) -> None:
+        self.pins: dict[str, float] = {}
         self.shared_across_processes = shared
         self.pinned = False  # whether lookups find hits pinned in this process (as `local`'s are)
         self.data: dict[str, bytes] = {}
@@ -222,6 +224,10 @@ class DictBackend(Backend):
 
     def batch_exists(self, keys: Sequence[str], lease: bool = False) -> list[bool]:
         return [k in self.data for k in keys]
+
+    def _pin(self, keys: list[str], ttl_s: float) -> list[int]:
+        self.pins.update((k, ttl_s) for k in keys if k in self.data)
+        return [int(ErrorCode.OK if k in self.data else ErrorCode.OBJECT_NOT_FOUND) for k in keys]
 
     def batch_presence(self, keys: Sequence[str]) -> list[Presence]:
         held = Presence.PINNED if self.pinned else Presence.STORED

@@ -16,12 +16,14 @@ DOC = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"
     ({"do_remote_decode": True}, DEFAULT),  # another connector's keys only
     ({"kvpool": {}}, DEFAULT),
     ({"kvpool": {"skip_load": True, "save_decode": False}}, RequestControl(skip_load=True, save_decode=False)),
+    ({"kvpool": {"pin_s": 90}}, RequestControl(pin_s=90.0)),
 ])
 def test_switches_are_read(params, control):
     assert request_control(params) == (control, None)
 
 
-@pytest.mark.parametrize("given", [{"skip_load": "true"}, {"skip_lod": True}, [True], "skip_load", 1, None])
+@pytest.mark.parametrize("given", [{"skip_load": "true"}, {"skip_lod": True}, [True], "skip_load", 1, None,
+                                   {"pin_s": -1}, {"pin_s": 1e9}, {"pin_s": "1h"}])
 def test_a_value_kvpool_cannot_read_gives_the_defaults_and_says_why(given):
     control, problem = request_control({"kvpool": given})
     assert control == DEFAULT and problem is not None and "kv_transfer_params.kvpool" in problem

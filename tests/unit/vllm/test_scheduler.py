@@ -252,6 +252,20 @@ def test_a_request_may_skip_the_pools_load_or_its_save(fake_lookup):
     assert _decode_past_a_block(make_scheduler(), {"kvpool": {"skip_save": True}}) == [[]] * (BS + 2)
 
 
+@pytest.mark.parametrize(("allowed", "asked", "pinned"), [(600.0, 60.0, 60.0), (30.0, 60.0, 30.0), (0.0, 60.0, 0.0),
+                                                          (600.0, 0.0, 0.0)])
+def test_a_request_pins_its_loads_and_saves_as_long_as_the_instance_allows(fake_lookup, allowed, asked, pinned):
+    sched = make_scheduler({"request_pin_max_s": allowed})
+    req = make_request("a", 4 * BS + 1)
+    req.kv_transfer_params = {"kvpool": {"pin_s": asked}}
+    pool(fake_lookup, req, 2)
+    assert sched.get_num_new_matched_tokens(req, 0) == (2 * BS, False)
+    sched.update_state_after_alloc(req, kv_blocks([10, 11, 12, 13, 14]), 2 * BS)
+    meta = sched.build_connector_meta(scheduler_output(new=[(new_req(req, [10, 11, 12, 13, 14], 2 * BS), 2 * BS + 1)]))
+    assert [t.pin_s for t in meta.loads] == [pinned] and [t.pin_s for t in meta.saves] == [pinned]
+    assert tasks(meta.saves) == [("a", req.block_hashes[2:4], [12, 13])]
+
+
 @pytest.mark.parametrize("params", [
     {"kvpool": {"skip_load": "yes"}}, {"kvpool": {"skip_lod": True}}, {"kvpool": [1]}, {"kvpool": None},
 ])

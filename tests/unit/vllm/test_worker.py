@@ -92,6 +92,20 @@ def test_save_then_load_into_other_blocks_is_byte_exact(make_worker):
     assert len(pool.data) == 2 and all(len(v) == n for v in pool.data.values())
 
 
+def test_a_requests_pin_holds_what_it_saved_and_what_it_loaded(make_worker):
+    writer, _, pool = make_worker()
+    reader, _, _ = make_worker({"lookup_rpc_port": 1}, backend=pool)
+    writer.wait_for_save(KVPoolMetadata(saves=[BlockTask("a", H[:2], [1, 2], pin_s=60.0), BlockTask("b", H[2:3], [3])]))
+    drain(writer)
+    assert sorted(pool.pins) == sorted(writer.scheme.keys(H[:2])) and set(pool.pins.values()) == {60.0}
+    # A load pins what it loaded; a block the pool lacks is not loaded, so not pinned.
+    pool.pins.clear()
+    reader.start_load_kv(KVPoolMetadata(loads=[BlockTask("c", [H[2], H[5]], [5, 6], pin_s=30.0)]))
+    drain(reader)
+    assert pool.pins == {reader.scheme.key(H[2]): 30.0}
+    assert reader.get_block_ids_with_load_errors() == {6}
+
+
 @pytest.mark.parametrize("field,value", [("revision", "v2"), ("quantization", "fp8"), ("dtype", torch.float16),
                                          ("cache_dtype", "fp8_e5m2"),  # an fp8 KV cache is bytes either way
                                          ("hf_text_config", SimpleNamespace(rope_theta=10000.0,
