@@ -5,6 +5,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvpool-installed
+# LMCache for the benchmarks' peer runs, beside the virtualenv rather than in it: its wheel requires
+# CUDA-only packages (cupy, cuFile) and an older numpy, so it is installed without them.
+LMCACHE := $(VENV)/lmcache-site/.installed
 
 .PHONY: demo test test-fast test-models test-compat bench bench-quick setup clean
 
@@ -24,6 +27,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+$(LMCACHE): $(STAMP)
+	$(BIN)/pip install -q --no-deps --target $(VENV)/lmcache-site "lmcache==0.5.6" aiofile caio \
+		"opentelemetry-exporter-prometheus>=0.50b0,<=0.61b0"
+	touch $(LMCACHE)
 
 demo: $(STAMP)
 	$(BIN)/python -m kvpool.demo.run
@@ -55,7 +63,7 @@ test-compat: $(STAMP)
 # Each benchmark writes benchmarks/results/NAME.json and NAME.png (benchmarks/replot.py redraws the
 # PNGs from the JSON); then docs/benchmarks.md is generated from every result JSON. benchmarks/device.py
 # is not here: it is the check for an accelerator machine.
-bench: $(STAMP)
+bench: $(STAMP) $(LMCACHE)
 	$(BIN)/python benchmarks/store.py
 	$(BIN)/python benchmarks/tiers.py
 	$(BIN)/python benchmarks/hitpath.py
@@ -69,7 +77,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/results_page.py
 
 # The same benchmarks as smoke runs (each under ten minutes here), writing NAME-quick.json/.png.
-bench-quick: $(STAMP)
+bench-quick: $(STAMP) $(LMCACHE)
 	$(BIN)/python benchmarks/store.py
 	$(BIN)/python benchmarks/tiers.py --quick
 	$(BIN)/python benchmarks/hitpath.py --quick

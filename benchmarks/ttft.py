@@ -90,7 +90,9 @@ from common import (
 )
 from plotting import COLORS, finish
 
-from kvpool.testing.launch import DEFAULT_ENV, IN_PROCESS_WORKER_ENV, OpenAIServer, PoolServer, ServerError
+from kvpool.testing.launch import (
+    DEFAULT_ENV, IN_PROCESS_WORKER_ENV, ChildProcess, OpenAIServer, PoolServer, ServerError, free_port,
+)
 from kvpool.testing.model import SPECS, build_model
 from kvpool.testing.services import MooncakeMaster, ServiceError, mooncake_master_binary
 
@@ -218,6 +220,20 @@ def example_plan(storage: Path, name: str = "example", max_num_batched_tokens: i
     }, setup=setup, max_num_batched_tokens=max_num_batched_tokens, skip_ext=skip_ext)
 
 
+class LMCacheServer(ChildProcess):
+    """LMCache's standalone cache server (its multi-process mode), 4 GB of CPU memory, on loopback."""
+
+    name = "lmcache server"
+
+    def __init__(self, port: int, env: dict[str, str], log_path: Path) -> None:
+        super().__init__([sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1",
+                          "--port", str(port), "--l1-size-gb", "4", "--eviction-policy", "LRU"],
+                         env={**os.environ, **env}, log_path=log_path, startup_timeout_s=120)
+
+    def _ready(self) -> bool:
+        return "cache server is running" in self.log()
+
+
 def _fresh_pool(sock: Path, log: Path) -> Callable[[], None]:
     """A fresh `kvpool server` (nothing an earlier vLLM start stored remains); its stop."""
     return PoolServer(sock, memory_size="4GB", log_path=log).start().stop
@@ -284,10 +300,22 @@ def build_plans(workdir: Path, configs: list[str], mooncake: tuple[str | None, s
                 empty_prefix_cache=beside_prefix_cache)
     lmcache_env = {**LMCACHE_ENV, "PYTHONPATH": os.pathsep.join(
         p for p in (str(LMCACHE_SITE), os.environ.get("PYTHONPATH", "")) if p)}
-    for name, connector in (("lmcache", "LMCacheConnectorV1"), ("lmcache_mp", "LMCacheMPConnector")):
-        if name in configs:
-            plans[name] = ServerPlan(name, prefix_caching=False, kv_transfer_config={
-                "kv_connector": connector, "kv_role": "kv_both"}, env=lmcache_env)
+    if "lmcache" in configs:
+        plans["lmcache"] = ServerPlan("lmcache", prefix_caching=False, kv_transfer_config={
+            "kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, env=lmcache_env)
+    if "lmcache_mp" in configs:
+        mp_port = free_port()
+        n_mp = [0]
+
+        def mp_setup() -> Callable[[], None]:
+            n_mp[0] += 1
+            server = LMCacheServer(mp_port, lmcache_env, workdir / "logs" / f"lmcache-server-{n_mp[0]}.log")
+            return server.start().stop
+
+        plans["lmcache_mp"] = ServerPlan("lmcache_mp", prefix_caching=False, kv_transfer_config={
+            "kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": mp_port}},
+            env=lmcache_env, setup=mp_setup)
     if "mooncake" in configs and mooncake[0] is not None:
         cfg_path = workdir / "mooncake.json"
         n_starts = [0]

@@ -36,6 +36,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from kvpool.errors import ConfigError
+from kvpool.keys import tenant_tag
 from kvpool.paths import default_server_socket, validate_offload_path
 from kvpool.store import DiskTier, EngineConfig
 from kvpool.store.controls import MAX_PIN_S
@@ -942,12 +943,60 @@ class ServerSettings(EngineSettings, frozen=True, kw_only=True):
         "leases plus uncommitted allocations one client process may hold at once (0: no cap)"))] = 1 << 18
     client_max_hold_s: Annotated[float, Meta(ge=1, le=DAY_S, extra={"kind": "seconds", "zero": "no cap"}, description=(
         "longest one client process may keep one object leased by renewing it (0: no cap)"))] = 120.0
+    tenants_file: Annotated[str, Meta(extra={"kind": "file"}, description=(
+        "per-tenant memory budgets: a JSON file of {NAME: {\"cache_salt\": SALT, \"budget\": SIZE}}, "
+        "readable by this user only (it holds the salts); a tenant past its budget evicts its own "
+        "blocks (docs/control.md)"))] | None = None
     log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], Meta(description="log level")] = "INFO"
 
     @property
     def idle_timeout_s(self) -> float:
         # Clients ping every client_ttl/3; a connection silent for this long is gone or hung.
         return max(2 * self.client_ttl_s, 5.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tenant:
+    """One entry of `--tenants-file`: the name the controller and the metrics show, the tag its
+    keys carry (`kvpool.keys.tenant_tag` of its cache_salt) and its memory budget in bytes."""
+
+    name: str
+    tag: str
+    budget: int
+
+
+_TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+MAX_TENANTS = 256  # the metrics' tenant label takes these names: a bounded set
+
+
+def load_tenants(path: str, key: str = "tenants_file") -> tuple[Tenant, ...]:
+    """The tenants of a `--tenants-file`; ConfigError naming what is wrong and how to fix it."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise ConfigError(key, path, f"a readable file ({exc.strerror})") from None
+    if mode & 0o077:
+        raise ConfigError(key, path, f"a file only its owner can read (mode {mode & 0o777:o}: it holds the "
+                                     f"tenants' cache salts); chmod 600 {path}")
+    raw = read_json_object(key, path, "tenants")
+    if len(raw) > MAX_TENANTS:
+        raise ConfigError(key, path, f"at most {MAX_TENANTS} tenants (it has {len(raw)})")
+    tenants, tags = [], set()
+    for name, entry in raw.items():
+        where = f"{key}[{name!r}]"
+        if not _TENANT_NAME.fullmatch(name):
+            raise ConfigError(where, name, "a name of 1 to 64 letters, digits, '_', '.' or '-'")
+        if not isinstance(entry, dict) or set(entry) != {"cache_salt", "budget"}:
+            raise ConfigError(where, entry, 'an object {"cache_salt": "...", "budget": "4GB"}, those two keys only')
+        salt = entry["cache_salt"]
+        if not isinstance(salt, str) or not salt:
+            raise ConfigError(f"{where}.cache_salt", "(hidden)", "a non-empty string: the salt its requests carry")
+        tag = tenant_tag(salt)
+        if tag in tags:
+            raise ConfigError(f"{where}.cache_salt", "(hidden)", "a salt no other tenant of the file has")
+        tags.add(tag)
+        tenants.append(Tenant(name, tag, parse_size(f"{where}.budget", entry["budget"])))
+    return tuple(tenants)
 
 
 # Extra spellings of a flag that mean the same (mooncake_master's and kvpool's own).

@@ -49,6 +49,15 @@ CHECKSUM_MISMATCH = int(ErrorCode.CHECKSUM_MISMATCH)
 STORED: frozenset[int] = frozenset({OK, EXISTS})
 
 
+def code_name(code: int) -> str:
+    """The error code's name for logs and the failures counter (its number if it is not one of
+    ours: a store may answer others, and a log line must never fail the transfer it reports)."""
+    try:
+        return ErrorCode(code).name
+    except ValueError:
+        return str(code)
+
+
 def is_stored(code: int) -> bool:
     """Whether a put's code means the key is in the pool (OK or OBJECT_ALREADY_EXISTS)."""
     return code in STORED

@@ -5,6 +5,9 @@ TP shard and PP stage:
 
     {model}@{layout}@tp{shard}/{shards}@pp{pp_rank}/{pp_size}@g{group}@{block_hash_hex}
 
+A block of a request with a `cache_salt` names its tenant after the model: `{model}~{tag}@...`
+(`tenant_tag`), so a pool can keep per-tenant budgets and clear one tenant's blocks.
+
 In layerwise mode (`use_layerwise`) a block is stored as one value per layer, under the block's
 key with `@l{layer}` appended, so a load can move layer i while layer i-1 computes. The two
 modes never read each other's values.
@@ -31,6 +34,9 @@ import re
 from collections.abc import Sequence
 
 _HEX = re.compile(r"(?:[0-9a-f]{2})+")
+# A tenant's keys: `{model}~{tag}@...` (`tenant_tag`); `~` is never in a model's key name.
+TENANT_MARK = "~"
+TENANT_TAG_HEX = 12
 # Keys are ASCII and bounded so every backend (Yuanrong: 1024 bytes) can store them unchanged.
 _MODEL_NAME_MAX = 96
 
@@ -126,46 +132,70 @@ class KeyScheme:
         return self.tp_rank % (self.tp_size // self.kv_shards) == 0
 
     @functools.cached_property
-    def _prefixes(self) -> dict[tuple[int, int], str]:
-        # Every key of a (shard, PP stage) starts alike: a lookup builds hundreds per prompt.
+    def _prefixes(self) -> dict[tuple[int, int, str], str]:
+        # Every key of a (shard, PP stage, tenant) starts alike: a lookup builds hundreds per prompt.
         return {}
 
-    def _prefix(self, shard: int, pp_rank: int) -> str:
-        prefix = self._prefixes.get((shard, pp_rank))
+    def _prefix(self, shard: int, pp_rank: int, tenant: str = "") -> str:
+        prefix = self._prefixes.get((shard, pp_rank, tenant))
         if prefix is None:
             part = f"h{shard}/{self.heads}" if self.heads else f"tp{shard}/{self.kv_shards}"
-            prefix = f"{self.model}@{self.layout}@{part}@pp{pp_rank}/{self.pp_size}@g{self.group}@"
-            self._prefixes[shard, pp_rank] = prefix
+            owner = f"{self.model}{TENANT_MARK}{tenant}" if tenant else self.model
+            prefix = f"{owner}@{self.layout}@{part}@pp{pp_rank}/{self.pp_size}@g{self.group}@"
+            self._prefixes[shard, pp_rank, tenant] = prefix
         return prefix
 
     def key(self, block_hash: bytes, shard: int | None = None, pp_rank: int | None = None,
-            layer: int | None = None) -> str:
-        """The key of one value: of `shard` (per-head values: of head `shard`)."""
+            layer: int | None = None, tenant: str = "") -> str:
+        """The key of one value: of `shard` (per-head values: of head `shard`), of `tenant`'s
+        blocks (`tenant_tag`; "" for a request without a cache_salt)."""
         s = (self.shard if not self.heads else self.head_range.start) if shard is None else shard
-        key = self._prefix(s, self.pp_rank if pp_rank is None else pp_rank) + block_hash.hex()
+        key = self._prefix(s, self.pp_rank if pp_rank is None else pp_rank, tenant) + block_hash.hex()
         return key if layer is None else f"{key}@l{layer}"
 
-    def keys(self, block_hashes: Sequence[bytes], layer: int | None = None) -> list[str]:
+    def keys(self, block_hashes: Sequence[bytes], layer: int | None = None, tenant: str = "") -> list[str]:
         """This rank's keys for the given blocks (in layerwise mode, for one layer); per-head
         values: each block's heads in turn."""
         if (layer is None) != (self.layers == 0):
             raise ValueError(f"layer={layer} for a key scheme with layers={self.layers}")
         if self.heads:
-            return [self.key(h, head, layer=layer) for h in block_hashes for head in self.head_range]
-        return [self.key(h, layer=layer) for h in block_hashes]
+            return [self.key(h, head, layer=layer, tenant=tenant) for h in block_hashes for head in self.head_range]
+        return [self.key(h, layer=layer, tenant=tenant) for h in block_hashes]
+
+    def _all_rank_parts(self, tenant: str) -> list[tuple[str, str]]:
+        """What comes before and after the block hash in each of `all_rank_keys`."""
+        parts = self._rank_parts.get(tenant)
+        if parts is None:
+            layers = [f"@l{layer}" for layer in range(self.layers)] if self.layers else [""]
+            parts = self._rank_parts[tenant] = [(self._prefix(s, p, tenant), layer) for p in range(self.pp_size)
+                                                for s in range(self.heads or self.kv_shards) for layer in layers]
+        return parts
 
     @functools.cached_property
-    def _all_rank_parts(self) -> list[tuple[str, str]]:
-        """What comes before and after the block hash in each of `all_rank_keys`."""
-        layers = [f"@l{layer}" for layer in range(self.layers)] if self.layers else [""]
-        return [(self._prefix(s, p), layer) for p in range(self.pp_size)
-                for s in range(self.heads or self.kv_shards) for layer in layers]
+    def _rank_parts(self) -> dict[str, list[tuple[str, str]]]:
+        return {}
 
-    def all_rank_keys(self, block_hash: bytes) -> list[str]:
+    def all_rank_keys(self, block_hash: bytes, tenant: str = "") -> list[str]:
         """The keys of every shard (or head), PP stage (and layer) for one block: a block is a hit
         only if all exist."""
         h = block_hash.hex()
-        return [prefix + h + layer for prefix, layer in self._all_rank_parts]
+        return [prefix + h + layer for prefix, layer in self._all_rank_parts(tenant)]
+
+
+def tenant_tag(cache_salt: str | None) -> str:
+    """The tenant part of the keys of requests with this `cache_salt` (12 hex digits of its
+    SHA-256, so a key never shows the salt); "" without one. The block hash already keeps
+    tenants' blocks apart (vLLM folds the salt into it); the tag lets a pool tell whose a block
+    is: per-tenant budgets, usage and clearing."""
+    if not cache_salt:
+        return ""
+    return hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).hexdigest()[:TENANT_TAG_HEX]
+
+
+def owner_of(key: str) -> tuple[str, str]:
+    """(model, tenant tag) of a key of this format (tenant "" for a block without a salt)."""
+    model, _, tenant = key[: key.find("@")].partition(TENANT_MARK)
+    return model, tenant
 
 
 def key_parts(key: str) -> tuple[str, str, str] | None:

@@ -141,3 +141,49 @@ def test_a_client_pins_through_the_socket(pool, make_client):
     finally:
         backend.close()
     assert _call(base, "/v1/usage")[1]["total"]["pinned_objects"] == 5
+
+
+def _tenants_file(tmp_path, mode: int = 0o600) -> str:
+    path = tmp_path / "tenants.json"
+    path.write_text(json.dumps({"a": {"cache_salt": "salt-of-a", "budget": "4MB"},
+                                "b": {"cache_salt": "salt-of-b", "budget": "2MB"}}))
+    path.chmod(mode)
+    return str(path)
+
+
+def test_a_tenants_flood_leaves_the_other_tenants_blocks(start_server, make_client, tmp_path):
+    """The tenants target: while tenant a floods the pool with new prefixes, tenant b keeps its
+    blocks within its budget (>= 90%; all of them here), through a real server."""
+    from kvpool.keys import tenant_tag
+
+    server = start_server("--memory-size", "12MB", "--metrics_port", "0", "--tenants-file", _tenants_file(tmp_path),
+                          env={ADMIN_TOKEN_ENV: TOKEN})
+    base = "http://127.0.0.1:" + server.log().split("metrics http://127.0.0.1:")[1].split()[0]
+    client = make_client()
+    scheme = KeyScheme("m", "fp1")
+    block = [np.zeros(32 * 1024, np.uint8)]
+    mine = scheme.keys([i.to_bytes(8, "big") for i in range(40)], tenant=tenant_tag("salt-of-b"))  # 1.3 MB
+    assert client.put(mine, [block] * len(mine)) == [0] * len(mine)
+    for start in range(1000, 1000 + 2000, 100):  # 64 MB of a's new prefixes through 12 MB
+        flood = scheme.keys([i.to_bytes(8, "big") for i in range(start, start + 100)], tenant=tenant_tag("salt-of-a"))
+        assert set(client.put(flood, [block] * len(flood))) == {0}
+    kept = sum(client.exists(mine))
+    assert kept >= 0.9 * len(mine), kept
+    usage = _call(base, "/v1/usage")[1]["tenants"]
+    assert usage["b"]["memory_objects"] == kept and usage["a"]["budget_used_bytes"] <= usage["a"]["budget_bytes"]
+    metrics = urllib.request.urlopen(base + "/metrics").read().decode()
+    assert value(metrics, "kvpool_tenant_budget_bytes", tenant="b") == 2 * 1024 * 1024
+    assert value(metrics, "kvpool_tenant_evictions_total") > 0
+    # Clearing a tenant by name takes its blocks only.
+    assert _call(base, "/v1/clear", {"tenant": "b"})[1]["removed"] == kept
+    assert sum(client.exists(mine)) == 0 and _call(base, "/v1/usage")[1]["tenants"]["a"]["memory_objects"] > 0
+    # A prompt of a tenant is looked up with its salt.
+    found = _call(base, "/v1/lookup", {"model": "m", "block_hashes": [(2999).to_bytes(8, "big").hex()],
+                                       "cache_salt": "salt-of-a"})[1]
+    assert found["hit_blocks"] == 1
+
+
+def test_a_tenants_file_others_can_read_is_refused(start_server, tmp_path):
+    server = start_server("--tenants-file", _tenants_file(tmp_path, 0o644), expect_ready=False)
+    assert server.wait() == 2
+    assert "tenants_file=" in server.log() and "chmod 600" in server.log()

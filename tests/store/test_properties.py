@@ -120,7 +120,7 @@ def run_engine_ops(engine: PoolEngine, clock: FakeClock, sizes: dict[str, int], 
     held: list[Lease] = []
     pending: list[Allocation] = []
     for op, index in ops:
-        key = KEYS[index]
+        key = list(sizes)[index]
         if op == "put":
             rc = engine.put("c", key, [payload(key, sizes[key])])
             assert rc in (ErrorCode.OK, ErrorCode.NO_AVAILABLE_HANDLE)
@@ -164,7 +164,7 @@ def run_engine_ops(engine: PoolEngine, clock: FakeClock, sizes: dict[str, int], 
         elif op == "reap":
             engine.reap()
         elif op == "lookup":
-            pair = [key, KEYS[(index + 1) % len(KEYS)]]
+            pair = [key, list(sizes)[(index + 1) % len(sizes)]]
             for k, found in zip(pair, engine.exists(pair, "scheduler", lease=True)):
                 if found:
                     looked_up[k] = clock.now + 1.0  # a lookup lease of default_kv_lease_ttl_ms
@@ -182,6 +182,23 @@ def test_engine_invariants_under_random_ops(sizes, ops) -> None:
     )
     try:
         run_engine_ops(engine, clock, dict(zip(KEYS, sizes)), ops, set())
+    finally:
+        engine.close()
+
+
+# Keys of two tenants with budgets (a third, "c", has none) and of requests without a salt.
+TENANT_KEYS = [f"m~{t * 12}@key{i}" for i, t in enumerate("aaaabbbbcc")] + ["key10", "key11"]
+
+
+@SETTINGS
+@given(sizes=sizes_st, ops=engine_ops)
+def test_tenant_budgets_hold_under_random_ops(sizes, ops) -> None:
+    """The invariants above, and each budgeted tenant's charge within its budget (`check_evictable`)."""
+    clock = FakeClock()
+    engine = PoolEngine(EngineConfig(memory_size=MEMORY, default_kv_lease_ttl_ms=1000, reap_interval_s=0,
+                                     tenant_budgets={"a" * 12: MEMORY // 3, "b" * 12: MEMORY // 4}), clock=clock)
+    try:
+        run_engine_ops(engine, clock, dict(zip(TENANT_KEYS, sizes)), ops, set())
     finally:
         engine.close()
 

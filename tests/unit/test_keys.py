@@ -259,3 +259,16 @@ def test_keys_are_ascii_and_bounded():
 def test_non_ascii_model_names_give_ascii_keys():
     name = model_key_name("/models/模型-é")
     assert name.isascii()
+
+
+def test_a_tenants_keys_name_its_tag_never_its_salt():
+    from kvpool.keys import block_of, key_parts, owner_of, tenant_tag
+
+    tag = tenant_tag("a secret salt")
+    assert len(tag) == 12 and tag == tenant_tag("a secret salt") != tenant_tag("another") and tenant_tag(None) == ""
+    scheme = KeyScheme("model", "fp", tp_size=2, kv_shards=2, group=1)
+    key = scheme.key(HASH, tenant=tag)
+    assert key.startswith(f"model~{tag}@fp@") and "secret" not in key
+    assert owner_of(key) == ("model", tag) and owner_of(scheme.key(HASH)) == ("model", "")
+    assert block_of(key) == (1, HASH) and key_parts(key)[1] == HASH.hex()
+    assert scheme.all_rank_keys(HASH, tag) == [k.replace("model@", f"model~{tag}@") for k in scheme.all_rank_keys(HASH)]

@@ -41,9 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         _add_prompt_arguments(q)
         if name == "pin":
             q.add_argument("--ttl", required=True, help='how long, e.g. "90s", "30m", "2h" (at most 7 days)')
-    q = sub.add_parser("clear", help="remove one model's blocks, or every block")
+    q = sub.add_parser("clear", help="remove one model's blocks, one tenant's, or every block")
     which = q.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help="the model as the instances were given it (vLLM's --model)")
+    which.add_argument("--cache-salt", help="a tenant's blocks: those of requests with this cache_salt")
+    which.add_argument("--tenant", help="a tenant's blocks, by its name in the server's --tenants-file")
     which.add_argument("--all", action="store_true", help="every block of every model")
 
 
@@ -92,8 +94,13 @@ def request(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None]:
     if args.call == "usage":
         return "GET", "/v1/usage", None
     if args.call == "clear":
-        return "POST", "/v1/clear", {"all": True} if args.all else {"model": model_key_name(args.model)}
-    body: dict[str, Any] = {"model": model_key_name(args.model), "block_hashes": block_hashes(args)}
+        body: dict[str, Any] = (
+            {"all": True} if args.all else {"cache_salt": args.cache_salt} if args.cache_salt is not None
+            else {"tenant": args.tenant} if args.tenant is not None else {"model": model_key_name(args.model)})
+        return "POST", "/v1/clear", body
+    body = {"model": model_key_name(args.model), "block_hashes": block_hashes(args)}
+    if args.cache_salt:
+        body["cache_salt"] = args.cache_salt
     if args.call == "pin":
         body["ttl_s"] = parse_duration("--ttl", args.ttl, 1.0, 'a duration such as "90s", "30m" or "2h"')
     return "POST", f"/v1/{args.call}", body

@@ -165,6 +165,13 @@ SERVER: tuple[Series, ...] = (
             "pops): grows with requests, not with the pool's size", "lease_ops"),
     _server("kvpool_eviction_steps", "counter", "Objects eviction looked at: one per victim with lru (held objects "
             "are never in its list); with s3fifo also each object it moved from one queue to another", "evict_steps"),
+    _server("kvpool_tenant_evictions", "counter", "Objects a tenant evicted of its own to stay within its budget "
+            "(--tenants-file)", "tenant_evictions"),
+    _server("kvpool_tenant_budget_refusals", "counter", "Allocations refused: the tenant was at its budget and "
+            "every object of it was held", "tenant_budget_refusals"),
+    Series("kvpool_tenant_memory_bytes", "gauge", "Memory a tenant of the tenants file takes (objects and puts "
+           "in progress)", "server", ("tenant",)),
+    Series("kvpool_tenant_budget_bytes", "gauge", "A tenant's memory budget (the tenants file)", "server", ("tenant",)),
     _server("kvpool_pinned_objects", "gauge", "Objects the operator pinned in memory through the controller "
             "(until their TTL)", "pinned_objects"),
     _server("kvpool_controller_calls", "counter", "Controller calls answered, by call (each that changes the pool "

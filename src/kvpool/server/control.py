@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Annotated, Any
 
 import msgspec
 
 from kvpool.errors import ErrorCode
-from kvpool.keys import key_parts
+from kvpool.config import Tenant
+from kvpool.keys import TENANT_MARK, key_parts, owner_of, tenant_tag
 from kvpool.metrics.catalog import CONTROL_OPS
 from kvpool.store.controls import MAX_PIN_S, Contents
 from kvpool.store.engine import PoolEngine
@@ -35,24 +37,31 @@ logger = logging.getLogger(__name__)
 
 MAX_HASHES = 1 << 16  # block hashes per call: a 1M-token prompt at 16-token blocks
 _Hex = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{2,128}$")]
-_Model = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern="^[^@]+$")]
+_Model = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern="^[^@~]+$")]
+_Salt = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+_Name = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 
 
 class Blocks(msgspec.Struct, forbid_unknown_fields=True):
-    """A prompt of one model: its block hashes in order (lowercase hex)."""
+    """A prompt of one model: its block hashes in order (lowercase hex), and the cache_salt its
+    requests carry, if any (its blocks are that tenant's)."""
 
     model: _Model
     block_hashes: Annotated[list[_Hex], msgspec.Meta(min_length=1, max_length=MAX_HASHES)]
+    cache_salt: _Salt | None = None
 
 
-class Pin(Blocks, forbid_unknown_fields=True):
+class Pin(Blocks, forbid_unknown_fields=True, kw_only=True):
     ttl_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_PIN_S)]
 
 
 class Clear(msgspec.Struct, forbid_unknown_fields=True):
-    """What to remove: one model's keys, or (``all``) every key."""
+    """What to remove, one of: a model's keys, a tenant's (by its cache_salt, or its name in the
+    server's tenants file), or (``all``) every key."""
 
     model: _Model | None = None
+    cache_salt: _Salt | None = None
+    tenant: _Name | None = None
     all: bool = False
 
 
@@ -78,10 +87,11 @@ class _Family:
         return [prefix + hex_hash + suffix for prefix, suffix in sorted(self.parts)]
 
 
-def _families(keys: Iterable[str], model: str) -> dict[tuple[str, str], _Family]:
-    """The (layout, group) families of ``model`` among ``keys``."""
+def _families(keys: Iterable[str], model: str, tenant: str) -> dict[tuple[str, str], _Family]:
+    """The (layout, group) families of ``model``'s blocks of ``tenant`` (a tag; "": no salt)
+    among ``keys``."""
     # One cut per key (a million keys take about a second), the full parse once per family.
-    start = model + "@"
+    start = f"{model}{TENANT_MARK}{tenant}@" if tenant else model + "@"
     found: dict[tuple[str, str], str] = {}
     for key in keys:
         if not key.startswith(start):
@@ -113,8 +123,10 @@ def _leading(flags: list[bool]) -> int:
 class Controller:
     """The controller's calls over one engine; ``call(name, body)`` answers a route."""
 
-    def __init__(self, engine: PoolEngine) -> None:
+    def __init__(self, engine: PoolEngine, tenants: Sequence[Tenant] = ()) -> None:
         self._engine = engine
+        self.tenants = {t.tag: t for t in tenants}
+        self._by_name = {t.name: t for t in tenants}
         self._lock = threading.Lock()
         self.counts = dict.fromkeys(REQUESTS, 0)
         self.refused = 0  # calls without the right token
@@ -126,6 +138,10 @@ class Controller:
             out["control_refused"] = self.refused
         out["pinned_objects"] = self._engine.controls.pinned_count()
         return out
+
+    def tenant_usage(self) -> dict[str, tuple[int, int]]:
+        """Per tenant of the tenants file, by name: (memory bytes it takes, its budget)."""
+        return {self._name(tag): usage for tag, usage in self._engine.controls.tenant_usage().items()}
 
     def note_refused(self) -> None:
         with self._lock:
@@ -145,28 +161,42 @@ class Controller:
         with self._lock:
             self.counts[name] += 1
         if name in CHANGES_STATE:
-            logger.info("controller %s %s: %s", name, msgspec.json.encode(request).decode()[:300], answer)
+            shown = msgspec.to_builtins(request)
+            if shown.get("cache_salt") is not None:
+                shown["cache_salt"] = "(hidden)"  # a tenant's secret: the log names its tag
+                shown["tenant"] = self._name(tenant_tag(request.cache_salt))
+            logger.info("controller %s %s: %s", name, json.dumps(shown)[:300], answer)
         return answer
 
     # ---- the calls ---------------------------------------------------------------------------
 
     def _usage(self, _: None) -> dict[str, Any]:
         contents = self._engine.controls.contents()
-        models: dict[str, dict[str, int]] = {}
         zero = dict(memory_objects=0, memory_bytes=0, ssd_objects=0, ssd_bytes=0, pinned_objects=0)
-        for tier, held in (("memory", contents.memory), ("ssd", contents.ssd)):
+        models: dict[str, dict[str, int]] = {}
+        tenants: dict[str, dict[str, int]] = {}
+        for tier, held in (("memory", contents.memory), ("ssd", contents.ssd), ("pinned", contents.pinned)):
             for key, size in held.items():
-                usage = models.setdefault(key.split("@", 1)[0], dict(zero))
-                usage[f"{tier}_objects"] += 1
-                usage[f"{tier}_bytes"] += size
-        for key in contents.pinned:
-            models[key.split("@", 1)[0]]["pinned_objects"] += 1
+                model, tag = owner_of(key)
+                for usage in (models.setdefault(model, dict(zero)), tenants.setdefault(self._name(tag), dict(zero))):
+                    usage[f"{tier}_objects"] += 1
+                    if tier != "pinned":
+                        usage[f"{tier}_bytes"] += size
+        for tag, (used, budget) in self._engine.controls.tenant_usage().items():
+            usage = tenants.setdefault(self._name(tag), dict(zero))
+            usage.update(budget_bytes=budget, budget_used_bytes=used)
         total = {field: sum(m[field] for m in models.values()) for field in zero}
-        return {"models": dict(sorted(models.items())), "total": total}
+        return {"models": dict(sorted(models.items())), "tenants": dict(sorted(tenants.items())), "total": total}
+
+    def _name(self, tag: str) -> str:
+        """How usage names a tenant: its name in the tenants file, "tag:<tag>" for a salt the
+        file does not name, "" for requests without one."""
+        tenant = self.tenants.get(tag)
+        return tenant.name if tenant is not None else (f"tag:{tag}" if tag else "")
 
     def _lookup(self, request: Blocks) -> dict[str, Any]:
         contents = self._engine.controls.contents()
-        families = _families([*contents.memory, *contents.ssd], request.model)
+        families = _families([*contents.memory, *contents.ssd], request.model, tenant_tag(request.cache_salt))
         layouts: dict[str, dict[str, Any]] = {}
         for (layout, group), family in sorted(families.items()):
             tiers = {"memory": [], "ssd": [], "pool": []}
@@ -187,7 +217,7 @@ class Controller:
                 "hit_blocks": max((e["hit_blocks"] for e in layouts.values()), default=0)}
 
     def _block_keys(self, request: Blocks, contents: Contents) -> list[str]:
-        families = _families([*contents.memory, *contents.ssd], request.model).values()
+        families = _families([*contents.memory, *contents.ssd], request.model, tenant_tag(request.cache_salt)).values()
         return [k for h in request.block_hashes for f in families for k in f.keys(h)]
 
     def _pin(self, request: Pin) -> dict[str, int]:
@@ -202,11 +232,22 @@ class Controller:
         return _tally(codes, {ErrorCode.OK: "unpinned", ErrorCode.OBJECT_NOT_FOUND: "not_pinned"})
 
     def _clear(self, request: Clear) -> dict[str, int]:
-        if request.all == (request.model is not None):
-            raise RequestError('clear: give "model" (one model\'s keys) or "all": true (every key), one of them')
+        chosen = [request.model is not None, request.cache_salt is not None, request.tenant is not None, request.all]
+        if sum(chosen) != 1:
+            raise RequestError('clear: give one of "model" (a model\'s keys), "cache_salt" or "tenant" (a '
+                               'tenant\'s, by its salt or its name in the tenants file) or "all": true')
+        if request.tenant is not None and request.tenant not in self._by_name:
+            raise RequestError(f"clear: no tenant {request.tenant!r} in the server's tenants file (it has "
+                               f"{', '.join(sorted(self._by_name)) or 'none'})")
+        tag = tenant_tag(request.cache_salt) if request.cache_salt is not None else (
+            self._by_name[request.tenant].tag if request.tenant is not None else None)
         contents = self._engine.controls.contents()
-        start = f"{request.model}@"
-        keys = [k for k in dict.fromkeys([*contents.memory, *contents.ssd]) if request.all or k.startswith(start)]
+
+        def chosen_key(key: str) -> bool:
+            model, owner = owner_of(key)
+            return request.all or model == request.model or (tag is not None and owner == tag)
+
+        keys = [k for k in dict.fromkeys([*contents.memory, *contents.ssd]) if chosen_key(k)]
         self._engine.controls.unpin([k for k in keys if k in contents.pinned])
         codes = [self._engine.remove(k) for k in keys]
         # A key a reader holds right now stays (its lease ends in a moment): "busy" says how many.

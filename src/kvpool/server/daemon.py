@@ -53,7 +53,7 @@ from typing import Any
 
 import msgspec
 
-from kvpool.config import ServerSettings, add_flags, admin_token_from, flag_name, from_flags
+from kvpool.config import ServerSettings, add_flags, admin_token_from, flag_name, from_flags, load_tenants
 from kvpool.errors import ConfigError, ErrorCode, KVPoolError
 from kvpool.paths import check_socket_dir, open_private_lock
 from kvpool.server import peers
@@ -217,7 +217,7 @@ class Server:
         self.arena: shm.Arena | None = None
         self.metrics: MetricsServer | None = None
         self.controller: Controller | None = None
-        self.prom = ServerMetrics(self.stats)
+        self.prom = ServerMetrics(self.stats, lambda: self.controller.tenant_usage() if self.controller else {})
         self._lock_fd: int | None = None
         self._listener: socket.socket | None = None
         self._conns: dict[int, _Conn] = {}
@@ -243,6 +243,8 @@ class Server:
 
     def start(self) -> None:
         cfg = self.config
+        # Before anything is created: a bad tenants file is a configuration error, said at once.
+        tenants = load_tenants(cfg.tenants_file) if cfg.tenants_file else ()
         # The default socket's directory is created here; another must not let others plant files.
         check_socket_dir(cfg.socket_path, "socket", cfg.allowed_gid)
         self._lock_fd = _acquire_socket_lock(cfg.socket_path)
@@ -264,9 +266,10 @@ class Server:
                                               client_max_leases=cfg.client_max_leases,
                                               client_max_hold_s=cfg.client_max_hold_s,
                                               object_overhead_bytes=_OBJECT_OVERHEAD_BYTES,
-                                              max_key_bytes=P.MAX_KEY_BYTES)
+                                              max_key_bytes=P.MAX_KEY_BYTES,
+                                              tenant_budgets={t.tag: t.budget for t in tenants})
             self.engine = PoolEngine(engine_config, arena=memoryview(self.arena.array))
-            self.controller = Controller(self.engine)
+            self.controller = Controller(self.engine, tenants)
             if cfg.metrics_port is not None:
                 try:
                     self.metrics = MetricsServer(cfg.metrics_host, cfg.metrics_port, self.stats, self.prom,

@@ -16,11 +16,13 @@ import json
 import logging
 import socket
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from kvpool.metrics import catalog
 from kvpool.server.control import REQUESTS, Controller, RequestError
@@ -39,13 +41,31 @@ ADMIN_TOKEN_ENV = "KVPOOL_SERVER_ADMIN_TOKEN"
 MAX_BODY_BYTES = 8 << 20  # a controller call's JSON: 65536 block hashes take about 4.6 MB
 
 
+class _TenantCollector(Collector):
+    """The tenants' memory and budgets (``tenants_fn``: name -> (bytes, budget)), one sample per
+    tenant of the server's tenants file: the label's values are those names, a bounded set."""
+
+    def __init__(self, tenants_fn: Callable[[], Mapping[str, tuple[int, int]]]) -> None:
+        self._fetch = tenants_fn
+
+    def collect(self) -> Iterator[Metric]:
+        usage = self._fetch()
+        for name, index in (("kvpool_tenant_memory_bytes", 0), ("kvpool_tenant_budget_bytes", 1)):
+            family = GaugeMetricFamily(name, _BY_NAME[name].help, labels=["tenant"])
+            for tenant, values in sorted(usage.items()):
+                family.add_metric([tenant], values[index])
+            yield family
+
+
 class ServerMetrics:
     """The server's registry: stats read at scrape time, plus what the daemon observes."""
 
-    def __init__(self, stats_fn: Callable[[], Mapping[str, Any]]) -> None:
+    def __init__(self, stats_fn: Callable[[], Mapping[str, Any]],
+                 tenants_fn: Callable[[], Mapping[str, tuple[int, int]]] = dict) -> None:
         self.registry: CollectorRegistry = new_registry()
         build_info(_BY_NAME["kvpool_build_info"], self.registry, "server")
         self.registry.register(StatsCollector(stats_fn, catalog.SERVER))
+        self.registry.register(_TenantCollector(tenants_fn))
         durations: Histogram = create(_BY_NAME["kvpool_request_duration_seconds"], self.registry)
         # One child per op, looked up by the request path without a label lookup.
         self.request_seconds = {op: durations.labels(op) for op in catalog.SERVER_OPS}

@@ -35,6 +35,7 @@ from kvpool.store.leases import LeaseBook
 from kvpool.store.policy import EvictionPolicy, make_policy
 from kvpool.store.prefault import Prefaulter
 from kvpool.store.records import Allocation, Lease, PendingPut, PoolObject, Spilled
+from kvpool.store.tenants import TenantShares
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,12 @@ class ArenaIndex:
         # The evictable objects (committed, nobody holds them), linked through the objects
         # themselves in the policy's order: eviction takes its victims and never meets a held
         # object; its count and bytes are running totals.
-        self.policy: EvictionPolicy = make_policy(config.eviction_policy, self.alloc.capacity, self.object_charge)
+        self.tenants: TenantShares | None = None
+        if config.tenant_budgets:
+            self.tenants = TenantShares(config.eviction_policy, self.alloc.capacity, self.object_charge,
+                                        config.tenant_budgets)
+        self.policy: EvictionPolicy = self.tenants or make_policy(config.eviction_policy, self.alloc.capacity,
+                                                                  self.object_charge)
         # handle -> allocation, in creation order (so reap finds the timed-out ones at the front).
         self.pending: dict[int, PendingPut] = {}
         self.pending_by_client: dict[str, dict[int, PendingPut]] = {}
@@ -187,7 +193,10 @@ class ArenaIndex:
         if owner and not self.leases.may_allocate(owner, charge):
             logger.debug("allocate(key=%r, size=%d): client %r is at its share of the pool", key, size, client_id)
             return ErrorCode.NO_AVAILABLE_HANDLE, []
-        spills = self._make_room(total)
+        spills: list[Spill] = []
+        if self.tenants is not None and not self._within_budget(key, charge, spills):
+            return ErrorCode.NO_AVAILABLE_HANDLE, spills
+        spills += self._make_room(total)
         offset = self.alloc.allocate(total)
         if offset is not None and self.prefault is not None:
             self.prefault.note(offset + charge)
@@ -200,6 +209,8 @@ class ArenaIndex:
             )
             return ErrorCode.NO_AVAILABLE_HANDLE, spills
         pending = PendingPut(next(self._handles), key, offset, size, client_id, now, next(self._generations))
+        if self.tenants is not None:
+            self.tenants.note(key, charge)
         if owner:
             pending.owner, pending.charge = owner, charge
             self.leases.charge_allocation(owner, charge)
@@ -210,6 +221,23 @@ class ArenaIndex:
             pending.overtook = overtaken.handle
         self.pending_by_client.setdefault(client_id, {})[pending.handle] = pending
         return Allocation(pending.handle, key, offset, size), spills
+
+    def _within_budget(self, key: str, charge: int, spills: list[Spill]) -> bool:
+        """Whether ``key``'s tenant may take ``charge`` more bytes, after evicting its own objects
+        (their spills added to ``spills``) if it would pass its budget (`store/tenants.py`)."""
+        assert self.tenants is not None
+        while self.tenants.over_budget(key, charge):
+            obj = self.tenants.victim_of(key)
+            if obj is None:
+                self.stats["tenant_budget_refusals"] += 1
+                logger.debug("allocate(key=%r): its tenant is at its budget and holds every object it has", key)
+                return False
+            spill = self.drop(obj, spill=True)
+            if spill is not None:
+                spills.append(spill)
+            self.stats["evictions"] += 1
+            self.stats["tenant_evictions"] += 1
+        return True
 
     def _make_room(self, size: int) -> list[Spill]:
         """Evict the policy's victims so ``size`` fits; return spills to write to disk after unlocking.
@@ -261,6 +289,8 @@ class ArenaIndex:
             promotion.superseded = False  # still reading: it publishes, as if never overtaken
             self.pending_keys[pending.key] = promotion.handle
         self.alloc.free(pending.offset, pending.size + self.meta_charge(pending.key))
+        if self.tenants is not None:
+            self.tenants.note(pending.key, -self.alloc.reserved_size(pending.size + self.meta_charge(pending.key)))
         self.uncharge(pending)
 
     def abandoned(self, now: float, timeout_s: float, clients: Collection[str]) -> list[tuple[PendingPut, bool]]:
@@ -309,6 +339,8 @@ class ArenaIndex:
             out = (obj.key, entry)
         if self.drops is not None:
             self.drops.append(obj.key)
+        if self.tenants is not None:
+            self.tenants.note(obj.key, -self.object_charge(obj))
         self.alloc.free(obj.offset, obj.size + self.meta_charge(obj.key))
         return out
 

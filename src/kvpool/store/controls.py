@@ -129,6 +129,14 @@ class Controls:
         with self._lock:
             return len(self._live_pins_locked())
 
+    def tenant_usage(self) -> dict[str, tuple[int, int]]:
+        """Per budgeted tenant tag: (memory bytes its objects and allocations take, its budget)."""
+        with self._lock:
+            shares = self._index.tenants
+            if shares is None:
+                return {}
+            return {tag: (shares.used[tag], budget) for tag, budget in shares.budgets.items()}
+
     def contents(self) -> Contents:
         """A snapshot of every key the pool holds (an operator's listing: O(objects), of which
         only a copy of the index is made under the engine's lock)."""

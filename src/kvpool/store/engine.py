@@ -93,6 +93,8 @@ _STAT_NAMES = (
     "quota_refusals",
     "unpinned_leases",
     "hold_limit_hits",
+    "tenant_evictions",  # objects a tenant's allocation evicted of its own, at its budget
+    "tenant_budget_refusals",  # allocations refused: the tenant at its budget, every object of it held
 )
 
 # How long `remove` waits for the disk writer to unpin its object (one file write) before it

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvpool.errors import ConfigError
@@ -34,6 +36,8 @@ class EngineConfig:
     writes into the pool do not take page faults; the planner, which writes no bytes, turns it off.
     ``eviction_policy``: which evictable object goes first (``store/policy.py``): ``lru``, or
     ``s3fifo``, which keeps objects used twice from being flushed by a scan of one-off ones.
+    ``tenant_budgets``: tenant tag (``kvpool.keys.tenant_tag`` of a cache_salt) -> the bytes of
+    memory its objects may take; its own objects are evicted first past it (``store/tenants.py``).
     """
 
     memory_size: int
@@ -54,6 +58,7 @@ class EngineConfig:
     max_key_bytes: int = 4096
     prefault: bool = True
     eviction_policy: MemoryPolicy = "lru"
+    tenant_budgets: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid field, its value and what is expected."""
@@ -98,5 +103,9 @@ class EngineConfig:
         if self.eviction_policy not in MEMORY_POLICIES:
             raise ConfigError(key="eviction_policy", value=self.eviction_policy,
                               expected=f"one of {', '.join(sorted(MEMORY_POLICIES))}")
+        for tenant, budget in self.tenant_budgets.items():
+            if isinstance(budget, bool) or not isinstance(budget, int) or not 0 < budget <= self.memory_size:
+                raise ConfigError(key=f"tenant_budgets[{tenant}]", value=budget,
+                                  expected=f"a positive int of bytes, at most memory_size={self.memory_size}")
         if self.disk is not None and not isinstance(self.disk, DiskTier):
             raise ConfigError(key="disk", value=self.disk, expected="a DiskTier or None")

@@ -71,8 +71,23 @@ def check_evictable(index: ArenaIndex) -> list[str]:
     assert policy.bytes == sum(index.object_charge(objects[k]) for k in keys)
     if isinstance(policy, RecordedUses) and index.config.eviction_policy == "lru":
         last = policy.last_use
-        order = sorted(keys, key=lambda k: last.get(k, -1))
-        assert keys == order, ("not in LRU order", keys, order)
+        # With tenant budgets, each tenant's order (and the shared one) is LRU on its own.
+        tenant = index.tenants.tenant if index.tenants is not None else (lambda key: "")
+        for group in {tenant(k) for k in keys}:
+            mine = [k for k in keys if tenant(k) == group]
+            order = sorted(mine, key=lambda k: last.get(k, -1))
+            assert mine == order, ("not in LRU order", mine, order)
+    shares = index.tenants
+    if shares is not None:  # each budgeted tenant's charge: its objects and pending allocations, within budget
+        used: dict[str, int] = dict.fromkeys(shares.budgets, 0)
+        for obj in objects.values():
+            if (tenant := shares.tenant(obj.key)) in used:
+                used[tenant] += index.object_charge(obj)
+        for p in index.pending.values():
+            if (tenant := shares.tenant(p.key)) in used:
+                used[tenant] += index.alloc.reserved_size(p.size + index.meta_charge(p.key))
+        assert used == {t: shares.used[t] for t in shares.budgets}, (used, shares.used)
+        assert all(used[t] <= budget for t, budget in shares.budgets.items()), (used, shares.budgets)
     for client, mine in index.pending_by_client.items():
         assert all(index.pending[h] is p and p.client_id == client for h, p in mine.items())
     assert sum(map(len, index.pending_by_client.values())) == len(index.pending)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import re
 import selectors
 import socket
 import threading
@@ -54,6 +55,7 @@ import msgspec
 from kvpool.backoff import Backoff
 from kvpool.config import MAX_SOCKET_PATH
 from kvpool.errors import ConfigError
+from kvpool.keys import TENANT_TAG_HEX
 from kvpool.paths import check_socket_dir, open_private_lock, runtime_dir
 from kvpool.server.peers import peer_of, trusted
 from kvpool.server.protocol import MAX_REQUEST_FRAME, FrameError, encode_frame, recv_frame
@@ -85,9 +87,10 @@ class Hit(NamedTuple):
 
 MISS = Hit(0)
 
-# (block hashes after the prompt's first `start` blocks, start) -> the hit (a bare count is a
-# hit nobody pinned).
-CountHits = Callable[[Sequence[bytes], int], Hit | int]
+# (block hashes after the prompt's first `start` blocks, start, tenant tag) -> the hit (a bare
+# count is a hit nobody pinned).
+CountHits = Callable[[Sequence[bytes], int, str], Hit | int]
+_TENANT = re.compile(f"(?:[0-9a-f]{{{TENANT_TAG_HEX}}})?")  # a tag, or "" (no cache_salt)
 
 # The hit counts of the servers in this process, by socket path: a client with the same path is
 # in worker rank 0's process and asks it directly (see the module docstring).
@@ -196,10 +199,10 @@ class LookupServer:
         if body is None:
             return False
         def count() -> Hit | int:
-            start, hashes = msgspec.msgpack.decode(body, type=tuple[int, list[bytes]])
-            if start < 0:
-                raise ValueError(f"a lookup from block {start}")
-            return self._count_hits(hashes, start)
+            start, hashes, tenant = msgspec.msgpack.decode(body, type=tuple[int, list[bytes], str])
+            if start < 0 or not _TENANT.fullmatch(tenant):
+                raise ValueError(f"a lookup from block {start} of tenant {tenant[:40]!r}")
+            return self._count_hits(hashes, start, tenant)
 
         hits = _count_or_miss(count)
         try:
@@ -259,20 +262,21 @@ class LookupClient:
             self._sock.close()
             self._sock = None
 
-    def lookup(self, block_hashes: Sequence[bytes], start: int = 0) -> Hit:
-        """How many of `block_hashes` (the prompt's blocks after its first `start`) the pool
-        serves for every rank and group, and whether their load cannot fail; a miss on any error."""
+    def lookup(self, block_hashes: Sequence[bytes], start: int = 0, tenant: str = "") -> Hit:
+        """How many of `block_hashes` (the prompt's blocks after its first `start`, of `tenant`:
+        `kvpool.keys.tenant_tag`) the pool serves for every rank and group, and whether their
+        load cannot fail; a miss on any error."""
         if not block_hashes:
             return MISS
         count_hits = _IN_PROCESS.get(self.path) if self._direct else None
         if count_hits is not None:
-            hit = _count_or_miss(lambda: count_hits(block_hashes, start))
+            hit = _count_or_miss(lambda: count_hits(block_hashes, start, tenant))
         else:
-            hit = self._ask_over_socket(block_hashes, start)
+            hit = self._ask_over_socket(block_hashes, start, tenant)
         # More hits than blocks asked about would have vLLM load blocks nobody stored.
         return hit if 0 <= hit.blocks <= len(block_hashes) else MISS
 
-    def _ask_over_socket(self, block_hashes: Sequence[bytes], start: int) -> Hit:
+    def _ask_over_socket(self, block_hashes: Sequence[bytes], start: int, tenant: str) -> Hit:
         now = time.monotonic()
         if now < self._skip_until:
             self.skipped += 1
@@ -281,7 +285,7 @@ class LookupClient:
         try:
             sock = self._socket()
             sock.settimeout(LOOKUP_TIMEOUT_MS / 1000)
-            sock.sendall(encode_frame([start, list(block_hashes)]))
+            sock.sendall(encode_frame([start, list(block_hashes), tenant]))
             body = recv_frame(sock, MAX_REPLY_FRAME, deadline=deadline)
             if body is None:
                 raise ConnectionResetError("the worker closed the lookup channel")

@@ -30,6 +30,7 @@ class BlockTask:
     # Once moved, keep these blocks in the host pool's memory this many seconds (the request's
     # `pin_s`, cut to `request_pin_max_s`); 0: no pin.
     pin_s: float = 0.0
+    tenant: str = ""  # the request's `kvpool.keys.tenant_tag` (its cache_salt's), part of its keys
 
 
 @dataclasses.dataclass

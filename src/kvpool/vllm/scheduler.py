@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.config import KVPoolConfig
 from kvpool.errors import ConfigError
+from kvpool.keys import tenant_tag
 from kvpool.tracefile import BlockHashLog
 from kvpool.vllm.control import DEFAULT, RequestControl, request_control
 from kvpool.vllm.events import PoolEventLog, events_enabled, pool_medium
@@ -78,6 +79,7 @@ class _RequestState:
     reused_upto: int = 0  # blocks [0, reused_upto) came from vLLM's cache or the pool, not computed here
     control: RequestControl = DEFAULT  # what the request asked of the pool (`control.py`)
     pin_s: float = 0.0  # its blocks' pin once moved: its `pin_s` as the instance allows it
+    tenant: str = ""  # its cache_salt's tag in its keys (`kvpool.keys.tenant_tag`)
 
 
 def _held(group: PoolGroup, ids: list[int], span: range) -> list[int]:
@@ -91,9 +93,10 @@ def _blocks(group: PoolGroup, hashes: list[bytes], ids: list[int], span: range) 
     return [(hashes[i], ids[i]) for i in _held(group, ids, span)]
 
 
-def _task(req_id: str, group: int, pairs: list[tuple[bytes, int]], **kw: Any) -> BlockTask:
-    return BlockTask(req_id=req_id, block_hashes=[h for h, _ in pairs], block_ids=[b for _, b in pairs],
-                     group=group, **kw)
+def _task(state: _RequestState, group: int, pairs: list[tuple[bytes, int]], **kw: Any) -> BlockTask:
+    """A load or save of (hash, block id) pairs of one group, for the request of ``state``."""
+    return BlockTask(req_id=state.request.request_id, block_hashes=[h for h, _ in pairs],
+                     block_ids=[b for _, b in pairs], group=group, pin_s=state.pin_s, tenant=state.tenant, **kw)
 
 
 def check_hash_seed(hash_algo: str) -> None:
@@ -179,7 +182,7 @@ class PoolScheduler:
             hashes = hashes[:(request.num_tokens - 1) // self.block_size]
         if len(hashes) <= start:
             return 0, False
-        hit = self._client.lookup(hashes[start:], start)
+        hit = self._client.lookup(hashes[start:], start, self._requests[request.request_id].tenant)
         hit_blocks = start + hit.blocks
         # Full hit: give one token back, so vLLM has a token to compute logits from.
         hit_tokens = min(hit_blocks * self.block_size, request.num_tokens - 1)
@@ -199,6 +202,7 @@ class PoolScheduler:
             if problem:
                 logger.warning("kvpool: request %s: %s", request.request_id, problem)
             state.pin_s = min(state.control.pin_s, self.config.request_pin_max_s)
+            state.tenant = tenant_tag(request.cache_salt)
             if state.control.pin_s and not state.pin_s and not self._warned_pin:
                 self._warned_pin = True
                 logger.warning("kvpool: request %s asked to pin its blocks (pin_s=%s), which this instance does not "
@@ -237,8 +241,8 @@ class PoolScheduler:
         for group in self._groups:
             pairs = _blocks(group, hashes, state.block_ids[group.index], group.load_span(plan.start_block, end))
             if pairs:
-                self._pending_loads.append(_task(request.request_id, group.index, pairs, is_async=plan.is_async,
-                                                 in_step=plan.is_async and self._load_in_step, pin_s=state.pin_s))
+                self._pending_loads.append(_task(state, group.index, pairs, is_async=plan.is_async,
+                                                 in_step=plan.is_async and self._load_in_step))
         state.saved_upto = max(state.saved_upto, end)
         state.reused_upto = max(state.reused_upto, end)
         state.load_start = plan.start_block
@@ -320,8 +324,7 @@ class PoolScheduler:
                 self._events.planned(group, req.block_hashes, [last], req.all_token_ids)
         if by_group:
             state.has_io = True
-        return [_task(req.request_id, group, pairs, save_now=save_now, pin_s=state.pin_s)
-                for group, pairs in by_group.items()]
+        return [_task(state, group, pairs, save_now=save_now) for group, pairs in by_group.items()]
 
     def register_finished_partial_tail(self, request: Request, entries: list[tuple[int, int, int]]) -> bool:
         """A finishing request's last prompt state that vLLM kept in its own table block (the
@@ -370,9 +373,8 @@ class PoolScheduler:
                 self._events.planned(group.index, hashes, held, req.all_token_ids)
             if pairs:
                 # Sync loads (single-group models only) may fail after this step's saves were planned.
-                meta.saves.append(_task(req.request_id, group.index, pairs, save_now=group.frees_early,
-                                        prior_block_ids=ids[:start] if self._step_has_sync_loads else [],
-                                        pin_s=state.pin_s))
+                meta.saves.append(_task(state, group.index, pairs, save_now=group.frees_early,
+                                        prior_block_ids=ids[:start] if self._step_has_sync_loads else []))
         state.saved_upto = end
         state.has_io = True
 

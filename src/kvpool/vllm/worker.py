@@ -43,12 +43,13 @@ from kvpool.backends.registry import REGISTRY
 from kvpool.config import KVPoolConfig
 from kvpool.device.copy import Copier, DirectCopier, load_direct, make_copier
 from kvpool.device.layout import KVLayout
-from kvpool.errors import NOT_FOUND, OK, ConfigError, ErrorCode, is_stored
+from kvpool.errors import ConfigError, ErrorCode, code_name, is_stored
 from kvpool.keys import KeyScheme, model_key_name, prefill_stage_schemes
 from kvpool.vllm.events import STORED, Marker, PoolEventReport, dropped_markers, events_enabled
 from kvpool.vllm.groups import PoolGroup, alignment_blocks, loads_by_request, longest_hit, pool_groups
 from kvpool.vllm.lookup import Hit, LookupServer
 from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
+from kvpool.vllm.pins import RequestPins
 from kvpool.vllm.stats import COUNTERS, KVPoolStats
 from kvpool.vllm.transfer import LOAD, SAVE, TransferThread
 
@@ -92,15 +93,6 @@ def values_identity(model_config: ModelConfig, cache_dtype: str = "auto") -> str
     if cache_dtype != "auto":
         fields["kv_cache_dtype"] = cache_dtype
     return json.dumps(fields, sort_keys=True, default=str)
-
-
-def _code_name(code: int) -> str:
-    """The error code's name for logs and the failures counter (its number if it is not one of
-    ours: a store may answer others, and a log line must never fail the transfer it reports)."""
-    try:
-        return ErrorCode(code).name
-    except ValueError:
-        return str(code)
 
 
 class _LayerLoads:
@@ -161,7 +153,6 @@ class PoolWorker:
         # Layerwise loads run beside the transfer thread, so a save in progress never delays the
         # layer the forward pass is waiting for.
         self._layer_loader: TransferThread | None = None
-        self._warned_pin = False
         self._layer_loads: _LayerLoads | None = None
         self._layers_saved: set[int] = set()  # layers of this step already queued by save_kv_layer
         self._lock = threading.Lock()  # guards the sets below, shared with the transfer thread
@@ -222,6 +213,7 @@ class PoolWorker:
         if self.config.inject_load_failure_every:
             backend = FaultInjectingBackend(backend, self.config.inject_load_failure_every)
         self.backend = backend
+        self._pins = RequestPins(backend)
         if self.scheme.layers:
             self._layer_loader = TransferThread(name="kvpool-layer-load")
         if self.tp_rank == 0 and self.pp_rank == 0 and self.config.loads:
@@ -304,7 +296,7 @@ class PoolWorker:
 
     # ---- lookup (rank 0) ------------------------------------------------------------------
 
-    def _lookup_hit(self, block_hashes: Sequence[bytes], start: int = 0) -> Hit:
+    def _lookup_hit(self, block_hashes: Sequence[bytes], start: int = 0, tenant: str = "") -> Hit:
         """The hit on the blocks after the prompt's first `start`: a group's block counts only
         when its keys exist for every TP shard and PP stage, and a hit needs of each group the
         blocks its kind needs (`kvpool.vllm.groups.longest_hit`). Pinned when every key of those
@@ -315,7 +307,7 @@ class PoolWorker:
         ends: list[int] = []  # per (group, block): where its keys end in `flat`
         for io in ios:
             for h in block_hashes:
-                flat += io.scheme.all_rank_keys(h)
+                flat += io.scheme.all_rank_keys(h, tenant)
                 ends.append(len(flat))
         presence = self.backend.batch_presence(flat)
         if len(ends) == len(flat):  # one key per block (TP and PP 1, or MLA): no slicing
@@ -437,7 +429,7 @@ class PoolWorker:
             return failed
         t0 = time.perf_counter()
         layers = range(len(io.layout.layers)) if layers is None else layers
-        keys = io.scheme.keys(task.block_hashes, layers.start if io.scheme.layers else None)
+        keys = io.scheme.keys(task.block_hashes, layers.start if io.scheme.layers else None, task.tenant)
         try:
             codes = io.copier.load(keys, task.block_ids, layers, self.backend.batch_get_into)
         except Exception as e:  # the store went away: every block of this load failed
@@ -462,7 +454,7 @@ class PoolWorker:
         assert self.backend is not None
         t0 = time.perf_counter()
         ios = [self.groups[t.group] for t in tasks]
-        loads = [(io.copier, io.scheme.keys(t.block_hashes, None), t.block_ids, range(len(io.layout.layers)))
+        loads = [(io.copier, io.scheme.keys(t.block_hashes, None, t.tenant), t.block_ids, range(len(io.layout.layers)))
                  for io, t in zip(ios, tasks)]
         try:
             codes = load_direct(loads, self.backend.batch_get_into)
@@ -484,14 +476,14 @@ class PoolWorker:
             first_bad = next(c for c in codes if c != ErrorCode.OK)
             logger.warning(
                 "kvpool: %d of %d blocks of request %s failed to load (%s); vLLM will handle them "
-                "per kv_load_failure_policy", len(failed), len(task.block_ids), task.req_id, _code_name(first_bad),
+                "per kv_load_failure_policy", len(failed), len(task.block_ids), task.req_id, code_name(first_bad),
             )
         io = self.groups[task.group]
         self._count(load_blocks=ok if count_blocks else 0, load_bytes=ok * io.layout.layer_block_bytes * layers,
                     load_time_s=seconds, load_failed_blocks=len(failed) if count_blocks else 0)
         if task.pin_s and count_blocks and ok:  # off the step's path: the loads are what it waits for
             moved = [b not in failed for b in task.block_ids]
-            self._transfer.submit(SAVE, task.req_id, lambda: self._pin(task, [io.scheme], moved))
+            self._transfer.submit(SAVE, task.req_id, lambda: self._pins.pin(task, [io.scheme], moved))
         return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -591,7 +583,7 @@ class PoolWorker:
         results = [self._save_values(task, scheme, layers, ready) for scheme, layers in targets]
         stored = [all(r) for r in zip(*results)] if results else []
         self._note_stored(task, stored)
-        self._pin(task, [scheme for scheme, _ in targets], stored)
+        self._pins.pin(task, [scheme for scheme, _ in targets], stored)
 
     def _save_layer(self, task: BlockTask, layer: int, ready=None) -> None:
         assert self.scheme is not None
@@ -599,23 +591,7 @@ class PoolWorker:
         stored = self._save_values(task, self.scheme, range(layer, layer + 1), ready, count_blocks=last)
         if last:  # a block is in the pool once its last layer is
             self._note_stored(task, stored)
-            self._pin(task, [self.scheme], stored)
-
-    def _pin(self, task: BlockTask, schemes: Sequence[KeyScheme], moved: Sequence[bool]) -> None:
-        """Keep the task's moved blocks (every value of each: its layers, heads, PP targets) in
-        the host pool's memory for its request's ``pin_s``."""
-        hashes = [h for h, ok in zip(task.block_hashes, moved) if ok]
-        if not task.pin_s or not hashes:
-            return
-        assert self.backend is not None
-        keys = [k for scheme in schemes for layer in (range(scheme.layers) if scheme.layers else (None,))
-                for k in scheme.keys(hashes, layer)]
-        codes = self.backend.batch_pin(keys, task.pin_s)
-        if (codes is None or any(c not in (OK, NOT_FOUND) for c in codes)) and not self._warned_pin:
-            self._warned_pin = True  # a pool without room for pins, or a store that cannot pin: said once
-            logger.warning("kvpool: request %s asked to pin its blocks for %s s; %s", task.req_id, task.pin_s,
-                           f"the {self.backend.name} backend cannot pin (a distributed store keeps its own memory)"
-                           if codes is None else f"the pool answered {_code_name(next(c for c in codes if c not in (OK, NOT_FOUND)))}")
+            self._pins.pin(task, [self.scheme], stored)
 
     def _note_stored(self, task: BlockTask, stored: list[bool]) -> None:
         if self._stored is not None:
@@ -628,7 +604,7 @@ class PoolWorker:
         assert self.backend is not None
         io = self.groups[task.group]
         t0 = time.perf_counter()
-        keys = scheme.keys(task.block_hashes, layers.start if scheme.layers else None)
+        keys = scheme.keys(task.block_hashes, layers.start if scheme.layers else None, task.tenant)
         try:
             # One call, no existence check first: the backend's put is put-if-absent and says
             # OBJECT_ALREADY_EXISTS for a block the pool has (some stores say OK for both).
@@ -643,7 +619,7 @@ class PoolWorker:
         if failed:
             first_bad = next(c for c in codes if not is_stored(c))
             logger.warning("kvpool: %d of %d blocks of %s were not saved (%s)",
-                           failed, len(task.block_ids), task.req_id, _code_name(first_bad))
+                           failed, len(task.block_ids), task.req_id, code_name(first_bad))
         saved = len(task.block_ids) - skipped - failed
         value_bytes = io.layout.layer_block_bytes * len(layers)
         if not count_blocks:  # layerwise: a block counts once, with its last layer
@@ -706,7 +682,7 @@ class PoolWorker:
             self._stats.observe(f"{op}_seconds", seconds)
             for code in codes:
                 if code != ErrorCode.OK:
-                    self._stats.fail(f"{op}_failures", _code_name(code), 1)
+                    self._stats.fail(f"{op}_failures", code_name(code), 1)
 
     def get_kv_events(self) -> PoolEventReport | None:
         """This step's report for vLLM's KV events (None when vLLM publishes none): the blocks

@@ -86,7 +86,7 @@ def make_kv_cache_config(block_size: int = BLOCK_SIZE, num_blocks: int = NUM_BLO
 
 
 def make_request(req_id: str, num_tokens: int, block_size: int = BLOCK_SIZE, first_token: int = 1,
-                 max_tokens: int = 16) -> Request:
+                 max_tokens: int = 16, cache_salt: str | None = None) -> Request:
     """A real vLLM request whose `block_hashes` are vLLM's chained sha256 block hashes.
 
     Requests built with the same `first_token` share their prefix, so share block hashes.
@@ -96,6 +96,7 @@ def make_request(req_id: str, num_tokens: int, block_size: int = BLOCK_SIZE, fir
         prompt_token_ids=list(range(first_token, first_token + num_tokens)),
         sampling_params=SamplingParams(max_tokens=max_tokens),
         pooling_params=None,
+        cache_salt=cache_salt,
         block_hasher=get_request_block_hasher(block_size, sha256),
     )
 
@@ -176,12 +177,14 @@ class FakeLookupClient:
     def __init__(self, lookup_rpc_port: int, dp_rank: int = 0) -> None:
         self.port, self.dp_rank = lookup_rpc_port, dp_rank
         self.calls: list[list[bytes]] = []
+        self.tenants: list[str] = []  # each lookup's tenant tag
         self.closed = False
         self.skipped = 0  # lookups the real client's breaker answered without asking
         FakeLookupClient.instances.append(self)
 
-    def lookup(self, block_hashes: Sequence[bytes], start: int = 0) -> Hit:
+    def lookup(self, block_hashes: Sequence[bytes], start: int = 0, tenant: str = "") -> Hit:
         self.calls.append(list(block_hashes))
+        self.tenants.append(tenant)
         hits = 0
         for h in block_hashes:
             if h not in FakeLookupClient.pooled:

@@ -61,7 +61,7 @@ def closing() -> Iterator[Callable]:
 
 
 def counting_server(port: int, pooled: set[bytes], seen: list[list[bytes]], dp_rank: int = 0) -> LookupServer:
-    def count_hits(hashes: Sequence[bytes], start: int = 0) -> int:
+    def count_hits(hashes: Sequence[bytes], start: int = 0, tenant: str = "") -> int:
         seen.append(list(hashes))
         n = 0
         while n < len(hashes) and hashes[n] in pooled:
@@ -93,7 +93,7 @@ def test_a_pinned_hit_says_so_both_ways_of_asking(closing, client_for):
     # Whether a hit's load cannot fail decides whether vLLM may load it synchronously: the flag
     # must arrive as the worker said it, and a hit the client refuses carries no flag either.
     answers = {2: Hit(2, True), 3: Hit(3, False), 4: Hit(9, True)}
-    closing(LookupServer(5, 0, lambda hashes, start=0: answers[len(hashes)]))
+    closing(LookupServer(5, 0, lambda hashes, start=0, tenant="": answers[len(hashes)]))
     client = closing(client_for(5))
     assert client.lookup(HASHES[:2]) == Hit(2, True)
     assert client.lookup(HASHES[:3]) == Hit(3, False)
@@ -112,7 +112,7 @@ def test_dp_ranks_have_separate_channels(closing, client_for):
 def test_a_backend_error_answers_zero_and_the_server_lives_on(closing, client_for):
     calls = []
 
-    def count_hits(hashes: Sequence[bytes], start: int = 0) -> int:
+    def count_hits(hashes: Sequence[bytes], start: int = 0, tenant: str = "") -> int:
         calls.append(len(hashes))
         if len(calls) == 1:
             raise ConnectionError("store went away")
@@ -143,7 +143,7 @@ def test_a_stuck_server_is_a_miss_and_does_not_poison_the_next_lookup(monkeypatc
     calls: list[int] = []
     stuck, entered, release = threading.Event(), threading.Event(), threading.Event()
 
-    def count_hits(hashes: Sequence[bytes], start: int = 0) -> int:
+    def count_hits(hashes: Sequence[bytes], start: int = 0, tenant: str = "") -> int:
         calls.append(len(hashes))
         if stuck.is_set() and not release.is_set():
             entered.set()
@@ -175,7 +175,7 @@ def test_a_stuck_server_costs_one_timeout_per_back_off_not_one_per_lookup(monkey
     calls: list[int] = []
     release = threading.Event()
 
-    def count_hits(hashes: Sequence[bytes], start: int = 0) -> int:
+    def count_hits(hashes: Sequence[bytes], start: int = 0, tenant: str = "") -> int:
         calls.append(len(hashes))
         if len(calls) > 1:
             release.wait(10)
@@ -219,7 +219,7 @@ def test_a_client_in_the_servers_process_calls_it_directly(closing):
     server has closed, the client asks over the socket again (and, nobody listening, misses)."""
     threads: list[int] = []
 
-    def count_hits(hashes: Sequence[bytes], start: int = 0) -> int:
+    def count_hits(hashes: Sequence[bytes], start: int = 0, tenant: str = "") -> int:
         threads.append(threading.get_ident())
         return len(hashes)
 
@@ -233,7 +233,7 @@ def test_a_client_in_the_servers_process_calls_it_directly(closing):
     finally:
         server.close()
     assert client.lookup(HASHES).blocks == 0 and len(threads) == 2
-    successor = closing(LookupServer(19, 0, lambda hashes, start=0: 1))  # a restarted worker: asked again
+    successor = closing(LookupServer(19, 0, lambda hashes, start=0, tenant="": 1))  # a restarted worker: asked again
     assert client.lookup(HASHES).blocks == 1 and successor.path == server.path
 
 
@@ -288,7 +288,7 @@ def test_only_rank_zero_of_a_loading_instance_serves_lookups(make_worker, rpc_di
 def test_an_impossible_hit_count_is_a_miss(closing, answer, client_for):
     # More hits than blocks asked about (or fewer than none) would have vLLM load blocks nobody
     # stored: whatever answered, such a reply is a miss.
-    closing(LookupServer(9, 0, lambda hashes, start=0: answer))
+    closing(LookupServer(9, 0, lambda hashes, start=0, tenant="": answer))
     client = closing(client_for(9))
     for _ in range(20):
         assert client.lookup(HASHES).blocks == 0
@@ -324,9 +324,9 @@ def test_garbage_from_a_client_costs_only_its_connection(closing):
     assert recv_frame(s, 64) == encode_frame([0, False])[HEADER.size:]
     s.sendall(encode_frame(HASHES[:2]))  # the hashes without the start they follow
     assert recv_frame(s, 64) == encode_frame([0, False])[HEADER.size:]
-    s.sendall(encode_frame([-1, HASHES[:2]]))  # a start before the prompt
+    s.sendall(encode_frame([-1, HASHES[:2], ""]))  # a start before the prompt
     assert recv_frame(s, 64) == encode_frame([0, False])[HEADER.size:]
-    s.sendall(encode_frame([0, HASHES[:2]]))
+    s.sendall(encode_frame([0, HASHES[:2], ""]))
     assert recv_frame(s, 64) == encode_frame([2, False])[HEADER.size:]
     # A length over the limit, and a frame cut short: the server drops that connection only.
     s.sendall(HEADER.pack(MAX_REQUEST_FRAME + 1))
@@ -346,3 +346,18 @@ def test_a_base_path_too_long_for_a_socket_name_is_refused(monkeypatch, tmp_path
     with pytest.raises(ConfigError) as exc:
         lookup_socket_path(1, 0)
     assert exc.value.key == "VLLM_RPC_BASE_PATH" and exc.value.value == str(deep)
+
+
+def test_the_tenant_crosses_the_channel_and_a_malformed_one_is_a_miss(rpc_dir, closing):
+    asked: list[str] = []
+
+    def count_hits(hashes: Sequence[bytes], start: int = 0, tenant: str = "") -> int:
+        asked.append(tenant)
+        return len(hashes)
+
+    closing(LookupServer(31, 0, count_hits))
+    client = closing(LookupClient(31, 0, direct=False))
+    assert client.lookup(HASHES[:2], 0, "0123456789ab").blocks == 2
+    assert client.lookup(HASHES[:2]).blocks == 2
+    assert client.lookup(HASHES[:2], 0, "../etc").blocks == 0  # not a tag: refused before counting
+    assert asked == ["0123456789ab", ""]

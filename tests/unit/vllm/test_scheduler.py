@@ -25,6 +25,7 @@ from connector_fakes import (
 )
 from kvpool.config import load_config
 from kvpool.errors import ConfigError
+from kvpool.keys import tenant_tag
 from kvpool.vllm.metadata import BlockTask, KVPoolMetadata
 from kvpool.vllm.scheduler import PoolScheduler, check_hash_seed
 
@@ -264,6 +265,20 @@ def test_a_request_pins_its_loads_and_saves_as_long_as_the_instance_allows(fake_
     meta = sched.build_connector_meta(scheduler_output(new=[(new_req(req, [10, 11, 12, 13, 14], 2 * BS), 2 * BS + 1)]))
     assert [t.pin_s for t in meta.loads] == [pinned] and [t.pin_s for t in meta.saves] == [pinned]
     assert tasks(meta.saves) == [("a", req.block_hashes[2:4], [12, 13])]
+
+
+def test_a_salted_request_looks_up_and_moves_its_tenants_blocks(fake_lookup):
+    sched = make_scheduler()
+    req = make_request("a", 4 * BS + 1, cache_salt="tenant-a")
+    pool(fake_lookup, req, 2)
+    assert sched.get_num_new_matched_tokens(req, 0) == (2 * BS, False)
+    assert fake_lookup.instances[-1].tenants == [tenant_tag("tenant-a")]
+    sched.update_state_after_alloc(req, kv_blocks([10, 11, 12, 13, 14]), 2 * BS)
+    meta = sched.build_connector_meta(scheduler_output(new=[(new_req(req, [10, 11, 12, 13, 14], 2 * BS), 2 * BS + 1)]))
+    assert {t.tenant for t in meta.loads + meta.saves} == {tenant_tag("tenant-a")}
+    plain = make_request("b", BS + 1, first_token=500)
+    sched.get_num_new_matched_tokens(plain, 0)
+    assert fake_lookup.instances[-1].tenants[-1] == ""
 
 
 @pytest.mark.parametrize("params", [

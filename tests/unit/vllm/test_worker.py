@@ -92,6 +92,16 @@ def test_save_then_load_into_other_blocks_is_byte_exact(make_worker):
     assert len(pool.data) == 2 and all(len(v) == n for v in pool.data.values())
 
 
+def test_a_tenants_blocks_are_stored_under_its_tag_and_found_only_with_it(make_worker):
+    writer, _, pool = make_worker()
+    writer.wait_for_save(KVPoolMetadata(saves=[BlockTask("a", H[:2], [1, 2], tenant="0123456789ab")]))
+    drain(writer)
+    assert sorted(pool.data) == sorted(writer.scheme.keys(H[:2], tenant="0123456789ab"))
+    assert all("~0123456789ab@" in k for k in pool.data)
+    assert writer._lookup_hit(H[:2], 0, "0123456789ab").blocks == 2
+    assert writer._lookup_hit(H[:2]).blocks == 0  # another tenant's (or no salt's) lookup misses
+
+
 def test_a_requests_pin_holds_what_it_saved_and_what_it_loaded(make_worker):
     writer, _, pool = make_worker()
     reader, _, _ = make_worker({"lookup_rpc_port": 1}, backend=pool)
