@@ -329,18 +329,65 @@ def ttft_targets(runs: Sequence[Run]) -> list[str]:
             *table(["target", *(run_link(r) for r in heads)], rows, "l" * (len(heads) + 1)), ""]
 
 
+def kvpool_ttft_runs(runs: Sequence[Run]) -> list[Run]:
+    """The full TTFT runs that measured kvpool (a run of the peers alone is not one)."""
+    return [r for r in full_runs(runs, "ttft") if any(ttft_ratio(r, s, "kvpool_ext/prefix_ext") is not None
+                                                      for s in ttft_sizes(r))]
+
+
+# What a configuration of a TTFT run came to (`ttft.py`'s `outcome`), in words.
+PEER_OUTCOMES = {"measured": "measured", "never_hit": "starts, never hits", "failed_to_start": "does not start",
+                 "not_measured": "not measured", "unavailable": "could not run"}
+
+
+def config_outcome(result: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A configuration's outcome as the run recorded it, or, for a run older than that record,
+    as its samples say (hits that found cached tokens: measured)."""
+    if isinstance(result.get("outcome"), Mapping):
+        return result["outcome"]
+    if not isinstance(result.get("sizes"), Mapping):
+        return {"status": "unavailable", "reason": str(result.get("error") or "")[:300] or None}
+    hits = [s for e in result["sizes"].values() if isinstance(e, Mapping)
+            for kind in ("hit", "ext") for s in e.get(kind) or () if isinstance(s, Mapping)]
+    return {"status": "measured" if any(s.get("cached_tokens") for s in hits) else "not_measured"}
+
+
+def ttft_peers(runs: Sequence[Run]) -> list[str]:
+    """Every connector the TTFT runs tried, with the newest run's outcome for it: the peers that
+    cannot run on a CPU say why, in their own words."""
+    newest_of: dict[str, tuple[Run, Mapping[str, Any]]] = {}
+    for run in sorted(full_runs(runs, "ttft"), key=lambda r: (r.date, r.name)):
+        for name, result in (run.data.get("configs") or {}).items():
+            if isinstance(result, Mapping):
+                newest_of[name] = (run, result)
+    if not newest_of:
+        return []
+    rows = []
+    for name, (run, result) in sorted(newest_of.items()):
+        connector = dig(result, "kv_transfer_config", "kv_connector") or "none (vLLM alone)"
+        outcome = config_outcome(result)
+        status, reason = outcome.get("status"), outcome.get("reason")
+        rows.append([f"`{name}`", f"`{connector}`", PEER_OUTCOMES.get(status, str(status)),
+                     f"`{reason}`" if reason else DASH, run_link(run)])
+    return ["### Every connector tried", "", para(
+        "Each configuration the TTFT runs started, with what it came to in the newest run that tried it: "
+        "measured (it served hits; the tables above and the run's JSON have its figures), started but never "
+        "hit, or did not start, with the reason its logs give."), "",
+        *table(["configuration", "connector", "outcome", "reason (from its logs)", "run"], rows, "lllll"), ""]
+
+
 def ttft_section(runs: Sequence[Run]) -> list[str]:
     out = [TTFT_INTRO, "", TTFT_HOW_TO_RUN, "", TTFT_WHAT_IS_MEASURED, ""]
-    run = newest(full_runs(runs, "ttft"))
+    run = newest(kvpool_ttft_runs(runs))
     if run is None:
-        return out
+        return out + ttft_peers(runs)
     sizes = ttft_sizes(run)
     rows = [[label, *(ttft_pair(run, s, key, mine, theirs) for s in sizes)]
             for key, label, mine, theirs in TTFT_RATIOS if any(ttft_ratio(run, s, key) is not None for s in sizes)]
     out += ["### The newest full run", "",
             "Median TTFT, kvpool's over the other's (the two medians in brackets):", "",
             *table(["ratio", *sizes], rows, "l" + "r" * len(sizes))]
-    return out + section_end(run, "TTFT per request kind and system")
+    return out + section_end(run, "TTFT per request kind and system") + ttft_peers(runs)
 
 
 def ttft_key_figure(run: Run) -> str:
@@ -350,7 +397,9 @@ def ttft_key_figure(run: Run) -> str:
         values = [f"{num(v, 3)} ({s})" for s in ttft_sizes(run) if (v := ttft_ratio(run, s, key)) is not None]
         if values:
             return f"{label} {', '.join(values)}"
-    return DASH
+    outcomes = [f"{name}: {PEER_OUTCOMES.get(config_outcome(r).get('status'), DASH)}"
+                for name, r in (run.data.get("configs") or {}).items() if isinstance(r, Mapping) and name != "vllm"]
+    return "; ".join(outcomes) or DASH
 
 
 # ---- hit path -------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Time to first token: kvpool against a cold prefill, vLLM's prefix cache and two peer connectors.
+"""Time to first token: kvpool against a cold prefill, vLLM's prefix cache and the peer connectors.
 
     .venv/bin/python benchmarks/ttft.py            # full run: 1K, 4K, 8K tokens, 3 prompts each
     .venv/bin/python benchmarks/ttft.py --quick    # smoke run: 1K and 4K, 1 prompt each
@@ -57,6 +57,14 @@ the samples, because two starts of the same server also differ, by up to 16% her
   mooncake  vLLM's MooncakeStoreConnector against a local `mooncake_master` over TCP, prefix
             caching off (needs the `mooncake` extra and Debian's `libibverbs1`, both installed
             by `make setup`; if it cannot run, what failed is recorded and the rest goes on)
+  offloading, simple_offload  vLLM's OffloadingConnector and SimpleCPUOffloadConnector, a 4 GB
+            host pool each (the latter needs vLLM's prefix cache: it runs with it, emptied before
+            every hit through `/reset_prefix_cache`, so the hit comes from its host pool)
+  lmcache, lmcache_mp  LMCache's connector (CPU tier, 4 GB) and its multi-process connector
+            against a local LMCache server (the `lmcache` package: `make bench` installs it)
+
+Every configuration's result records its `outcome`: measured, started but never hit, or did not
+start, with the reason its logs give (a peer built for GPUs says why it cannot run on a CPU).
 
 The machine may be shared: before each prompt the script waits (up to `--quiet-wait-s`) for
 the CPUs to be idle, measures how much CPU other jobs used during the prompt's requests, and
@@ -71,6 +79,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -186,6 +195,8 @@ class ServerPlan:
     # A connector that works only beside vLLM's prefix cache (its tier holds what that cache
     # lets go): the cache is emptied before every hit, so the hit comes from the connector.
     empty_prefix_cache: bool = False
+    # Logs of what `setup` started beside the server (a store's), read for a failure's reason.
+    side_logs: list[str] = dataclasses.field(default_factory=list)
 
 
 def mooncake_probe() -> tuple[str | None, str | None, str | None]:
@@ -310,6 +321,7 @@ def build_plans(workdir: Path, configs: list[str], mooncake: tuple[str | None, s
         def mp_setup() -> Callable[[], None]:
             n_mp[0] += 1
             server = LMCacheServer(mp_port, lmcache_env, workdir / "logs" / f"lmcache-server-{n_mp[0]}.log")
+            plans["lmcache_mp"].side_logs.append(str(server.log_path))
             return server.start().stop
 
         plans["lmcache_mp"] = ServerPlan("lmcache_mp", prefix_caching=False, kv_transfer_config={
@@ -561,7 +573,50 @@ def run_config(plan: ServerPlan, sizes: list[str], reps: int, model_dir: Path, w
     out["server_starts"] = runner.starts
     out["startup_s"] = runner.startup_s
     out["server_logs"] = runner.log_paths
+    out["side_logs"] = list(plan.side_logs)
+    out["outcome"] = outcome(out)
     return out
+
+
+# A server log's line that says why a connector could not work: vLLM's report of a worker's
+# error, a connector's own notice that it turned itself off or works without its store, or an
+# exception's message.
+_REASONS = (
+    ("worker", re.compile(r"Worker failed with error '(.+)', please check")),
+    ("exception", re.compile(r"\b((?:[A-Z][A-Za-z]*)(?:Error|Exception): .+)")),
+    ("notice", re.compile(r"((?:Detected|No handler registered for operation|System will operate)[^\x1b]*)")),
+)
+
+
+def log_reason(paths: list[str]) -> str | None:
+    """What the servers' logs say about why a connector failed or did nothing: a worker's error
+    if vLLM reported one, else a connector's notice, else the first exception's message."""
+    found: dict[str, str] = {}
+    for path in paths:
+        try:
+            lines = Path(path).read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            if "ulimit" in line or "Engine core initialization failed" in line:
+                continue  # vLLM's start-up advice, and the wrapper of the real error
+            for kind, pattern in _REASONS:
+                if kind not in found and (match := pattern.search(line)):
+                    found[kind] = match.group(1).strip()[:300]
+    return found.get("worker") or found.get("exception") or found.get("notice")
+
+
+def outcome(result: dict[str, Any]) -> dict[str, Any]:
+    """What a configuration came to: `measured` (it served hits), `never_hit` (it ran and no hit
+    found anything cached) or `failed_to_start`, with the reason its logs give for the latter two."""
+    entries = list(result["sizes"].values())
+    hits = [s for e in entries for kind in ("hit", "ext") for s in e[kind]]
+    logs = [*result.get("server_logs", []), *result.get("side_logs", [])]
+    if not hits and entries and all(e["status"] == "failed_to_start" for e in entries):
+        return {"status": "failed_to_start", "reason": log_reason(logs)}
+    if hits and not any(s.get("cached_tokens") for s in hits):
+        return {"status": "never_hit", "reason": log_reason(logs)}
+    return {"status": "measured" if hits else "not_measured"}
 
 
 # ---------------------------------------------------------------------------------------------

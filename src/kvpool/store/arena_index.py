@@ -11,6 +11,9 @@ Invariants (tests/store/test_properties.py checks them under random operation se
   pin), so eviction never meets a held object and never touches an uncommitted one;
 * with ``keeps_spills``, an object evicted before it reached the SSD leaves a copy of its bytes
   in ``spill`` for the disk writer, so eviction moves data down a tier instead of losing it.
+* with tenant budgets (``tenants``), a budgeted tenant's charge (its objects and pending
+  allocations) never passes its budget: its allocation evicts its own objects first, or is
+  refused (`store/tenants.py`).
 
 Not thread-safe on its own: the engine and its disk link call every method under the engine's
 one lock (store/engine.py says why there is only one).
