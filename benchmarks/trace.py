@@ -52,6 +52,9 @@ prefixes):
             `backend: local` host pool of `--host-pool-size` with `remote_backend: mooncake` on one
             `mooncake_master` (each instance mounts half of `--pool-size`); a block one instance
             computed reaches the other through the store, and from then on from its own pool
+  offloading, simple_offload, lmcache, lmcache_mp  the peer connectors vLLM registers
+            (`peers.py`), round robin, vLLM's prefix cache on; one that cannot run here records
+            the reason its logs give
 
 Every configuration sends its requests through one `kvpool proxy --instance-*` (round_robin, or
 prefix_aware for `routed`): on this machine the proxy shares the two cores with the instances,
@@ -81,6 +84,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +94,7 @@ from common import (
     markdown_table, package_version, percentile, progress, pyplot, random_token_ids, update_results_page,
     start_together, unwind_on_sigterm, vllm_server, wait_quiet, write_json,
 )
+from peers import PEER_NAMES, log_reason, peers
 from plotting import COLORS, finish, no_data
 
 from kvpool.proxy.config import ADMIN_TOKEN_ENV, ProxyConfig
@@ -97,8 +102,9 @@ from kvpool.testing.launch import OpenAIServer, PoolServer, ProxyServer, stream_
 from kvpool.testing.model import SPECS, build_model
 from kvpool.testing.services import MooncakeMaster
 
-CONFIG_ORDER = ("prefix", "roomy", "kvpool", "routed", "mooncake", "tiered")
+CONFIG_ORDER = ("prefix", "roomy", "kvpool", "routed", "mooncake", "tiered", *PEER_NAMES)
 DESCRIPTIONS = {
+    **{name: f"+ {peer.connector}, round robin" for name, peer in peers().items()},
     "prefix": "vLLM prefix cache only, round robin",
     "roomy": "vLLM prefix cache with room for the slice, prefix_aware (no pool)",
     "kvpool": "+ one shared kvpool server, round robin",
@@ -170,6 +176,14 @@ class Prompts:
 # Deployments
 
 
+class DeploymentFailed(RuntimeError):
+    """A configuration's servers did not start; ``reason`` is what their logs say (`peers.log_reason`)."""
+
+    def __init__(self, message: str, reason: str | None) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class Deployment:
     """Two vLLM instances (and what the configuration puts beside them)."""
 
@@ -180,6 +194,8 @@ class Deployment:
         self.master: MooncakeMaster | None = None
         self.proxy: ProxyServer | None = None
         self.startup_s = 0.0
+        self.stop_beside: Callable[[], None] | None = None  # a peer's server beside vLLM
+        self.logs: list[str] = []  # every log of the deployment, for a failure's reason
 
     def urls(self) -> list[str]:
         return [self.proxy.base_url] if self.proxy else [s.base_url for s in self.servers]
@@ -209,6 +225,8 @@ class Deployment:
                 part.stop()
         if self.master is not None:
             self.master.stop()
+        if self.stop_beside is not None:
+            self.stop_beside()
 
 
 def start_deployment(name: str, model_dir: Path, workdir: Path, args: argparse.Namespace,
@@ -240,6 +258,13 @@ def start_deployment(name: str, model_dir: Path, workdir: Path, args: argparse.N
             env_extra = {"MOONCAKE_CONFIG_PATH": str(cfg_path), "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1"}
             configs = [{"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
                         "kv_connector_extra_config": {"lookup_rpc_port": rpc_base + i}} for i in range(2)]
+        elif name in PEER_NAMES:
+            peer = peers()[name]
+            if peer.beside is not None:
+                dep.stop_beside, side_log = peer.beside(logs)
+                dep.logs.append(side_log)
+            env_extra = dict(peer.env)
+            configs = [peer.kv_transfer_config() for _ in range(2)]
         elif name == "tiered":
             dep.master = MooncakeMaster(logs / f"{name}-master")
             cfg_path = dep.master.write_config(workdir / "mooncake-tiered.json",
@@ -251,6 +276,7 @@ def start_deployment(name: str, model_dir: Path, workdir: Path, args: argparse.N
                                               "remote_backend": "mooncake", "mooncake_config_path": str(cfg_path),
                                               "lookup_rpc_port": rpc_base + i},
             } for i in range(2)]
+        dep.logs += [str(logs / f"{name}-vllm{i}.log") for i in range(2)]
         for i in range(2):
             dep.servers.append(vllm_server(
                 model_dir, served_model_name=SERVED_NAME, log_path=logs / f"{name}-vllm{i}.log", prefix_caching=True,
@@ -272,6 +298,9 @@ def start_deployment(name: str, model_dir: Path, workdir: Path, args: argparse.N
                                             "--routing-capacity-blocks", str(local_blocks), *bound],
                                 env={**os.environ, ADMIN_TOKEN_ENV: ADMIN_TOKEN},
                                 log_path=logs / f"{name}-proxy.log").start()
+    except Exception as exc:
+        dep.stop()
+        raise DeploymentFailed(f"{type(exc).__name__}: {exc}", log_reason(dep.logs)) from exc
     except BaseException:
         dep.stop()
         raise
@@ -409,12 +438,16 @@ def run_trace(trace: str, model_dir: Path, workdir: Path, args: argparse.Namespa
             summary.update(pool_evictions=dep.pool_evictions(), routing=dep.routing(), startup_s=dep.startup_s,
                            cpu_ours=round(ours, 3), cpu_others=round(others, 3), **quiet)
             entry["configs"][name] = {"description": DESCRIPTIONS[name], "summary": summary, "samples": samples}
+            if name in PEER_NAMES:  # a peer may run without working (a GPU-only path): what its logs say
+                entry["configs"][name]["reason"] = log_reason(dep.logs)
             log(f"{trace}/{name}: hit {fmt(summary['hit_rate'], 3)} ({fmt(summary['of_bound'], 2)} of bound), "
                 f"TTFT p50 {fmt(summary['ttft_p50_ms'], 0)} ms p90 {fmt(summary['ttft_p90_ms'], 0)} ms, "
                 f"{summary['errors']} errors")
         except Exception as e:  # noqa: BLE001 - one configuration failing is recorded, not fatal
             log(f"{trace}/{name}: FAILED {type(e).__name__}: {e}")
             entry["configs"][name] = {"description": DESCRIPTIONS[name], "failed": f"{type(e).__name__}: {e}"[:2000],
+                                      "reason": e.reason if isinstance(e, DeploymentFailed) else
+                                      log_reason(dep.logs) if dep is not None else None,
                                       "traceback": traceback.format_exc()[-4000:]}
         finally:
             if dep is not None:

@@ -79,7 +79,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -97,11 +96,10 @@ from common import (
     markdown_table, package_version, progress, pyplot, random_token_ids, unwind_on_sigterm, vllm_server, wait_quiet,
     write_json,
 )
+from peers import PEER_NAMES, Peer, log_reason, peers
 from plotting import COLORS, finish
 
-from kvpool.testing.launch import (
-    DEFAULT_ENV, IN_PROCESS_WORKER_ENV, ChildProcess, OpenAIServer, PoolServer, ServerError, free_port,
-)
+from kvpool.testing.launch import DEFAULT_ENV, IN_PROCESS_WORKER_ENV, OpenAIServer, PoolServer, ServerError
 from kvpool.testing.model import SPECS, build_model
 from kvpool.testing.services import MooncakeMaster, ServiceError, mooncake_master_binary
 
@@ -109,20 +107,7 @@ MAX_MODEL_LEN = 8448  # 8192 prompt tokens + 1 generated, rounded up to whole bl
 SIZES = {"1K": 1024, "4K": 4096, "8K": 8192}
 WARM_UP_TOKENS = 4096  # at most: an unchunked server's warm-up need not be a whole 8K prefill
 CONFIG_ORDER = ("vllm", "kvpool", "kvpool_serial", "kvpool_staged", "kvpool_layerwise", "kvpool_server",
-                "kvpool_tiered", "example", "mooncake", "offloading", "simple_offload", "lmcache", "lmcache_mp")
-# vLLM's own CPU-offloading connectors, each with a 4 GB host pool like kvpool's server: (config
-# name, connector, extra config, whether it needs vLLM's prefix cache on: SimpleCPUOffloadConnector
-# turns itself off without it).
-VLLM_OFFLOADERS = (
-    ("offloading", "OffloadingConnector", {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 4 << 30}, False),
-    ("simple_offload", "SimpleCPUOffloadConnector", {"cpu_bytes_to_use": 4 << 30}, True),
-)
-# LMCache (the `lmcache` package, installed by `make bench` into LMCACHE_SITE without its CUDA-only
-# dependencies, since its wheel requires cupy and cuFile): its connector in vLLM, with a 4 GB CPU
-# tier, and its multi-process connector.
-LMCACHE_SITE = Path(__file__).resolve().parents[1] / ".venv" / "lmcache-site"
-LMCACHE_ENV = {"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": "4",
-               "LMCACHE_USE_EXPERIMENTAL": "True"}
+                "kvpool_tiered", "example", "mooncake", *PEER_NAMES)
 PART_NEW_TOKENS = 1024  # `part`: the prompt from a cache, then this many new tokens
 # The targets: (name, text, ratio key in `ratios`, sizes it applies to, the bound).
 TARGETS = [
@@ -231,18 +216,20 @@ def example_plan(storage: Path, name: str = "example", max_num_batched_tokens: i
     }, setup=setup, max_num_batched_tokens=max_num_batched_tokens, skip_ext=skip_ext)
 
 
-class LMCacheServer(ChildProcess):
-    """LMCache's standalone cache server (its multi-process mode), 4 GB of CPU memory, on loopback."""
+def peer_plan(peer: Peer, workdir: Path) -> ServerPlan:
+    """A peer connector's configuration (`peers.py`), with what it needs started beside vLLM."""
+    plan = ServerPlan(peer.name, prefix_caching=peer.needs_prefix_cache, kv_transfer_config=peer.kv_transfer_config(),
+                      env=dict(peer.env), empty_prefix_cache=peer.needs_prefix_cache)
+    if peer.beside is not None:
+        start = peer.beside
 
-    name = "lmcache server"
+        def setup() -> Callable[[], None]:
+            stop, log_path = start(workdir / "logs")
+            plan.side_logs.append(log_path)
+            return stop
 
-    def __init__(self, port: int, env: dict[str, str], log_path: Path) -> None:
-        super().__init__([sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1",
-                          "--port", str(port), "--l1-size-gb", "4", "--eviction-policy", "LRU"],
-                         env={**os.environ, **env}, log_path=log_path, startup_timeout_s=120)
-
-    def _ready(self) -> bool:
-        return "cache server is running" in self.log()
+        plan.setup = setup
+    return plan
 
 
 def _fresh_pool(sock: Path, log: Path) -> Callable[[], None]:
@@ -303,47 +290,9 @@ def build_plans(workdir: Path, configs: list[str], mooncake: tuple[str | None, s
         }, setup=tiered_setup)
     if "example" in configs:
         plans["example"] = example_plan(workdir / "example-storage")
-    for name, connector, extra, beside_prefix_cache in VLLM_OFFLOADERS:
+    for name, peer in peers().items():
         if name in configs:
-            plans[name] = ServerPlan(name, prefix_caching=beside_prefix_cache, kv_transfer_config={
-                "kv_connector": connector, "kv_role": "kv_both", "kv_connector_extra_config": extra},
-                env={"VLLM_SERVER_DEV_MODE": "1"} if beside_prefix_cache else {},
-                empty_prefix_cache=beside_prefix_cache)
-    lmcache_env = {**LMCACHE_ENV, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(LMCACHE_SITE), os.environ.get("PYTHONPATH", "")) if p)}
-    if "lmcache" in configs:
-        plans["lmcache"] = ServerPlan("lmcache", prefix_caching=False, kv_transfer_config={
-            "kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, env=lmcache_env)
-    if "lmcache_mp" in configs:
-        mp_port = free_port()
-        n_mp = [0]
-
-        def mp_setup() -> Callable[[], None]:
-            n_mp[0] += 1
-            server = LMCacheServer(mp_port, lmcache_env, workdir / "logs" / f"lmcache-server-{n_mp[0]}.log")
-            plans["lmcache_mp"].side_logs.append(str(server.log_path))
-            return server.start().stop
-
-        plans["lmcache_mp"] = ServerPlan("lmcache_mp", prefix_caching=False, kv_transfer_config={
-            "kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": mp_port}},
-            env=lmcache_env, setup=mp_setup)
-    if "mooncake" in configs and mooncake[0] is not None:
-        cfg_path = workdir / "mooncake.json"
-        n_starts = [0]
-
-        def mooncake_setup() -> Callable[[], None]:
-            n_starts[0] += 1
-            return _fresh_master(workdir / "logs" / f"mooncake_master-{n_starts[0]}", cfg_path)
-
-        plans["mooncake"] = ServerPlan("mooncake", prefix_caching=False, kv_transfer_config={
-            "kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"lookup_rpc_port": rpc_port},
-        }, env={
-            "MOONCAKE_CONFIG_PATH": str(cfg_path),
-            # Advertise loopback to the master instead of the host's outward address.
-            "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1",
-        }, setup=mooncake_setup)
+            plans[name] = peer_plan(peer, workdir)
     return plans
 
 
@@ -576,34 +525,6 @@ def run_config(plan: ServerPlan, sizes: list[str], reps: int, model_dir: Path, w
     out["side_logs"] = list(plan.side_logs)
     out["outcome"] = outcome(out)
     return out
-
-
-# A server log's line that says why a connector could not work: vLLM's report of a worker's
-# error, a connector's own notice that it turned itself off or works without its store, or an
-# exception's message.
-_REASONS = (
-    ("worker", re.compile(r"Worker failed with error '(.+)', please check")),
-    ("exception", re.compile(r"\b((?:[A-Z][A-Za-z]*)(?:Error|Exception): .+)")),
-    ("notice", re.compile(r"((?:Detected|No handler registered for operation|System will operate)[^\x1b]*)")),
-)
-
-
-def log_reason(paths: list[str]) -> str | None:
-    """What the servers' logs say about why a connector failed or did nothing: a worker's error
-    if vLLM reported one, else a connector's notice, else the first exception's message."""
-    found: dict[str, str] = {}
-    for path in paths:
-        try:
-            lines = Path(path).read_text(errors="replace").splitlines()
-        except OSError:
-            continue
-        for line in lines:
-            if "ulimit" in line or "Engine core initialization failed" in line:
-                continue  # vLLM's start-up advice, and the wrapper of the real error
-            for kind, pattern in _REASONS:
-                if kind not in found and (match := pattern.search(line)):
-                    found[kind] = match.group(1).strip()[:300]
-    return found.get("worker") or found.get("exception") or found.get("notice")
 
 
 def outcome(result: dict[str, Any]) -> dict[str, Any]:

@@ -193,8 +193,10 @@ def tenant_tag(cache_salt: str | None) -> str:
 
 
 def owner_of(key: str) -> tuple[str, str]:
-    """(model, tenant tag) of a key of this format (tenant "" for a block without a salt)."""
-    model, _, tenant = key[: key.find("@")].partition(TENANT_MARK)
+    """(model, tenant tag) of a key of this format (tenant "" for a block without a salt); a key
+    of another format is its own model."""
+    at = key.find("@")
+    model, _, tenant = (key if at < 0 else key[:at]).partition(TENANT_MARK)
     return model, tenant
 
 
