@@ -327,7 +327,7 @@ def test_the_lookup_channel_is_out_of_reach(attacker, fallback_base, monkeypatch
     monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
     asked = []
 
-    def count_hits(hashes, start=0):
+    def count_hits(hashes, start=0, tenant=""):
         asked.append(len(hashes))
         return len(hashes)
 
@@ -369,7 +369,7 @@ def test_a_swapped_lookup_directory_is_refused_on_its_peer_credentials(attacker,
     os.mkdir(base, 0o700)
     monkeypatch.setenv("VLLM_RPC_BASE_PATH", base)
     asked = []
-    server = lookup.LookupServer(4343, 0, lambda hashes, start=0: asked.append(hashes) or len(hashes))
+    server = lookup.LookupServer(4343, 0, lambda hashes, start=0, tenant="": asked.append(hashes) or len(hashes))
     client = lookup.LookupClient(4343, 0, direct=False)
     try:
         swap = (f"import os, sys; os.rename({base!r}, {base + '.old'!r}); os.mkdir({base!r}); "
@@ -407,7 +407,7 @@ def test_the_lookup_server_answers_no_other_uid_even_through_an_open_socket(atta
     os.mkdir(base, 0o700)
     monkeypatch.setenv("VLLM_RPC_BASE_PATH", base)
     asked = []
-    server = lookup.LookupServer(4344, 0, lambda hashes, start=0: asked.append(hashes) or len(hashes))
+    server = lookup.LookupServer(4344, 0, lambda hashes, start=0, tenant="": asked.append(hashes) or len(hashes))
     try:
         os.chmod(base, 0o755)
         os.chmod(server.path, 0o777)
