@@ -177,31 +177,40 @@ def test_every_catalog_series_is_on_the_live_pool_proxy_and_instances(mixed_depl
     assert value(routed, "kvpool_proxy_instance_healthy", role="mixed") == 2
 
 
-def test_kvpool_ctl_looks_up_pins_and_clears_what_the_instances_saved(mixed_deployment, model_dir):
-    """`kvpool ctl` against the live pool: the prompt's block hashes it computes are the ones the
-    instance saved under (its lookup finds every whole block), a pin holds them, and after a
-    clear of the model the other instance, which never saw the prompt, computes it all."""
+def test_kvpool_ctl_looks_up_pins_and_clears_what_the_instances_saved(mixed_deployment, model_dir, capsys,
+                                                                     monkeypatch):
+    """`kvpool ctl` against the live pool: the prompt's block hashes it computes from token ids are
+    the ones the instance saved under (its lookup finds every whole block), a pin holds them, and
+    after a clear of the model the other instance, which never saw the prompt, computes it all."""
+    from kvpool.cli.main import main
+    from kvpool.vllm.prompt_hashes import prompt_block_hashes
+
     _, servers, pool = mixed_deployment
     url = "http://127.0.0.1:" + pool.log().split("metrics http://127.0.0.1:")[1].split()[0]
     prompt = tokens(300, seed=9401)
     blocks = whole(prompt) // BLOCK
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, TOKEN)
 
-    def ctl(*args: str) -> dict:
-        done = subprocess.run([sys.executable, "-m", "kvpool.cli", "ctl", "--url", url, *args], capture_output=True,
-                              text=True, timeout=120, env={**os.environ, ADMIN_TOKEN_ENV: TOKEN})
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout)
+    def ctl(*args: str) -> dict:  # in this process: vLLM is imported once, not per call
+        assert main(["ctl", "--url", url, *args]) == 0
+        return json.loads(capsys.readouterr().out)
 
-    prompt_args = ("--model", model_dir, "--block-size", str(BLOCK), "--token-ids", ",".join(map(str, prompt)))
+    hashes = ("--model", model_dir, "--block-hashes", ",".join(h.hex() for h in prompt_block_hashes(prompt, BLOCK)))
     assert servers[0].complete(prompt, max_tokens=2).cached_tokens == 0
     deadline = time.monotonic() + 30  # the instance saves after it answers
-    while (found := ctl("lookup", *prompt_args))["hit_blocks"] < blocks and time.monotonic() < deadline:
+    while ctl("lookup", *hashes)["hit_blocks"] < blocks and time.monotonic() < deadline:
         time.sleep(0.2)
+    # The command itself, from the prompt's token ids, as an operator runs it.
+    done = subprocess.run([sys.executable, "-m", "kvpool.cli", "ctl", "--url", url, "lookup", "--model", model_dir,
+                           "--block-size", str(BLOCK), "--token-ids", ",".join(map(str, prompt))],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, ADMIN_TOKEN_ENV: TOKEN})
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
     assert found["blocks"] == blocks and found["hit_blocks"] == blocks, found
     (layout,) = found["layouts"].values()
     assert layout["groups"]["g0"]["memory"] == blocks
-    assert ctl("pin", *prompt_args, "--ttl", "10m")["pinned"] == blocks
+    assert ctl("pin", *hashes, "--ttl", "10m")["pinned"] == blocks
     assert ctl("usage")["models"][model_key_name(model_dir)]["pinned_objects"] == blocks
     assert ctl("clear", "--model", model_dir)["removed"] >= blocks
-    assert ctl("lookup", *prompt_args)["hit_blocks"] == 0
+    assert ctl("lookup", *hashes)["hit_blocks"] == 0
     assert servers[1].complete(prompt, max_tokens=2).cached_tokens == 0

@@ -20,6 +20,7 @@ import os
 import sys
 from typing import Any
 
+from kvpool.cli.doctor import HASH_ALGOS
 from kvpool.cli.inputs import InputError, read_file
 from kvpool.config import parse_duration
 from kvpool.errors import ConfigError
@@ -57,7 +58,7 @@ def _add_prompt_arguments(q: argparse.ArgumentParser) -> None:
     prompt.add_argument("--token-ids", help="the prompt's token ids, comma-separated")
     prompt.add_argument("--block-hashes", help="the prompt's block hashes (hex), comma-separated")
     q.add_argument("--block-size", type=int, help="the instances' KV block size in tokens (vLLM's --block-size)")
-    q.add_argument("--hash-algo", default="sha256", choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"),
+    q.add_argument("--hash-algo", default="sha256", choices=HASH_ALGOS,
                    help="the instances' --prefix-caching-hash-algo (default sha256)")
     q.add_argument("--cache-salt", help="the requests' cache_salt, if they carry one")
     q.add_argument("--tokenizer", help="tokenizer for --prompt (default: --model)")

@@ -83,7 +83,7 @@ class Controls:
             leases.prune(now)
             pinned = self._live_pins_locked()
             budget = int(PIN_SHARE * index.alloc.capacity) - sum(
-                index.object_charge(index.objects[k]) for k in pinned)
+                index.object_charge(obj) for k in pinned if (obj := index.objects.get(k)) is not None)
             for key in keys:
                 obj = index.objects.get(key)
                 if obj is None:
