@@ -9,7 +9,9 @@ failure codes (vLLM recomputes) until a server is back on the socket.
 from __future__ import annotations
 
 import argparse
+import logging
 import socket
+import time
 
 import numpy as np
 
@@ -20,6 +22,10 @@ from kvpool.errors import ConfigError, KVPoolError
 from kvpool.paths import check_socket_dir
 from kvpool.server import peers, shm
 from kvpool.server.client import PoolClient
+
+logger = logging.getLogger(__name__)
+
+DROPS_EVERY_S = 0.1  # how often take_removed asks the server for the pool's drops
 
 
 class ServerBackend(Backend):
@@ -32,6 +38,8 @@ class ServerBackend(Backend):
         # Without a server this still succeeds (the client logs one warning): vLLM then runs
         # without pool hits instead of not at all, and connects once a server is on the socket.
         self.client = PoolClient(socket_path, client_name, **client_kwargs)  # type: ignore[arg-type]
+        self._drops_asked = -DROPS_EVERY_S
+        self._warned_missed = False
 
     @classmethod
     def from_settings(cls, settings: ServerClientSettings, client_name: str) -> "ServerBackend":
@@ -52,6 +60,24 @@ class ServerBackend(Backend):
 
     def _pin(self, keys: list[str], ttl_s: float) -> list[int]:
         return self.client.pin(keys, ttl_s)
+
+    def take_removed(self) -> list[str]:
+        # At most one round trip per DROPS_EVERY_S (the worker asks every step): the server keeps
+        # each client's place in its feed, so nothing is lost in between.
+        now = time.monotonic()
+        if now - self._drops_asked < DROPS_EVERY_S:
+            return []
+        self._drops_asked = now
+        got = self.client.take_drops()
+        if got is None:
+            return []
+        keys, missed = got
+        if missed and not self._warned_missed:
+            self._warned_missed = True
+            logger.warning("kvpool server at %s: some of the pool's drops were lost before this instance asked "
+                           "for them; its KV events may announce blocks the pool no longer holds",
+                           self.client.socket_path)
+        return keys
 
     def _store_stats(self) -> dict[str, float]:
         """The server's numeric counters (none while it is unreachable)."""

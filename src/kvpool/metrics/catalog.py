@@ -83,7 +83,7 @@ def _server(name: str, kind: Kind, help: str, stats: str | Mapping[tuple[str, ..
 TIERS = ("memory", "disk")
 
 # The server's protocol requests, as the ``op`` of kvpool_request_duration_seconds.
-SERVER_OPS = ("hello", "ping", "exists", "lookup", "allocate", "commit", "abort", "acquire", "release", "remove", "pin",
+SERVER_OPS = ("hello", "ping", "exists", "lookup", "allocate", "commit", "abort", "acquire", "release", "remove", "pin", "take_drops",
               "get_stats")
 
 # The controller's calls (`kvpool.server.control.REQUESTS`), as the ``op`` of kvpool_controller_calls.

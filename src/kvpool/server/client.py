@@ -397,6 +397,18 @@ class PoolClient:
                 codes[i] = c
         return codes
 
+    def take_drops(self) -> tuple[list[str], bool] | None:
+        """The keys that left the pool since this client last asked, and whether some were lost
+        (it fell behind the server's feed); the first call starts following ([]). None when the
+        server cannot be asked (down, or an older server without the feed)."""
+        try:
+            reply = self._call(P.TakeDrops(), P.Dropped)
+        except _Down:
+            return None
+        if not isinstance(reply, P.Dropped):
+            return None
+        return list(reply.keys), reply.missed
+
     def ping(self) -> int:
         try:
             reply = self._call(P.Ping(), P.Codes, 1)

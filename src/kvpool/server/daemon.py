@@ -63,6 +63,7 @@ from kvpool.server.pidwatch import PidWatch
 from kvpool.store.engine import PoolEngine
 from kvpool.store.records import Allocation, Lease, LookupLease
 from kvpool.server.control import Controller
+from kvpool.server.drops import DropFeed
 from kvpool.server.metrics import ADMIN_TOKEN_ENV, MetricsServer, ServerMetrics
 
 logger = logging.getLogger("kvpool.server")
@@ -206,6 +207,7 @@ class _Conn:
     pending: dict[int, Allocation] = dataclasses.field(default_factory=dict)
     prune_at: int = 0  # len(pending) past which the handles the engine reclaimed are dropped from it
     leases: dict[int, Lease] = dataclasses.field(default_factory=dict)
+    drop_cursor: int | None = None  # where this connection is in the drop feed, once it asked
 
 
 class Server:
@@ -217,6 +219,7 @@ class Server:
         self.arena: shm.Arena | None = None
         self.metrics: MetricsServer | None = None
         self.controller: Controller | None = None
+        self.drops: DropFeed | None = None
         self.prom = ServerMetrics(self.stats, lambda: self.controller.tenant_usage() if self.controller else {})
         self._lock_fd: int | None = None
         self._listener: socket.socket | None = None
@@ -270,6 +273,7 @@ class Server:
                                               tenant_budgets={t.tag: t.budget for t in tenants})
             self.engine = PoolEngine(engine_config, arena=memoryview(self.arena.array))
             self.controller = Controller(self.engine, tenants)
+            self.drops = DropFeed(self.engine)
             if cfg.metrics_port is not None:
                 try:
                     self.metrics = MetricsServer(cfg.metrics_host, cfg.metrics_port, self.stats, self.prom,
@@ -698,6 +702,13 @@ class Server:
             return P.Codes([int(engine.remove(k)) for k in req.keys])
         if isinstance(req, P.Pin):
             return P.Codes([int(c) for c in engine.controls.pin(req.keys, req.ttl_s)])
+        if isinstance(req, P.TakeDrops):
+            assert self.drops is not None  # made with the engine
+            if conn.drop_cursor is None:
+                conn.drop_cursor = self.drops.start()
+                return P.Dropped([])
+            keys, conn.drop_cursor, missed = self.drops.take(conn.drop_cursor)
+            return P.Dropped(keys, missed)
         if isinstance(req, P.GetStats):
             return P.StatsReply(self.stats(), self.client_list())
         if isinstance(req, P.Hello):

@@ -143,11 +143,17 @@ class Pin(Message):
     ttl_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_PIN_S)]
 
 
+class TakeDrops(Message):
+    """The keys that left the pool since this connection last asked (the first ask starts the
+    feed for it: an empty answer)."""
+
+
 class GetStats(Message):
     """Engine counters plus server facts (clients, arena, uptime)."""
 
 
-Request = Union[Hello, Ping, Exists, Lookup, Allocate, Commit, Abort, Acquire, Release, Remove, Pin, GetStats]
+Request = Union[Hello, Ping, Exists, Lookup, Allocate, Commit, Abort, Acquire, Release, Remove, Pin, TakeDrops,
+                GetStats]
 
 
 # ---- replies ----------------------------------------------------------------------------
@@ -208,6 +214,11 @@ class Acquired(Message):
     checksums: list[Union[int, None]] = []
 
 
+class Dropped(Message):
+    keys: list[str]
+    missed: bool = False  # some drops were lost: the asker fell behind by more than the server keeps
+
+
 class StatsReply(Message):
     stats: dict[str, Union[int, float, str]]
     clients: list[dict[str, Union[int, float, str]]]
@@ -220,7 +231,7 @@ class Error(Message):
     message: str
 
 
-Reply = Union[HelloReply, Codes, Found, Looked, Allocated, Acquired, StatsReply, Error]
+Reply = Union[HelloReply, Codes, Found, Looked, Allocated, Acquired, Dropped, StatsReply, Error]
 
 request_decoder = msgspec.msgpack.Decoder(Request)
 reply_decoder = msgspec.msgpack.Decoder(Reply)
