@@ -916,7 +916,8 @@ class ServerSettings(EngineSettings, frozen=True, kw_only=True):
         "reclaim an allocation not committed within this time"))] = 30.0
     enable_offload: Annotated[bool, Meta(description="enable the SSD offload tier (needs --offload-path)")] = False
     metrics_port: Annotated[int, Meta(ge=0, le=65535, extra={"kind": "port"}, description=(
-        "serve /metrics, /stats and /healthz on --metrics-host:PORT (0: any free port; default off)"))] | None = None
+        "serve /metrics, /stats, /healthz and the controller's /v1/* routes (with KVPOOL_SERVER_ADMIN_TOKEN "
+        "set) on --metrics-host:PORT (0: any free port; default off)"))] | None = None
     metrics_host: Annotated[str, Meta(extra={"kind": "ip"}, description=(
         "IP address the metrics endpoint binds (it has no auth and tells what the host caches: "
         "keep the loopback default unless a scraper on another host needs it)"))] = "127.0.0.1"
