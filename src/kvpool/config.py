@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import hmac
 import ipaddress
 import json
 import math
@@ -132,6 +133,13 @@ def admin_token_from(env: Mapping[str, str], name: str) -> str | None:
                           f"expected at least {ADMIN_TOKEN_MIN_LENGTH} printable ASCII characters without "
                           "spaces, e.g. from: python -c 'import secrets; print(secrets.token_urlsafe(32))'")
     return token
+
+
+def bearer_matches(authorization: str, token: str) -> bool:
+    """Whether an ``Authorization`` header carries ``token`` as its bearer token, compared in
+    constant time (the time taken does not tell how much of a guess was right)."""
+    scheme, _, credential = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(credential.strip().encode(), token.encode())
 
 
 def parse_size(key: str, value: Any) -> int:

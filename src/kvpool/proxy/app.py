@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import logging
 import sys
 import time
@@ -48,6 +47,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response
 
 from kvpool.backends.net import split_host_port
+from kvpool.config import bearer_matches
 from kvpool.errors import ConfigError
 from kvpool.proxy.config import (
     ADMIN_TOKEN_ENV,
@@ -186,9 +186,7 @@ def admin_denied(config: ProxyConfig, request: Request) -> Response | None:
         return error_response(
             403, f"the admin routes are disabled; to enable them, start the proxy with {ADMIN_TOKEN_ENV} set to "
             "a secret token (16+ characters) and send it as 'Authorization: Bearer <token>'", "permission_denied")
-    scheme, _, credential = request.headers.get("authorization", "").partition(" ")
-    # compare_digest: the time taken does not tell how much of a guess was right.
-    if scheme.lower() == "bearer" and hmac.compare_digest(credential.strip().encode(), config.admin_token.encode()):
+    if bearer_matches(request.headers.get("authorization", ""), config.admin_token):
         return None
     resp = error_response(401, f"the admin routes need 'Authorization: Bearer <token>' with the token in "
                           f"the proxy's {ADMIN_TOKEN_ENV}; this request has none or a wrong one",

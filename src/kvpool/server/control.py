@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import logging
 import threading
@@ -83,8 +84,12 @@ class _Family:
 
     parts: set[tuple[str, str]] = dataclasses.field(default_factory=set)
 
+    @functools.cached_property
+    def _ordered(self) -> list[tuple[str, str]]:  # read once every part was added
+        return sorted(self.parts)
+
     def keys(self, hex_hash: str) -> list[str]:
-        return [prefix + hex_hash + suffix for prefix, suffix in sorted(self.parts)]
+        return [prefix + hex_hash + suffix for prefix, suffix in self._ordered]
 
 
 def _families(keys: Iterable[str], model: str, tenant: str) -> dict[tuple[str, str], _Family]:
@@ -199,17 +204,15 @@ class Controller:
         families = _families([*contents.memory, *contents.ssd], request.model, tenant_tag(request.cache_salt))
         layouts: dict[str, dict[str, Any]] = {}
         for (layout, group), family in sorted(families.items()):
-            tiers = {"memory": [], "ssd": [], "pool": []}
+            tiers: dict[str, list[bool]] = {"memory": [], "ssd": [], "pool": [], "pinned": []}
             for hex_hash in request.block_hashes:
                 keys = family.keys(hex_hash)
-                in_memory = all(k in contents.memory for k in keys)
-                on_ssd = all(k in contents.ssd for k in keys)
-                tiers["memory"].append(in_memory)
-                tiers["ssd"].append(on_ssd)
+                tiers["memory"].append(all(k in contents.memory for k in keys))
+                tiers["ssd"].append(all(k in contents.ssd for k in keys))
                 tiers["pool"].append(all(k in contents.memory or k in contents.ssd for k in keys))
-            entry = {tier: _leading(flags) for tier, flags in tiers.items()}
-            entry["present"] = sum(tiers["pool"])
-            entry["pinned"] = sum(all(k in contents.pinned for k in family.keys(h)) for h in request.block_hashes)
+                tiers["pinned"].append(all(k in contents.pinned for k in keys))
+            entry = {tier: _leading(tiers[tier]) for tier in ("memory", "ssd", "pool")}
+            entry["present"], entry["pinned"] = sum(tiers["pool"]), sum(tiers["pinned"])
             layouts.setdefault(layout, {"groups": {}})["groups"][group] = entry
         for entry in layouts.values():
             entry["hit_blocks"] = min(g["pool"] for g in entry["groups"].values())

@@ -11,6 +11,7 @@ connections ask from their own threads.
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 
 from kvpool.store.engine import PoolEngine
@@ -41,9 +42,9 @@ class DropFeed:
         with self._lock:
             self._pull_locked()
             oldest = self._keys[0][0] if self._keys else self._next
-            missed = cursor < oldest
-            keys = [key for seq, key in self._keys if seq >= cursor][:MAX_REPLY_KEYS]
-            return keys, max(cursor, oldest) + len(keys), missed
+            start = max(cursor, oldest)  # the numbers are consecutive: a drop's place is its number less the oldest's
+            keys = [key for _, key in itertools.islice(self._keys, start - oldest, start - oldest + MAX_REPLY_KEYS)]
+            return keys, start + len(keys), cursor < oldest
 
     def _pull_locked(self) -> None:
         for key in self._engine.take_drops():

@@ -11,7 +11,6 @@ duration histogram the daemon observes, the build info and prometheus_client's p
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import socket
@@ -24,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvpool.config import bearer_matches
 from kvpool.metrics import catalog
 from kvpool.server.control import REQUESTS, Controller, RequestError
 from kvpool.metrics.prom import Histogram, StatsCollector, build_info, create, new_registry
@@ -83,9 +83,7 @@ def _denied(controller: Controller | None, token: str | None, authorization: str
     if controller is None or token is None:
         return 403, (f"the controller is off; start kvpool server with {ADMIN_TOKEN_ENV} set to a secret token "
                      "(16+ characters) and send it as 'Authorization: Bearer <token>'")
-    scheme, _, credential = authorization.partition(" ")
-    # compare_digest: the time taken does not tell how much of a guess was right.
-    if scheme.lower() == "bearer" and hmac.compare_digest(credential.strip().encode(), token.encode()):
+    if bearer_matches(authorization, token):
         return None
     return 401, (f"the controller needs 'Authorization: Bearer <token>' with the token in the server's "
                  f"{ADMIN_TOKEN_ENV}; this request has none or a wrong one")
